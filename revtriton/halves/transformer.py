@@ -1,0 +1,138 @@
+"""Transformer coupling halves: norm + MLP (G) and norm + attention (F).
+
+Each is a :class:`CouplingHalf` whose ``couple`` calls the ops layer: fused Triton kernels on
+CUDA, the pure-torch reference elsewhere (same weights, same math). ``forward(x)`` is H(x) on
+the reference path, for use outside a reversible stack.
+
+Drop-path (stochastic depth) and layer scale are part of the half: drop-path becomes a
+per-row scale of H(x) (drawn from the global RNG, which the engine replays), layer scale is
+folded into the last projection.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.attention import check_attention_shapes, norm_attention_couple
+from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, swiglu_mlp_couple
+from .base import CouplingHalf
+
+
+class _TransformerHalf(CouplingHalf):
+    def __init__(self, dim: int, drop_path: float, layer_scale: float | None):
+        super().__init__()
+        if not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not 0.0 <= drop_path < 1.0:
+            raise ValueError(f"drop_path must be in [0, 1), got {drop_path}")
+        self.dim = dim
+        self.drop_path = drop_path
+        self.layer_scale = nn.Parameter(torch.full((dim,), float(layer_scale))) if layer_scale is not None else None
+
+    def _row_scale(self, x: torch.Tensor):
+        """Per-row factor for drop-path: 0 or 1/keep per sample, broadcast over its tokens."""
+        if not self.training or self.drop_path == 0.0:
+            return None
+        keep = 1.0 - self.drop_path
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2)
+        mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep) / keep
+        return mask.expand(x.shape[:-1])
+
+    def _scaled_out(self, weight, bias):
+        """Fold layer scale into the output projection: diag(gamma) W, gamma * b."""
+        if self.layer_scale is None:
+            return weight, bias
+        gamma = self.layer_scale.to(weight.dtype)
+        return weight * gamma[:, None], (None if bias is None else bias * gamma)
+
+    def _check_input(self, x):
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != dim {self.dim}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        zero = torch.zeros_like(x)
+        return self.couple(zero, x, +1, None)[0]
+
+
+class LayerNormMLP(_TransformerHalf):
+    """G = fc2(act(fc1(LayerNorm(x)))), the ViT / GPT-2 MLP half."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "gelu_tanh", bias: bool = True, eps: float = 1e-6,
+                 drop_path: float = 0.0, layer_scale: float | None = None):
+        super().__init__(dim, drop_path, layer_scale)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation, self.eps = activation, eps
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+
+    def couple(self, res, x, sign, frac_bits=None):
+        self._check_input(x)
+        w2, b2 = self._scaled_out(self.fc2.weight, self.fc2.bias)
+        return norm_mlp_couple(res, x, sign, frac_bits, self.norm.weight, self.norm.bias, self.fc1.weight,
+                               self.fc1.bias, w2, b2, norm="layer", activation=self.activation, eps=self.eps,
+                               row_scale=self._row_scale(x))
+
+
+class RMSNormSwiGLU(_TransformerHalf):
+    """G = down(silu(gate(n)) * up(n)), n = RMSNorm(x): the LLaMA MLP half."""
+
+    def __init__(self, dim: int, hidden: int, eps: float = 1e-6, drop_path: float = 0.0,
+                 layer_scale: float | None = None):
+        super().__init__(dim, drop_path, layer_scale)
+        self.eps = eps
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def couple(self, res, x, sign, frac_bits=None):
+        self._check_input(x)
+        w_down, _ = self._scaled_out(self.down.weight, None)
+        return swiglu_mlp_couple(res, x, sign, frac_bits, self.norm.weight, self.gate.weight, self.up.weight, w_down,
+                                 eps=self.eps, row_scale=self._row_scale(x))
+
+
+class _AttentionHalf(_TransformerHalf):
+    def __init__(self, dim, heads, kv_heads, causal, rope_theta, norm, qkv_bias, proj_bias, eps, drop_path,
+                 layer_scale):
+        super().__init__(dim, drop_path, layer_scale)
+        kv_heads = kv_heads or heads
+        if heads <= 0 or dim % heads:
+            raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+        if kv_heads <= 0 or heads % kv_heads:
+            raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+        head_dim = dim // heads
+        if rope_theta is not None and head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.causal, self.rope_theta, self.norm_kind, self.eps = causal, rope_theta, norm, eps
+        self.norm = nn.LayerNorm(dim, eps=eps) if norm == "layer" else nn.RMSNorm(dim, eps=eps)
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+
+    def couple(self, res, x, sign, frac_bits=None):
+        check_attention_shapes(x, self.dim, self.heads, self.kv_heads)
+        w_proj, b_proj = self._scaled_out(self.proj.weight, self.proj.bias)
+        return norm_attention_couple(res, x, sign, frac_bits, self.norm.weight, getattr(self.norm, "bias", None),
+                                     self.qkv.weight, self.qkv.bias, w_proj, b_proj, heads=self.heads,
+                                     kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
+                                     norm=self.norm_kind, eps=self.eps, row_scale=self._row_scale(x))
+
+
+class LayerNormAttention(_AttentionHalf):
+    """F = proj(attention(qkv(LayerNorm(x)))), the ViT / GPT-2 attention half."""
+
+    def __init__(self, dim: int, heads: int, qkv_bias: bool = True, causal: bool = False, eps: float = 1e-6,
+                 drop_path: float = 0.0, layer_scale: float | None = None):
+        super().__init__(dim, heads, None, causal, None, "layer", qkv_bias, True, eps, drop_path, layer_scale)
+
+
+class RMSNormAttention(_AttentionHalf):
+    """F for LLaMA-style models: RMSNorm, RoPE, grouped-query attention, no biases, causal."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int | None = None, causal: bool = True,
+                 rope_theta: float = 10000.0, eps: float = 1e-6, drop_path: float = 0.0,
+                 layer_scale: float | None = None):
+        super().__init__(dim, heads, kv_heads, causal, rope_theta, "rms", False, False, eps, drop_path, layer_scale)

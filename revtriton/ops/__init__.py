@@ -1,0 +1,1 @@
+"""Launchers, autograd Functions of fused ops, pure-torch references and dispatch."""

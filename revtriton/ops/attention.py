@@ -1,0 +1,75 @@
+"""norm + attention coupling half: pure-torch references and the dispatching couple."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+from .mlp import _scale_rows, normalize_reference
+from .streams import couple_output
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32):
+    """cos/sin tables [seq_len, head_dim] in the rotate-half (LLaMA / Hugging Face) convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_reference(t, cos, sin):
+    """t: [B, H, T, hd]; rotate-half RoPE."""
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return (t.float() * cos + rotated.float() * sin).to(t.dtype)
+
+
+def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int | None = None):
+    if x.dim() != 3:
+        raise ValueError(f"attention halves take [batch, tokens, dim] input, got rank {x.dim()} {tuple(x.shape)}")
+    if x.shape[-1] != dim:
+        raise ValueError(f"input last dim {x.shape[-1]} does not match the half's dim {dim}")
+    if dim % heads:
+        raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+
+
+def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
+                             causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
+    """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)]."""
+    kv_heads = kv_heads or heads
+    batch, tokens, dim = x.shape
+    head_dim = dim // heads
+    n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
+    qkv = F.linear(n, w_qkv, b_qkv)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
+    k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, x.device)
+        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o = o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    return _scale_rows(F.linear(o, w_proj, b_proj), row_scale)
+
+
+def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads,
+                          kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
+    """``res + sign * norm_attention(x)`` as ``(stream, port)`` (see revtriton.halves.base)."""
+    kv_heads = kv_heads or heads
+    check_attention_shapes(x, w_proj.shape[0], heads, kv_heads)
+    if use_triton(x):
+        from .fused_attention import fused_norm_attention_couple
+
+        return fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
+                                           b_proj, heads=heads, kv_heads=kv_heads, causal=causal,
+                                           rope_theta=rope_theta, norm=norm, eps=eps, row_scale=row_scale)
+    h = norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, heads=heads,
+                                 kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
+                                 row_scale=row_scale)
+    return couple_output(res, h, sign, frac_bits)

@@ -1,0 +1,69 @@
+"""Where an op runs (Triton or the pure-torch reference) and how many kernels it launched.
+
+Every Triton launch in revtriton goes through :func:`launch`, so :func:`count_launches`
+sees all of them (tests and perf/ assert launch budgets with it).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+import torch
+
+_counters: list[Counter] = []
+_force_triton = False
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Triton for CUDA tensors; for CPU tensors only under the interpreter when forced."""
+    if not triton_available():
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return _force_triton and interpreter_enabled()
+
+
+@contextlib.contextmanager
+def force_triton(enabled: bool = True):
+    """Run the Triton path on CPU tensors (requires ``TRITON_INTERPRET=1``); for tests."""
+    global _force_triton
+    if enabled and not interpreter_enabled():
+        raise RuntimeError("force_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    previous, _force_triton = _force_triton, enabled
+    try:
+        yield
+    finally:
+        _force_triton = previous
+
+
+def launch(kernel, grid, *args, **meta):
+    """Launch ``kernel[grid](*args, **meta)`` and count it under every active counter."""
+    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
+    for counter in _counters:
+        counter[name] += 1
+    return kernel[grid](*args, **meta)
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Count Triton launches made inside the block: ``with count_launches() as c: ...; c.total()``."""
+    counter = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)

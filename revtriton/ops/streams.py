@@ -1,0 +1,95 @@
+"""Residual streams: the couple epilogue in torch, float or fixed point ("exact").
+
+Exact streams: value = X * 2**-frac_bits with X int32.
+
+A half's output h is rounded to the grid (round half to even) and added as an integer,
+so ``(res + q) - q == res`` bitwise and the inverse is exact at any depth. Gradients pass
+straight through the rounding: autograd sees ``out = res + sign * h`` in value space.
+
+Autograd cannot differentiate integer tensors, so an exact couple returns two things: the
+int32 stream and a *gradient port*, a float tensor of the stream's shape with no storage of
+its own (a stride-0 view of one element). ``torch.autograd.backward(port, g)`` sends ``g``
+(the gradient w.r.t. the output's value) to ``sign * h``.
+"""
+from __future__ import annotations
+
+import torch
+
+# Largest float32 below 2**31: the rounded half output saturates here instead of wrapping, and
+# any |out - res| this large is reported as an overflow by the engine.
+SATURATION = 2.0**31 - 128
+OVERFLOW_THRESHOLD = 2**31 - 128
+
+
+def check_frac_bits(frac_bits: int) -> int:
+    if not isinstance(frac_bits, int) or isinstance(frac_bits, bool) or not 0 <= frac_bits <= 30:
+        raise ValueError(f"frac_bits must be an int in [0, 30], got {frac_bits!r}")
+    return frac_bits
+
+
+def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
+    """round(h * 2**frac_bits) as int32, half to even, saturating; NaN saturates (so it is caught)."""
+    scaled = torch.round(h.float() * (2.0**frac_bits))
+    scaled = torch.nan_to_num(scaled, nan=SATURATION).clamp_(-SATURATION, SATURATION)
+    return scaled.to(torch.int32)
+
+
+def to_fixed(x: torch.Tensor, frac_bits: int) -> torch.Tensor:
+    """Float values -> int32 fixed-point stream."""
+    return quantize_reference(x, frac_bits)
+
+
+def from_fixed(stream: torch.Tensor, frac_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int32 fixed-point stream -> float values (float32 unless asked otherwise)."""
+    return (stream.to(torch.float32) * (2.0**-frac_bits)).to(dtype)
+
+
+def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A float tensor shaped like ``like`` that owns one element of storage (see module doc)."""
+    return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
+
+
+def exact_add_reference(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int) -> torch.Tensor:
+    """The exact epilogue in torch: ``res + sign * round(h * 2**frac_bits)`` in int32 (wraps)."""
+    q = quantize_reference(h, frac_bits)
+    return res + q if sign > 0 else res - q
+
+
+class ExactAdd(torch.autograd.Function):
+    """int32 ``res + sign * round(h)`` with a straight-through gradient to ``h`` via a port."""
+
+    @staticmethod
+    def forward(ctx, res, h, sign, frac_bits):
+        ctx.sign = sign
+        ctx.h_dtype = h.dtype
+        out = exact_add_reference(res, h, sign, frac_bits)
+        ctx.mark_non_differentiable(out)
+        return out, gradient_port(res)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_port):
+        grad_h = grad_port if ctx.sign > 0 else -grad_port
+        return None, grad_h.to(ctx.h_dtype), None, None
+
+
+def exact_couple_from_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int):
+    """Exact couple for a half whose float output ``h`` is already computed: ``(stream, port)``."""
+    if res.dtype != torch.int32:
+        raise TypeError(f"an exact residual stream must be int32, got {res.dtype}")
+    if h.shape != res.shape:
+        raise ValueError(f"half output shape {tuple(h.shape)} does not match the stream {tuple(res.shape)}")
+    if h.requires_grad:
+        return ExactAdd.apply(res, h, sign, frac_bits)
+    return exact_add_reference(res, h, sign, frac_bits), None
+
+
+def couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int | None):
+    """Finish a couple from the half's float output ``h``: ``(stream, port)`` (the reference epilogue)."""
+    if h.shape != res.shape:
+        raise ValueError(
+            f"a coupling half must keep the shape of its input: got {tuple(h.shape)}, expected {tuple(res.shape)}"
+        )
+    if frac_bits is None:
+        stream = res + h if sign > 0 else res - h
+        return stream, (stream if stream.requires_grad else None)
+    return exact_couple_from_output(res, h, sign, frac_bits)
