@@ -3,3 +3,5 @@ from .halves import (CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP
                      RMSNormSwiGLU, as_half)
 
 __version__ = "0.1.0"
+from .engine import ReversibleBlock, ReversibleStack  # noqa: E402
+from .schedules import ScheduleTrace  # noqa: E402

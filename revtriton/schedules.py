@@ -1,0 +1,169 @@
+"""Backward schedules of a reversible segment: sequential and PaReprop (two streams).
+
+A schedule composes two per-layer steps offered by the engine:
+
+* ``recover(i, streams)``: rebuild layer i's input from its output, keeping the recompute's
+  graph (both couple calls of a block, with grad);
+* ``grads(recovered, dy1, dy2)``: the two local backward calls that accumulate the parameter
+  grads and return the gradients w.r.t. layer i's input.
+
+Sequential runs recover(i), grads(i) for i = L-1 .. 0. PaReprop (Zhao et al., 2023) rebuilds
+layer i-1 on a *rebuild* stream while layer i's gradients run on a *gradient* stream; the
+dependencies are device-side events, never host syncs. The rebuild stream waits for grads(i)
+before it rebuilds layer i-2, so at most two layers' recompute graphs are alive at once.
+
+On CPU the same code runs with streams that do nothing, so tests exercise the real ordering
+(and can record it with a :class:`ScheduleTrace`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+SCHEDULES = ("sequential", "pareprop")
+
+
+@dataclass
+class Recovered:
+    """A layer rebuilt in backward: its input streams and the graph its gradients need."""
+
+    index: int
+    inputs: tuple
+    kind: str  # "block" or "invertible"
+    tensors: tuple
+    mismatch: torch.Tensor | None = None  # device flag: rebuilt input differs from the forward's
+
+
+@dataclass
+class BlockGrads:
+    dx1: torch.Tensor
+    dx2: torch.Tensor
+
+    def __iter__(self):
+        return iter((self.dx1, self.dx2))
+
+
+@dataclass
+class ScheduleTrace:
+    """Events issued by a backward schedule, in host issue order.
+
+    Each event is ``(op, layer, stream, waits)``: op is "rebuild" or "grads", waits lists the
+    ``(op, layer)`` events it depends on (device-side waits and same-stream order).
+    """
+
+    events: list = field(default_factory=list)
+
+    def add(self, op, layer, stream, waits=()):
+        self.events.append((op, layer, stream, tuple(waits)))
+
+    def index(self, op, layer):
+        for n, event in enumerate(self.events):
+            if event[0] == op and event[1] == layer:
+                return n
+        raise KeyError((op, layer))
+
+
+class _NullStream:
+    """Stands in for a CUDA stream on CPU: ordering is program order, nothing to wait for."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self, event=None):
+        return None
+
+
+def _streams_for(device: torch.device):
+    if device.type == "cuda":
+        main = torch.cuda.current_stream(device)
+        return main, torch.cuda.Stream(device), torch.cuda.Stream(device)
+    null = _NullStream()
+    return null, null, null
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+
+
+def _protect(tensors, stream):
+    """Tell the caching allocator that ``stream`` uses these tensors (made on another stream)."""
+    if isinstance(stream, torch.cuda.Stream):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
+
+
+def _sequential(stepper, streams, dy1, dy2, trace):
+    mismatches = []
+    for i in reversed(range(stepper.num_layers)):
+        recovered = stepper.recover(i, streams)
+        if trace is not None:
+            trace.add("rebuild", i, "main", [("grads", i + 1)] if i + 1 < stepper.num_layers else [])
+        dy1, dy2 = stepper.grads(recovered, dy1, dy2)
+        if trace is not None:
+            trace.add("grads", i, "main", [("rebuild", i)])
+        streams = recovered.inputs
+        if recovered.mismatch is not None:
+            mismatches.append(recovered.mismatch)
+        del recovered  # free this layer's recompute graph before the next one is built
+    return dy1, dy2, mismatches
+
+
+def _pareprop(stepper, streams, dy1, dy2, trace):
+    n = stepper.num_layers
+    device = streams[0].device
+    main, rebuild, grad = _streams_for(device)
+    rebuild.wait_stream(main)
+    grad.wait_stream(main)
+    mismatches = []
+
+    def issue_rebuild(i, inputs, after_grads_of):
+        waits = []
+        if after_grads_of is not None:
+            # Bound the run-ahead (and memory) to two layers: rebuild i only after grads(i+2).
+            rebuild.wait_event(grads_done[after_grads_of])
+            waits.append(("grads", after_grads_of))
+        with _on(rebuild):
+            recovered = stepper.recover(i, inputs)
+        rebuilt[i] = rebuild.record_event()
+        if trace is not None:
+            trace.add("rebuild", i, "rebuild", waits)
+        return recovered
+
+    rebuilt, grads_done = {}, {}
+    upcoming = issue_rebuild(n - 1, streams, None)
+    for i in reversed(range(n)):
+        current = upcoming
+        if i > 0:
+            upcoming = issue_rebuild(i - 1, current.inputs, i + 1 if i + 1 < n else None)
+        grad.wait_event(rebuilt[i])
+        _protect(current.tensors + current.inputs, grad)
+        with _on(grad):
+            dy1, dy2 = stepper.grads(current, dy1, dy2)
+        grads_done[i] = grad.record_event()
+        if trace is not None:
+            trace.add("grads", i, "grad", [("rebuild", i)] + ([("grads", i + 1)] if i + 1 < n else []))
+        if current.mismatch is not None:
+            mismatches.append(current.mismatch)
+        del current
+    # The caller's stream (and so the optimizer step) sees every gradient.
+    main.wait_stream(grad)
+    main.wait_stream(rebuild)
+    _protect([dy1, dy2] + mismatches, main)
+    return dy1, dy2, mismatches
+
+
+def run_backward_schedule(schedule, stepper, streams, dy1, dy2, trace=None):
+    """Run a segment's backward; returns ``(dx1, dx2, mismatch_flags or None)``."""
+    if schedule == "sequential":
+        dy1, dy2, mismatches = _sequential(stepper, streams, dy1, dy2, trace)
+    elif schedule == "pareprop":
+        dy1, dy2, mismatches = _pareprop(stepper, streams, dy1, dy2, trace)
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return dy1, dy2, (torch.stack(mismatches) if mismatches else None)
