@@ -169,6 +169,7 @@ class ForwardGuards:
         if not self.flags:
             return None
         failed = torch.stack(self.flags).nonzero()
+        self.flags.clear()  # the graph keeps the segment runs: don't let it keep the flags too
         return None if failed.numel() == 0 else self.labels[int(failed[0, 0])]
 
 
@@ -474,7 +475,8 @@ class ReversibleStack(nn.Module):
         inputs = (x1, x2)
         guards = ForwardGuards()
         if self.exact:
-            guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
+            with torch.no_grad():  # isfinite is composite: under grad it would save its input
+                guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
         for kind, index, item in self._segments():
             if kind == "transition":
                 x = item((x1 + x2) * 0.5)

@@ -1,0 +1,101 @@
+"""QKV projection GEMM of the norm+attention half: norm prologue, bias + RoPE epilogue.
+
+    qkv[m, n] = sum_k norm(x)[m, k] * W[n, k] + b[n]     norm(x) = (x - mean) * rstd * gamma + beta
+
+The row statistics (mean, rstd; mean = 0 for RMSNorm) come from the row-stats kernel. The output
+is the packed [M, (H + 2 KV) * D] buffer the attention kernel reads through strides. A column
+tile is exactly one head (BLOCK_N = D), so the RoPE epilogue rotates the tiles of the q and k
+heads in registers (token index = row % tokens) and leaves the v heads alone.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from .attention import rope_rotate
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def qkv_configs(head_dim: int | None = None) -> list[triton.Config]:
+    """BLOCK_N is the head dim (set by the launcher); configs choose BLOCK_M / BLOCK_K / warps / stages."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
+    configs = [
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
+    ]
+    if head_dim is not None and head_dim >= 128:
+        configs.append(triton.Config({"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3))
+    return configs
+
+
+def _prune_qkv(configs, named_args, **kwargs):
+    keep = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+            for c in qkv_configs(kwargs["HEAD_DIM"])}
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in keep]
+
+
+@triton.autotune(configs=qkv_configs(128), key=["N", "K", "HEAD_DIM", "ROPE", "IS_RMS"],
+                 prune_configs_by={"early_config_prune": _prune_qkv}, cache_results=True)
+@triton.jit
+def qkv_norm_rope_gemm_kernel(X, MEAN, RSTD, GAMMA, BETA, W, BIAS, OUT, COS, SIN,
+                              M, N, K, tokens, rope_tiles,
+                              stride_xm, stride_wn, stride_wk, stride_om,
+                              IS_RMS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    BLOCK_N: tl.constexpr = HEAD_DIM
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row tiles share the W column tiles in L2.
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < M
+    col_ok = offs_n < N
+    rows64 = offs_m.to(tl.int64)
+    if not IS_RMS:
+        mean = tl.load(MEAN + offs_m, mask=row_ok, other=0.0)
+    rstd = tl.load(RSTD + offs_m, mask=row_ok, other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        x = tl.load(X + rows64[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if not IS_RMS:
+            x = x - mean[:, None]
+        a = x * rstd[:, None]
+        if HAS_GAMMA:
+            a = a * tl.load(GAMMA + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_BETA:
+            a = a + tl.load(BETA + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(W + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.where(k_ok[None, :], a, 0.0).to(w.dtype)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        if pid_n < rope_tiles:  # q and k heads; v heads pass through
+            pos = offs_m % tokens
+            half = tl.arange(0, HEAD_DIM // 2)
+            cos = tl.load(COS + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+            sin = tl.load(SIN + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+            acc = rope_rotate(acc, cos, sin, BLOCK_M, HEAD_DIM // 2)
+    tl.store(OUT + rows64[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,171 @@
+"""The benchmark stacks: presets (ViT-B-like, GPT-2-like, LLaMA-like) and the variants perf/ compares.
+
+Every variant runs the same blocks (``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``, both streams start
+as the input, the output is their mean) and differs only in how backward gets its activations:
+
+* ``vanilla``: plain autograd over :meth:`ReversibleBlock.forward`, every activation stored,
+  reference halves (PyTorch eager, SDPA attention);
+* ``checkpoint``: the same, with ``torch.utils.checkpoint`` around each block;
+* ``revtriton-sequential`` / ``revtriton-pareprop``: :class:`ReversibleStack` with that backward
+  schedule.
+
+Halves are ``reference`` (the pure-torch ops, on any device) or ``fused`` (revtriton's halves as
+they dispatch: the Triton kernels on CUDA). Fused halves exist only on CUDA; on the CPU the
+revtriton halves *are* the reference path.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from revtriton import (LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, RMSNormAttention,
+                       RMSNormSwiGLU)
+from revtriton.halves.base import CouplingHalf
+from revtriton.ops.attention import norm_attention_reference
+from revtriton.ops.mlp import norm_mlp_reference, swiglu_mlp_reference
+
+VARIANTS = ("vanilla", "checkpoint", "revtriton-sequential", "revtriton-pareprop")
+BASELINES = ("vanilla", "checkpoint")
+HALVES = ("reference", "fused")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The shape of one transformer family; ``unit`` is what its throughput counts."""
+
+    name: str
+    family: str  # "vit", "gpt2" or "llama"
+    dim: int
+    heads: int
+    kv_heads: int
+    tokens: int
+    hidden: int
+    causal: bool
+    unit: str  # "images" (one sample = one image) or "tokens"
+
+    def scaled(self, dim: int | None = None, heads: int | None = None, tokens: int | None = None) -> "Preset":
+        """The same family at another width / head count / length (the CPU sweeps use small ones)."""
+        dim = dim or self.dim
+        heads = heads or self.heads
+        if dim % heads:
+            raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+        kv_heads = max(1, heads * self.kv_heads // self.heads)
+        while heads % kv_heads:
+            kv_heads -= 1
+        hidden = self.hidden * dim // self.dim
+        return dataclasses.replace(self, dim=dim, heads=heads, kv_heads=kv_heads, hidden=hidden,
+                                   tokens=tokens or self.tokens)
+
+
+PRESETS = {
+    # ViT-B/16 at 224px: 196 patches + the class token, bidirectional attention.
+    "vit-b": Preset("vit-b", "vit", 768, 12, 12, 197, 3072, False, "images"),
+    # GPT-2 small: 1024-token causal attention, GELU-tanh MLP.
+    "gpt2": Preset("gpt2", "gpt2", 768, 12, 12, 1024, 3072, True, "tokens"),
+    # LLaMA-style at GPT-2 width: RMSNorm, RoPE, grouped-query attention (4 KV heads), SwiGLU.
+    "llama": Preset("llama", "llama", 768, 12, 4, 1024, 2048, True, "tokens"),
+}
+
+
+def make_halves(preset: Preset):
+    """(F, G) of one block of ``preset`` as revtriton halves (fused on CUDA, reference elsewhere)."""
+    if preset.family == "vit":
+        return (LayerNormAttention(preset.dim, preset.heads, causal=False),
+                LayerNormMLP(preset.dim, preset.hidden, activation="gelu"))
+    if preset.family == "gpt2":
+        return (LayerNormAttention(preset.dim, preset.heads, causal=True),
+                LayerNormMLP(preset.dim, preset.hidden, activation="gelu_tanh"))
+    if preset.family == "llama":
+        return (RMSNormAttention(preset.dim, preset.heads, kv_heads=preset.kv_heads, causal=True),
+                RMSNormSwiGLU(preset.dim, preset.hidden))
+    raise ValueError(f"unknown preset family {preset.family!r}")
+
+
+class ReferenceHalf(CouplingHalf):
+    """A revtriton transformer half forced onto the pure-torch reference ops (SDPA attention).
+
+    Shares the wrapped half's parameters; ``couple`` is the generic one (torch ops), so the
+    engine and plain autograd see exactly the reference math on any device.
+    """
+
+    def __init__(self, half: nn.Module):
+        super().__init__()
+        if not isinstance(half, (LayerNormAttention, RMSNormAttention, LayerNormMLP, RMSNormSwiGLU)):
+            raise TypeError(f"ReferenceHalf wraps revtriton's transformer halves, got {type(half).__name__}")
+        self.inner = half
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner
+        row_scale = h._row_scale(x)
+        if isinstance(h, LayerNormMLP):
+            w2, b2 = h._scaled_out(h.fc2.weight, h.fc2.bias)
+            return norm_mlp_reference(x, h.norm.weight, h.norm.bias, h.fc1.weight, h.fc1.bias, w2, b2, norm="layer",
+                                      activation=h.activation, eps=h.eps, row_scale=row_scale)
+        if isinstance(h, RMSNormSwiGLU):
+            w_down, _ = h._scaled_out(h.down.weight, None)
+            return swiglu_mlp_reference(x, h.norm.weight, h.gate.weight, h.up.weight, w_down, eps=h.eps,
+                                        row_scale=row_scale)
+        w_proj, b_proj = h._scaled_out(h.proj.weight, h.proj.bias)
+        return norm_attention_reference(x, h.norm.weight, getattr(h.norm, "bias", None), h.qkv.weight, h.qkv.bias,
+                                        w_proj, b_proj, heads=h.heads, kv_heads=h.kv_heads, causal=h.causal,
+                                        rope_theta=h.rope_theta, norm=h.norm_kind, eps=h.eps, row_scale=row_scale)
+
+
+def make_blocks(preset: Preset, depth: int, halves: str = "reference") -> list[ReversibleBlock]:
+    """``depth`` fresh blocks of ``preset`` with reference or fused (as-dispatched) halves."""
+    if halves not in HALVES:
+        raise ValueError(f"halves must be one of {HALVES}, got {halves!r}")
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be a positive int, got {depth!r}")
+    blocks = []
+    for _ in range(depth):
+        f, g = make_halves(preset)
+        if halves == "reference":
+            f, g = ReferenceHalf(f), ReferenceHalf(g)
+        blocks.append(ReversibleBlock(f, g))
+    return blocks
+
+
+class StoredActivationStack(nn.Module):
+    """The same coupling stack under plain autograd (optionally checkpointing each block)."""
+
+    def __init__(self, blocks, checkpoint_blocks: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.checkpoint_blocks = checkpoint_blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = x2 = x
+        for block in self.blocks:
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x1, x2 = checkpoint(block, x1, x2, use_reentrant=False)
+            else:
+                x1, x2 = block(x1, x2)
+        return (x1 + x2) * 0.5
+
+
+def build_stack(preset: Preset, depth: int, variant: str, halves: str = "reference", exact: bool = True,
+                frac_bits: int = 16) -> nn.Module:
+    """A module mapping ``[batch, tokens, dim] -> [batch, tokens, dim]`` for one benchmark variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if halves == "fused" and variant in BASELINES:
+        raise ValueError(f"the {variant} baseline runs the reference halves (PyTorch eager, SDPA)")
+    blocks = make_blocks(preset, depth, halves)
+    if variant == "vanilla":
+        return StoredActivationStack(blocks)
+    if variant == "checkpoint":
+        return StoredActivationStack(blocks, checkpoint_blocks=True)
+    schedule = variant.split("-", 1)[1]
+    return ReversibleStack(blocks, exact=exact, frac_bits=frac_bits, schedule=schedule)
+
+
+def variant_available(variant: str, halves: str, device: torch.device) -> bool:
+    """Fused halves only on CUDA; the baselines always run the reference halves."""
+    if halves == "fused":
+        return device.type == "cuda" and variant not in BASELINES
+    return True

@@ -1,0 +1,163 @@
+"""Pieces the model presets share: stack options, drop-path schedule, init, stored-activation twins.
+
+A *stored-activation twin* runs the same reversible architecture with plain autograd: each
+block computes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` and autograd keeps every activation.
+It is the baseline of the examples (same weights, same function, ordinary memory) and the
+oracle of the gradient tests. :func:`to_stored_activations` turns every
+:class:`~revtriton.engine.ReversibleStack` of a model into one, in place (state_dict keys and
+parameters unchanged); :func:`to_reversible` turns them back.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..engine import ReversibleStack, is_invertible_layer, is_reversible_block
+from ..ops.streams import from_fixed, quantize_reference, to_fixed
+
+STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
+
+
+def drop_path_schedule(drop_path_rate: float, depth: int) -> list[float]:
+    """Linearly increasing stochastic-depth rates 0 .. drop_path_rate over ``depth`` blocks (as timm)."""
+    if not 0.0 <= drop_path_rate < 1.0:
+        raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+    if depth == 1:
+        return [0.0]
+    return [drop_path_rate * i / (depth - 1) for i in range(depth)]
+
+
+def init_transformer_weights(module: nn.Module, std: float = 0.02):
+    """Truncated-normal Linear/Embedding weights, zero biases, unit norms (ViT / GPT-2 style)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=std, a=-2 * std, b=2 * std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            if m.weight is not None:
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once), as timm and Hugging Face report."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# Stored-activation twins
+
+
+class _Snap(torch.autograd.Function):
+    """Forward: the exact fixed-point value; backward: identity to the float path (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, z, exact_value):
+        return exact_value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class StoredActivationStack(ReversibleStack):
+    """The same layers and options as a ReversibleStack, run with plain (stored-activation) autograd.
+
+    Float stacks compute ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``; exact stacks compute the same
+    rounded model as the fixed-point streams (every half output rounded to the 2**-frac_bits
+    grid, straight-through gradient), so the two agree to float rounding of the gradients.
+    Made by :func:`to_stored_activations`; not meant to be built directly.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_float_input("input", x)
+        if self.streams == "split":
+            if x.shape[-1] % 2:
+                raise ValueError(f"streams='split' needs an even last dim to split in two, got {x.shape[-1]}")
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat(self.forward_streams(x1, x2), dim=-1)
+        y1, y2 = self.forward_streams(x, x)
+        return (y1 + y2) * 0.5
+
+    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor):
+        if x1.shape != x2.shape:
+            raise ValueError(f"x1 and x2 must have the same shape, got {tuple(x1.shape)} and {tuple(x2.shape)}")
+        return self._plain_exact(x1, x2) if self.exact else self._plain_float(x1, x2)
+
+    def _plain_float(self, x1, x2):
+        for layer in self:
+            if is_reversible_block(layer):
+                f, g = layer.coupling_halves()
+                x1 = x1 + f(x2)
+                x2 = x2 + g(x1)
+            elif is_invertible_layer(layer):
+                x1, x2 = layer(x1, x2)
+            else:
+                x1 = x2 = layer((x1 + x2) * 0.5)
+        return x1, x2
+
+    def _plain_exact(self, x1, x2):
+        k, dtype = self.frac_bits, x1.dtype
+
+        def encode(v):  # float value -> (int32 stream, value on the grid with a straight-through grad)
+            s = to_fixed(v.detach(), k)
+            return s, _Snap.apply(v, from_fixed(s, k))
+
+        s1, v1 = encode(x1)
+        s2, v2 = encode(x2)
+        for layer in self:
+            if is_reversible_block(layer):
+                f, g = layer.coupling_halves()
+                h = f(v2)
+                s1 = s1 + quantize_reference(h.detach(), k)
+                v1 = _Snap.apply(v1 + h, from_fixed(s1, k))
+                h = g(v1)
+                s2 = s2 + quantize_reference(h.detach(), k)
+                v2 = _Snap.apply(v2 + h, from_fixed(s2, k))
+            elif is_invertible_layer(layer):
+                raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
+            else:
+                # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
+                x = layer(((v1.to(dtype) + v2.to(dtype)) * 0.5))
+                s1, v1 = encode(x)
+                s2, v2 = s1, v1
+        return v1.to(dtype), v2.to(dtype)
+
+
+def to_stored_activations(model: nn.Module) -> nn.Module:
+    """Make every ReversibleStack in ``model`` run with plain autograd (in place; returns ``model``)."""
+    for module in model.modules():
+        if type(module) is ReversibleStack:
+            module.__class__ = StoredActivationStack
+    return model
+
+
+def to_reversible(model: nn.Module) -> nn.Module:
+    """Undo :func:`to_stored_activations` (in place; returns ``model``)."""
+    for module in model.modules():
+        if type(module) is StoredActivationStack:
+            module.__class__ = ReversibleStack
+    return model
+
+
+def stack_options(kwargs: dict) -> dict:
+    """Pick the ReversibleStack options out of a preset's keyword arguments."""
+    return {name: kwargs.pop(name) for name in STACK_OPTIONS if name in kwargs}
+
+
+def make_stack(layers, *, reversible: bool = True, **options) -> ReversibleStack:
+    """A ReversibleStack (or its stored-activation twin when ``reversible=False``)."""
+    stack = ReversibleStack(layers, **options)
+    if not reversible:
+        stack.__class__ = StoredActivationStack
+    return stack
+
+
+def check_positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value

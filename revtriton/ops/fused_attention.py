@@ -1,0 +1,507 @@
+"""Flash attention launchers and the fused norm+attention coupling half (Triton), with references.
+
+Attention tensors use the layout of the packed QKV GEMM output, so no copy sits between the
+GEMM and the attention kernel: q [B, T, H, D], k and v [B, T, KV, D] (any batch / token / head
+strides, unit stride on D), o [B, T, H, D]; lse and delta [B, H, T] fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import launch
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _attention_kernels():
+    try:
+        from revtriton.kernels import attention
+    except ImportError:  # source checkout: kernels/ is the top-level package next to revtriton/
+        from kernels import attention
+    return attention
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+
+
+def check_head_dim(head_dim: int):
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported by the Triton attention kernels "
+                         f"(supported: {SUPPORTED_HEAD_DIMS})")
+
+
+def _check_attention_inputs(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_dim, got strides {t.stride()}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k, v must share one of fp16 / bf16 / fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    batch, tokens, heads, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[1] != tokens or k.shape[3] != head_dim:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (batch, tokens, head_dim)")
+    if heads % k.shape[2]:
+        raise ValueError(f"kv_heads ({k.shape[2]}) must divide heads ({heads})")
+    check_head_dim(head_dim)
+    if tokens == 0 or batch == 0:
+        raise ValueError(f"empty attention input {tuple(q.shape)}")
+
+
+def _dot_precision(dtype):
+    # fp32 inputs get full fp32 products (the tests' 1e-5 bar); 16-bit inputs ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _strides_bth(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+# --------------------------------------------------------------------------------------------
+# Flash attention: references
+
+
+def _expand_kv(q, k, v):
+    """[B, T, heads, D] -> [B, heads, T, D] with kv heads repeated for GQA."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return q, k, v
+
+
+def attention_fwd_reference(q, k, v, *, causal: bool, sm_scale: float | None = None):
+    """(o [B, T, H, D], lse [B, H, T] fp32) in torch; same layout as :func:`attention_fwd`."""
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qh, kh, vh = _expand_kv(q, k, v)
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=sm_scale)
+    scores = (qh.float() @ kh.float().transpose(-1, -2)) * sm_scale
+    if causal:
+        tokens = q.shape[1]
+        keep = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return o.transpose(1, 2).contiguous(), torch.logsumexp(scores, dim=-1)
+
+
+def attention_bwd_reference(q, k, v, do, *, causal: bool, sm_scale: float | None = None, rope=None):
+    """(dq, dk, dv) by autograd through SDPA; with ``rope=(cos, sin)`` ([T, D/2] each), dq and dk are
+    taken back through the rotation (q and k are the rotated tensors), as :func:`attention_bwd` does."""
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        qh, kh, vh = _expand_kv(*leaves)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=sm_scale).transpose(1, 2)
+        dq, dk, dv = torch.autograd.grad(o, leaves, do)
+    if rope is not None:
+        dq, dk = rope_unrotate_reference(dq, *rope), rope_unrotate_reference(dk, *rope)
+    return dq, dk, dv
+
+
+def rope_tables(tokens: int, head_dim: int, theta: float, device):
+    """cos, sin [tokens, head_dim / 2] fp32 (rotate-half RoPE; both halves share the angles)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().contiguous(), angles.sin().contiguous()
+
+
+def rope_rotate_reference(t, cos, sin):
+    """t [B, T, heads, D] rotated (rotate-half); cos/sin [T, D/2]."""
+    half = t.shape[-1] // 2
+    t1, t2 = t.float()[..., :half], t.float()[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1).to(t.dtype)
+
+
+def rope_unrotate_reference(t, cos, sin):
+    """The transpose (= inverse) of :func:`rope_rotate_reference`: the RoPE backward."""
+    return rope_rotate_reference(t, cos, -sin)
+
+
+# --------------------------------------------------------------------------------------------
+# Flash attention: launchers
+
+
+def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None):
+    """Flash attention forward: (o [B, T, H, D], lse [B, H, T] fp32). One launch.
+
+    ``out`` (optional) is a [B, T, H, D] tensor to write o into (e.g. a view of the out-projection's
+    input buffer).
+    """
+    _check_attention_inputs(q, k, v)
+    batch, tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    if out is None:
+        out = torch.empty(batch, tokens, heads, head_dim, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
+    lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
+    kernels = _attention_kernels()
+    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse,
+           *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out),
+           heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
+           HEAD_DIM=head_dim, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    return out, lse
+
+
+def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
+                  dq=None, dk=None, dv=None):
+    """Flash attention backward: (dq, dk, dv). Two launches (delta preprocessing, then dk/dv and dq).
+
+    Deterministic (no atomics). ``rope=(cos, sin)`` ([T, D/2] fp32): q and k were rotated before
+    attention, so dq and dk are rotated back (the RoPE backward) before they are stored.
+    dq / dk / dv (optional) are tensors to write into (e.g. views of a packed dqkv buffer).
+    """
+    _check_attention_inputs(q, k, v)
+    batch, tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    for name, t in (("o", o), ("do", do)):
+        if t.shape != q.shape or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be {tuple(q.shape)} with unit stride on head_dim, got {tuple(t.shape)}")
+    if lse.shape != (batch, heads, tokens) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous fp32 [{batch}, {heads}, {tokens}] tensor")
+    if do.dtype != q.dtype:
+        do = do.to(q.dtype)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with unit stride on head_dim")
+    if rope is not None:
+        cos, sin = rope
+        if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
+            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}], got {tuple(cos.shape)}")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    else:
+        cos = sin = lse  # unused pointers
+    kernels = _attention_kernels()
+    delta = torch.empty_like(lse)
+    launch(kernels.attention_bwd_delta_kernel, lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads),
+           o, do, delta, *_strides_bth(o), *_strides_bth(do), heads, tokens, HEAD_DIM=head_dim)
+    dkdv_programs = batch * kv_heads
+    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]), dkdv_programs + batch * heads)  # noqa: E731
+    launch(kernels.attention_bwd_kernel, grid, q, k, v, do, lse, delta, dq, dk, dv, cos, sin,
+           *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
+           *_strides_bth(dq), *_strides_bth(dk), *_strides_bth(dv),
+           heads, kv_heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, dkdv_programs,
+           HEAD_DIM=head_dim, CAUSAL=bool(causal), ROPE=rope is not None, DOT_PRECISION=_dot_precision(q.dtype))
+    return dq, dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# --------------------------------------------------------------------------------------------
+# QKV projection: norm prologue, bias + RoPE epilogue (kernels/attention_qkv.py)
+
+
+def _qkv_kernels():
+    try:
+        from revtriton.kernels import attention_qkv
+    except ImportError:  # source checkout
+        from kernels import attention_qkv
+    return attention_qkv
+
+
+_ROPE_CACHE: dict = {}
+
+
+def cached_rope_tables(tokens: int, head_dim: int, theta: float, device):
+    """:func:`rope_tables`, kept per (tokens, head_dim, theta, device): a few KiB each."""
+    key = (tokens, head_dim, float(theta), torch.device(device))
+    if key not in _ROPE_CACHE:
+        if len(_ROPE_CACHE) > 32:
+            _ROPE_CACHE.clear()
+        _ROPE_CACHE[key] = rope_tables(tokens, head_dim, theta, device)
+    return _ROPE_CACHE[key]
+
+
+def qkv_projection_reference(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, norm, heads, kv_heads, tokens,
+                             rope=None, dot_dtype=None):
+    """[M, (H + 2 KV) D] = rope(norm(x) @ W^T + b) on the q and k heads; x [M, dim] (M = B * tokens)."""
+    dot_dtype = w_qkv.dtype if dot_dtype is None else dot_dtype
+    mean, rstd = stats
+    n = x.float()
+    if norm == "layer":
+        n = n - mean[:, None]
+    n = n * rstd[:, None]
+    if norm_weight is not None:
+        n = n * norm_weight.float()
+    if norm_bias is not None:
+        n = n + norm_bias.float()
+    qkv = n.to(dot_dtype).float() @ w_qkv.float().t()
+    if b_qkv is not None:
+        qkv = qkv + b_qkv.float()
+    if rope is not None:
+        head_dim = w_qkv.shape[0] // (heads + 2 * kv_heads)
+        rows = qkv.shape[0]
+        rotated = qkv[:, :(heads + kv_heads) * head_dim].reshape(rows // tokens, tokens, heads + kv_heads, head_dim)
+        rotated = rope_rotate_reference(rotated, *rope).reshape(rows, -1)
+        qkv = torch.cat([rotated, qkv[:, (heads + kv_heads) * head_dim:]], dim=1)
+    return qkv.to(dot_dtype)
+
+
+def qkv_projection(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, norm, heads, kv_heads, tokens, rope=None,
+                   dot_dtype=None):
+    """One launch: ``rope(norm(x) @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in dot_dtype.
+
+    x [M, dim] (rows are batch-major tokens, M = B * tokens); stats = (mean, rstd) fp32 [M] from
+    ``gemm.row_stats``; rope = (cos, sin) [tokens, D/2] or None; w_qkv already in dot_dtype.
+    """
+    if norm not in ("layer", "rms"):
+        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be a 2-D [tokens, dim] tensor with unit column stride, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    M, dim = x.shape
+    N = w_qkv.shape[0]
+    if w_qkv.dim() != 2 or w_qkv.shape[1] != dim or N % (heads + 2 * kv_heads):
+        raise ValueError(f"w_qkv {tuple(w_qkv.shape)} is not [(heads + 2 kv_heads) * head_dim, {dim}]")
+    head_dim = N // (heads + 2 * kv_heads)
+    check_head_dim(head_dim)
+    dot_dtype = w_qkv.dtype if dot_dtype is None else dot_dtype
+    if w_qkv.dtype != dot_dtype:
+        raise TypeError(f"w_qkv dtype {w_qkv.dtype} != GEMM operand dtype {dot_dtype}: cast it first")
+    if M % tokens:
+        raise ValueError(f"{M} rows are not a whole number of {tokens}-token sequences")
+    mean, rstd = stats
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t.shape != (M,) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [{M}]")
+    for name, t, n in (("norm_weight", norm_weight, dim), ("norm_bias", norm_bias, dim), ("b_qkv", b_qkv, N)):
+        if t is not None and (t.shape != (n,) or t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous [{n}] vector, got {tuple(t.shape)}")
+    if rope is not None:
+        cos, sin = rope
+        if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
+            raise ValueError(f"rope tables must be fp32 [{tokens}, {head_dim // 2}]")
+    out = torch.empty(M, N, device=x.device, dtype=dot_dtype)
+    if M == 0:
+        return out
+    kernels = _qkv_kernels()
+    cos, sin = rope if rope is not None else (mean, mean)
+    dummy = out
+    grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * triton_cdiv(N, head_dim),)  # noqa: E731
+    launch(kernels.qkv_norm_rope_gemm_kernel, grid, x, mean, rstd,
+           dummy if norm_weight is None else norm_weight, dummy if norm_bias is None else norm_bias, w_qkv,
+           dummy if b_qkv is None else b_qkv, out, cos, sin,
+           M, N, dim, tokens, heads + kv_heads, x.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
+           IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None,
+           HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
+           DOT_PRECISION=_dot_precision(dot_dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The fused norm+attention coupling half
+
+
+def _split_heads(qkv, batch, tokens, heads, kv_heads, head_dim):
+    """Views q [B, T, H, D], k and v [B, T, KV, D] into the packed [M, (H + 2 KV) D] buffer."""
+    packed = qkv.view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    return packed[:, :, :heads], packed[:, :, heads:heads + kv_heads], packed[:, :, heads + kv_heads:]
+
+
+def _compute_dtype(x, w_qkv):
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return w_qkv.dtype
+
+
+def _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale):
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"attention halves take [batch, tokens, dim] input, got "
+                         f"{'rank ' + str(x.dim()) + ' ' + str(tuple(x.shape)) if isinstance(x, torch.Tensor) else x}")
+    batch, tokens, dim = x.shape
+    if not isinstance(heads, int) or heads <= 0 or dim % heads:
+        raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
+    check_head_dim(dim // heads)
+    if norm not in ("layer", "rms"):
+        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    head_dim = dim // heads
+    if w_qkv.shape != ((heads + 2 * kv_heads) * head_dim, dim):
+        raise ValueError(f"w_qkv {tuple(w_qkv.shape)} != [{(heads + 2 * kv_heads) * head_dim}, {dim}]")
+    if w_proj.shape != (dim, heads * head_dim):
+        raise ValueError(f"w_proj {tuple(w_proj.shape)} != [{dim}, {heads * head_dim}]")
+    if res.shape != x.shape:
+        raise ValueError(f"res {tuple(res.shape)} must have the shape of x {tuple(x.shape)}")
+    if frac_bits is None and not res.is_floating_point():
+        raise TypeError(f"a float residual stream must be floating point, got {res.dtype}")
+    if frac_bits is not None and res.dtype != torch.int32:
+        raise TypeError(f"an exact residual stream must be int32, got {res.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be fp16 / bf16 / fp32, got {x.dtype}")
+    if row_scale is not None and row_scale.shape != x.shape[:-1]:
+        raise ValueError(f"row_scale {tuple(row_scale.shape)} must be [batch, tokens] = {tuple(x.shape[:-1])}")
+    if rope_theta is not None and not rope_theta > 0:
+        raise ValueError(f"rope_theta must be positive or None, got {rope_theta!r}")
+
+
+class _Plan:
+    """Shapes and switches of one couple call (constant across forward and backward)."""
+
+    def __init__(self, x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype):
+        self.batch, self.tokens, self.dim = x.shape
+        self.rows = self.batch * self.tokens
+        self.heads, self.kv_heads = heads, kv_heads
+        self.head_dim = self.dim // heads
+        self.sign, self.frac_bits = sign, frac_bits
+        self.causal, self.norm, self.eps = bool(causal), norm, eps
+        self.dot_dtype = dot_dtype
+        self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device)
+                     if rope_theta is not None else None)
+
+
+def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
+    """The four launches. Returns (stream [B, T, dim], saved tensors for backward)."""
+    from . import gemm
+
+    x2 = x.reshape(plan.rows, plan.dim)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    stats = gemm.row_stats(x2, norm=plan.norm, eps=plan.eps)                                     # launch 1
+    qkv = qkv_projection(x2, stats, norm_weight, norm_bias, w_qkv, b_qkv, norm=plan.norm,        # launch 2
+                         heads=plan.heads, kv_heads=plan.kv_heads, tokens=plan.tokens, rope=plan.rope,
+                         dot_dtype=plan.dot_dtype)
+    q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+    o, lse = attention_fwd(q, k, v, causal=plan.causal)                                         # launch 3
+    o2 = o.view(plan.rows, plan.heads * plan.head_dim)
+    res2 = res.reshape(plan.rows, plan.dim)
+    if res2.stride(1) != 1:
+        res2 = res2.contiguous()
+    stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
+                                row_scale=row_scale, dot_dtype=plan.dot_dtype)
+    return stream.view(res.shape), (x2, stats[0], stats[1], qkv, o, lse)
+
+
+def _fused_backward(plan: _Plan, g, x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
+                    has_b_qkv, has_b_proj):
+    """Gradients of sign * H(x) given g = d loss / d stream; seven launches.
+
+    dgamma / dbeta / the bias and the gamma, beta part of dW_qkv come from weight-sized torch
+    ops: with n = xhat * gamma + beta, dW_qkv = dW' * gamma + db (x) beta, dgamma = sum_n dW' * W,
+    dbeta = db @ W where dW' = dqkv^T @ xhat, so the norm backward needs no partial-sum pass.
+    """
+    from . import gemm
+
+    dt, rows = plan.dot_dtype, plan.rows
+    g2 = g.reshape(rows, plan.dim)
+    if g2.stride(1) != 1 or g2.stride(0) == 0:
+        g2 = g2.contiguous()
+    # out-projection: dO = sign * row_scale * (g @ W_proj); dW_proj, db_proj from the same scaled g.
+    do = gemm.linear_input_grad(g2, w_proj, alpha=plan.sign, row_scale=row_scale, dot_dtype=dt,  # launch 1
+                                out_dtype=dt)
+    dw_proj, db_proj = gemm.linear_weight_grad(g2, o.view(rows, -1), grad_scale=row_scale,      # launch 2
+                                               alpha=plan.sign, bias_grad=has_b_proj, dot_dtype=dt)
+    # attention (+ RoPE backward), written straight into the packed dqkv buffer.
+    dqkv = torch.empty_like(qkv)
+    q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+    dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+    attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,      # launches 3, 4
+                  dq=dq, dk=dk, dv=dv)
+    # QKV projection and the norm.
+    w_gamma = w_qkv if norm_weight is None else (w_qkv.float() * norm_weight.float()).to(dt)
+    dxhat = gemm.linear_input_grad(dqkv, w_gamma, dot_dtype=dt, out_dtype=torch.float32)        # launch 5
+    dx, _, _ = gemm.norm_bwd(dxhat, x2, (mean, rstd), None, norm=plan.norm, has_bias=False)     # launch 6
+    dw_hat, db_qkv = gemm.linear_weight_grad(dqkv, x2, norm=plan.norm, stats=(mean, rstd),       # launch 7
+                                             bias_grad=True, dot_dtype=dt)
+    w32 = w_qkv.float()
+    dgamma = dbeta = None
+    dw_qkv = dw_hat
+    if norm_weight is not None:
+        dgamma = (dw_hat * w32).sum(0)
+        dw_qkv = dw_hat * norm_weight.float()
+    if norm_bias is not None:
+        dbeta = db_qkv @ w32
+        dw_qkv = dw_qkv + torch.outer(db_qkv, norm_bias.float())
+    return (dx.view(plan.batch, plan.tokens, plan.dim), dgamma, dbeta, dw_qkv,
+            db_qkv if has_b_qkv else None, dw_proj, db_proj)
+
+
+class FusedNormAttentionCouple(torch.autograd.Function):
+    """Autograd Function of the fused half: forward 4 launches, backward 7."""
+
+    @staticmethod
+    def forward(ctx, plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
+        stream, (x2, mean, rstd, qkv, o, lse) = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv,
+                                                               w_proj, b_proj, row_scale)
+        ctx.plan = plan
+        ctx.has_b_qkv, ctx.has_b_proj = b_qkv is not None, b_proj is not None
+        ctx.param_dtypes = [None if t is None else t.dtype for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
+                                                                      b_proj)]
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale)
+        if plan.frac_bits is None:
+            return stream
+        ctx.mark_non_differentiable(stream)
+        from .streams import gradient_port
+
+        return stream, gradient_port(stream)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan = ctx.plan
+        g = grads[0] if plan.frac_bits is None else grads[1]
+        x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale = ctx.saved_tensors
+        grad_res = grads[0] if plan.frac_bits is None else None
+        if g is None:
+            return (None, grad_res) + (None,) * 8
+        with torch.autocast(g.device.type, enabled=False):
+            dx, dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj = _fused_backward(
+                plan, g.float(), x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
+                ctx.has_b_qkv, ctx.has_b_proj)
+        param_grads = [None if d is None else d.to(dtype) for d, dtype in
+                       zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes)]
+        return (None, grad_res, dx.to(ctx.x_dtype), *param_grads, None)
+
+
+def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
+                                heads, kv_heads, causal, rope_theta, norm, eps, row_scale):
+    """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
+
+    Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``.
+    Forward: row stats -> QKV GEMM (norm prologue, bias + RoPE epilogue) -> flash attention ->
+    out-projection GEMM (bias, row_scale, residual +/- or the exact int32 add): 4 launches.
+    Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
+    attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
+    with fp32 accumulation.
+    """
+    kv_heads = kv_heads or heads
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    if frac_bits is not None:
+        from .streams import check_frac_bits
+
+        check_frac_bits(frac_bits)
+    _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
+    dot_dtype = _compute_dtype(x, w_qkv)
+    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype)
+    if row_scale is not None:
+        row_scale = row_scale.reshape(plan.rows).to(torch.float32).contiguous()
+    # Weights in the operand dtype (a no-op without autocast); autograd takes the cast back.
+    w_qkv_c, w_proj_c = w_qkv.to(dot_dtype), w_proj.to(dot_dtype)
+    tensors = (res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not needs_grad:
+        stream, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
+                                   row_scale)
+        return stream, None
+    out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
+                                         row_scale)
+    if frac_bits is None:
+        return out, out
+    return out

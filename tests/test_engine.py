@@ -1,0 +1,320 @@
+"""The reversible engine on the CPU reference path (issue 2)."""
+import pytest
+import torch
+from torch import nn
+
+from revtriton import ReversibleBlock, ReversibleStack
+from revtriton.profiling import peak_memory, saved_bytes
+from revtriton.ops.streams import to_fixed
+from twins import DropPath, grads_of, max_rel_error, mlp, plain_forward, rounded_forward
+
+DIM = 16
+
+
+def make_stack(depth, dim=DIM, dtype=torch.float64, dropout=0.0, drop_path=0.0, **kwargs):
+    blocks = [
+        ReversibleBlock(DropPath(mlp(dim, dropout=dropout), drop_path), DropPath(mlp(dim, dropout=dropout), drop_path))
+        for _ in range(depth)
+    ]
+    return ReversibleStack(blocks, **kwargs).to(dtype)
+
+
+def loss_of(out):
+    # A loss with a non-uniform upstream gradient (not just ones).
+    return (out * torch.linspace(-1, 2, out.shape[-1], dtype=out.dtype)).square().sum()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 7, 24])
+def test_float_mode_gradients_match_plain_autograd(depth):
+    stack = make_stack(depth, exact=False)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_exact_mode_gradients_equal_rounded_model_bitwise(autocast):
+    depth = 96
+    stack = make_stack(depth, dim=8, dtype=torch.float32)
+    for p in stack.parameters():  # trained-like weights keep the streams moving at depth 96
+        p.data.mul_(0.5)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+
+    def under_autocast(forward):
+        # Only the forward runs under autocast: the engine must restore it for the recompute.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return loss_of(forward().float())
+
+    got = grads_of(stack, x, lambda: under_autocast(lambda: stack(x)))
+    want = grads_of(stack, x, lambda: under_autocast(lambda: rounded_forward(stack, x, 16)))
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
+
+
+def test_exact_inverse_is_bitwise_at_depth_96_and_float_drift_is_reported():
+    stack = make_stack(96, dim=8, dtype=torch.float32)
+    x1, x2 = torch.randn(2, 2, 4, 8).unbind(0)
+    s1, s2 = to_fixed(x1, 16), to_fixed(x2, 16)
+    y1, y2 = stack.forward_streams(s1, s2)
+    assert y1.dtype == torch.int32 and not torch.equal(y1, s1)
+    r1, r2 = stack.inverse(y1, y2)
+    assert torch.equal(r1, s1) and torch.equal(r2, s2)
+
+    stack.exact = False
+    with torch.no_grad():
+        f1, f2 = stack.inverse(*stack.forward_streams(x1, x2))
+    error = max(((f1 - x1).norm() / x1.norm()).item(), ((f2 - x2).norm() / x2.norm()).item())
+    print(f"float-mode reconstruction error at depth 96 (fp32): {error:.3e}")
+    assert error > 0  # float reversal is not exact, which is why exact streams exist
+
+
+def test_bytes_kept_for_backward_do_not_grow_with_depth():
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    kept = {}
+    for depth in (12, 24, 48):
+        stack = make_stack(depth, dim=64, dtype=torch.float32)
+        kept[depth] = saved_bytes(lambda: stack(x), stack)
+        if depth == 24:
+            stored = saved_bytes(lambda: plain_forward(stack, x), stack)
+    assert kept[48] <= 1.05 * kept[12]
+    assert stored >= 20 * kept[24], (stored, kept[24])
+
+
+def test_training_step_peak_memory_is_flat_in_depth():
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    peaks = []
+    for depth in (8, 32):
+        stack = make_stack(depth, dim=64, dtype=torch.float32)
+        stack(x).sum().backward()  # allocate .grad first: steady-state training steps reuse it
+        peaks.append(peak_memory(lambda: stack(x).sum().backward()))
+    assert peaks[1] <= 1.10 * peaks[0], peaks
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_dropout_and_drop_path_replay_exactly(exact):
+    dtype = torch.float32 if exact else torch.float64
+    stack = make_stack(5, dtype=dtype, dropout=0.1, drop_path=0.2, exact=exact).train()
+    x = torch.randn(6, 4, DIM, dtype=dtype, requires_grad=True)
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    after_reversible = torch.rand(())
+    torch.manual_seed(seed)
+    if exact:
+        want = grads_of(stack, x, lambda: loss_of(rounded_forward(stack, x, 16)))
+    else:
+        want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    after_plain = torch.rand(())
+    assert torch.equal(after_reversible, after_plain), "backward must not disturb the global RNG stream"
+    if exact:
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    else:
+        assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+
+
+class CountingHalf(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.inner = mlp(dim)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_each_half_runs_twice_per_training_step(schedule):
+    halves = [CountingHalf(DIM) for _ in range(6)]
+    stack = ReversibleStack([ReversibleBlock(halves[2 * i], halves[2 * i + 1]) for i in range(3)], schedule=schedule)
+    x = torch.randn(2, 3, DIM, requires_grad=True)
+    stack(x).sum().backward()
+    assert [h.calls for h in halves] == [2] * 6
+
+
+class WidenTokens(nn.Module):
+    """A stage transition: mixes tokens and widens channels (not invertible)."""
+
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(x))
+
+
+class PairShuffle(nn.Module):
+    """An invertible layer: merges token pairs into channels ([B, T, C] -> [B, T/2, 2C]) and swaps streams."""
+
+    def forward(self, x1, x2):
+        b, t, c = x1.shape
+        return x2.reshape(b, t // 2, 2 * c), x1.reshape(b, t // 2, 2 * c)
+
+    def inverse(self, y1, y2):
+        b, t, c = y1.shape
+        return y2.reshape(b, 2 * t, c // 2), y1.reshape(b, 2 * t, c // 2)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_stage_transition_matches_plain_autograd(schedule):
+    layers = [ReversibleBlock(mlp(8), mlp(8)) for _ in range(3)] + [WidenTokens(8, 12)]
+    layers += [ReversibleBlock(mlp(12), mlp(12)) for _ in range(2)]
+    stack = ReversibleStack(layers, exact=False, schedule=schedule).double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+    with pytest.raises(ValueError, match="stage transition"):
+        stack.inverse(torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 4, 12, dtype=torch.float64))
+
+
+def test_invertible_layer_stays_in_the_segment():
+    layers = [ReversibleBlock(mlp(8), mlp(8)) for _ in range(2)] + [PairShuffle()]
+    layers += [ReversibleBlock(mlp(16), mlp(16)) for _ in range(2)]
+    stack = ReversibleStack(layers, exact=False).double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+
+    plain4 = ReversibleStack([ReversibleBlock(mlp(8), mlp(8)) for _ in range(4)], exact=False).double()
+    assert saved_bytes(lambda: stack(x), stack) <= saved_bytes(lambda: plain4(x), plain4)
+
+    exact = ReversibleStack(layers, exact=True)
+    exact.float()
+    s1, s2 = to_fixed(torch.randn(2, 6, 8), 16), to_fixed(torch.randn(2, 6, 8), 16)
+    r1, r2 = exact.inverse(*exact.forward_streams(s1, s2))
+    assert torch.equal(r1, s1) and torch.equal(r2, s2)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_frozen_input_still_gives_parameter_grads(exact):
+    dtype = torch.float32 if exact else torch.float64
+    stack = make_stack(3, dtype=dtype, exact=exact)
+    x = torch.randn(2, 3, DIM, dtype=dtype)  # e.g. a frozen embedding's output
+    stack.zero_grad(set_to_none=True)
+    loss_of(stack(x)).backward()
+    got = [p.grad.clone() for p in stack.parameters()]
+    stack.zero_grad(set_to_none=True)
+    reference = rounded_forward(stack, x, 16) if exact else plain_forward(stack, x)
+    loss_of(reference).backward()
+    assert all(g is not None for g in got)
+    if exact:
+        assert all(torch.equal(a, p.grad) for a, p in zip(got, stack.parameters()))
+    else:
+        assert max_rel_error(got, [p.grad for p in stack.parameters()]) <= 1e-10
+
+
+def test_no_grad_and_inference_keep_nothing():
+    stack = make_stack(4, dtype=torch.float32)
+    x = torch.randn(2, 3, DIM, requires_grad=True)
+    with torch.no_grad():
+        y = stack(x)
+    assert y.grad_fn is None
+    stack.eval()
+    with torch.inference_mode():
+        y = stack(x)
+    assert y.grad_fn is None
+    with torch.no_grad():
+        assert saved_bytes(lambda: stack(x), stack) == 0
+
+
+def test_second_backward_raises():
+    stack = make_stack(2, dtype=torch.float32)
+    x = torch.randn(2, 3, DIM, requires_grad=True)
+    loss = stack(x).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+def test_anchors_bound_float_drift_and_match_plain_gradients():
+    stack = make_stack(24, exact=False, anchor_every=4)
+    x = torch.randn(2, 3, DIM, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+    plain = make_stack(24, exact=False)
+    assert saved_bytes(lambda: stack(x), stack) > saved_bytes(lambda: plain(x), plain)  # it keeps anchors
+
+
+class ShapeChanger(nn.Module):
+    def forward(self, x):
+        return x[..., :-1]
+
+
+class Explode(nn.Module):
+    def forward(self, x):
+        return x * 1e6 + 1e6
+
+
+class Noisy(nn.Module):
+    """Not deterministic: draws from its own generator, which the engine cannot replay."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+    def forward(self, x):
+        return self.lin(x) + 0.01 * torch.randn(x.shape, generator=self.gen)
+
+
+def test_bad_inputs_raise_clear_errors():
+    stack = make_stack(2, dtype=torch.float32)
+    x = torch.randn(2, 3, DIM)
+    with pytest.raises(TypeError, match="floating"):
+        stack(torch.ones(2, 3, DIM, dtype=torch.int64))
+    with pytest.raises(TypeError, match="floating"):
+        stack(torch.randn(2, 3, DIM, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="same shape"):
+        stack.forward_streams(x, x[:1])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        stack(torch.full((2, 3, DIM), float("nan")))
+    with pytest.raises(ValueError, match="parameters are on"):
+        stack(torch.randn(2, 3, DIM, device="meta"))
+    split = ReversibleStack([ReversibleBlock(mlp(4), mlp(4))], streams="split")
+    assert split(torch.randn(2, 8)).shape == (2, 8)
+    with pytest.raises(ValueError, match="even last dim"):
+        split(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="keep the shape"):
+        ReversibleStack([ReversibleBlock(ShapeChanger(), mlp(DIM))])(x)
+    with pytest.raises(ValueError, match="schedule"):
+        ReversibleStack([ReversibleBlock(mlp(4), mlp(4))], schedule="fast")
+    with pytest.raises(ValueError, match="frac_bits"):
+        ReversibleStack([ReversibleBlock(mlp(4), mlp(4))], frac_bits=40)
+    with pytest.raises(TypeError, match="nn.Module"):
+        ReversibleStack([lambda x: x])
+
+
+def test_overflow_names_the_block_and_a_frac_bits_that_fits():
+    layers = [ReversibleBlock(mlp(DIM), mlp(DIM)) for _ in range(2)] + [ReversibleBlock(Explode(), mlp(DIM))]
+    stack = ReversibleStack(layers)
+    with pytest.raises(OverflowError, match=r"F half of layer 2.*frac_bits <= \d+"):
+        stack(torch.randn(2, 3, DIM, requires_grad=True))
+    message = ""
+    try:
+        stack(torch.randn(2, 3, DIM))
+    except OverflowError as error:
+        message = str(error)
+    fit = int(message.split("frac_bits <= ")[1].split()[0])
+    ReversibleStack(layers, frac_bits=fit)(torch.randn(2, 3, DIM))  # the suggestion works
+
+
+def test_non_deterministic_half_is_caught_by_the_checksum():
+    stack = ReversibleStack([ReversibleBlock(mlp(DIM), Noisy(DIM)) for _ in range(2)])
+    x = torch.randn(2, 3, DIM, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not deterministic"):
+        stack(x).sum().backward()
+
+
+def test_readme_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert blocks, "README has no python example"
+    exec(compile(blocks[0], "README.md", "exec"), {})
