@@ -34,11 +34,11 @@ ACT_NONE, ACT_GELU_TANH, ACT_GELU, ACT_RELU, ACT_SWIGLU = 0, 1, 2, 3, 4
 NORM_NONE, NORM_LAYER, NORM_RMS = 0, 1, 2
 RES_NONE, RES_FLOAT, RES_EXACT = 0, 1, 2
 
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_TANH_C = 0.044715
-INV_SQRT_2 = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
-SATURATION = 2147483520.0  # 2**31 - 128, the largest float32 below 2**31
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_TANH_C = tl.constexpr(0.044715)
+INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+SATURATION = tl.constexpr(2147483520.0)  # 2**31 - 128, the largest float32 below 2**31
 
 # Everything that changes the compiled kernel is part of the tuning key; the token count M is not.
 GEMM_TUNE_KEY = ["N", "K", "A_NORM", "B_NORM", "A_SCALE_K", "B_ACT", "DUAL_B", "SECOND_K", "A_SUM", "HAS_BIAS",
@@ -154,7 +154,12 @@ def fused_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    rm64 = rm.to(tl.int64)
+    # Scalar 64-bit base pointers + 32-bit offset tiles: 64-bit pointer tiles cost two registers an
+    # element and made the epilogue spill.
+    local_m = tl.arange(0, BLOCK_M)
+    local_n = tl.arange(0, BLOCK_N)
+    row0 = (pid_m * BLOCK_M).to(tl.int64)
+    col0 = (pid_n * BLOCK_N).to(tl.int64)
 
     if A_NORM != 0:
         rstd_a = tl.load(rstd_ptr + rm, mask=mask_m, other=0.0)
@@ -172,18 +177,20 @@ def fused_gemm_kernel(
     if A_SUM:
         a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
-    a_ptrs = a_ptr + rm64[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    b2_ptrs = b2_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    a_offs = local_m[:, None] * stride_am + rk[None, :] * stride_ak
+    b_offs = rk[:, None] * stride_bk + local_n[None, :] * stride_bn
+    a_base = a_ptr + row0 * stride_am
+    b_base = b_ptr + col0 * stride_bn
+    b2_base = b2_ptr + col0 * stride_bn
     for segment in tl.static_range(2 if SECOND_K else 1):
         if segment == 1:
             # Second K segment: A's columns K..2K-1 against B2.
-            a_ptrs = a_ptr + rm64[:, None] * stride_am + (K + rk[None, :]).to(tl.int64) * stride_ak
-            b_ptrs = b2_ptr + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+            a_base = a_ptr + row0 * stride_am + K.to(tl.int64) * stride_ak
+            b_base = b2_ptr + col0 * stride_bn
         for k_block in range(0, tl.cdiv(K, BLOCK_K)):
             kk = k_block * BLOCK_K + rk
             mask_k = kk < K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            a = tl.load(a_base + a_offs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             if A_NORM != 0:
                 a = a.to(tl.float32)
                 if A_NORM == 1:
@@ -198,7 +205,7 @@ def fused_gemm_kernel(
             if A_SUM:
                 a_sum += tl.sum(a.to(tl.float32), axis=1)
             a = a.to(DOT_DTYPE)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            b = tl.load(b_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if B_NORM != 0:
                 b = b.to(tl.float32)
                 if B_NORM == 1:
@@ -209,23 +216,23 @@ def fused_gemm_kernel(
                 if HAS_BETA:
                     b = b + beta_b[None, :]
             if B_ACT == 4:
-                b_up = tl.load(b2_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                b_up = tl.load(b2_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
                 b = silu(b.to(DOT_DTYPE).to(tl.float32)).to(DOT_DTYPE).to(tl.float32) * b_up
             elif B_ACT != 0:
                 b = apply_activation(b.to(tl.float32), B_ACT)
             acc = tl.dot(a, b.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
             if DUAL_B:
-                b2 = tl.load(b2_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                b2 = tl.load(b2_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
                 acc2 = tl.dot(a, b2.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
-                b2_ptrs += BLOCK_K * stride_bk
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+            a_base += BLOCK_K * stride_ak
+            b_base += BLOCK_K * stride_bk
+            b2_base += BLOCK_K * stride_bk
 
     # ---- epilogue ----
     mask_c = mask_m[:, None] & mask_n[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    aux_ptrs = aux_ptr + rm64[:, None] * stride_auxm + rn[None, :]
+    aux_ptrs = (aux_ptr + row0 * stride_auxm + col0) + (local_m[:, None] * stride_auxm + local_n[None, :])
     if store_aux != 0:
         tl.store(aux_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=mask_c)
         if DUAL_B:
@@ -241,7 +248,7 @@ def fused_gemm_kernel(
     acc = acc * alpha
     if HAS_ROW_SCALE:
         acc = acc * tl.load(row_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = c_ptr + rm64[:, None] * stride_cm + rn[None, :] * stride_cn
+    c_ptrs = (c_ptr + row0 * stride_cm + col0 * stride_cn) + (local_m[:, None] * stride_cm + local_n[None, :] * stride_cn)
     if ACT_BWD == 4:
         z_gate = tl.load(aux_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         z_up = tl.load(aux_ptrs + N, mask=mask_c, other=0.0).to(tl.float32)
@@ -250,7 +257,7 @@ def fused_gemm_kernel(
         tl.store(c_ptrs + N * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask_c)
     elif ACT_BWD != 0:
         acc = acc * activation_grad(tl.load(aux_ptrs, mask=mask_c, other=0.0).to(tl.float32), ACT_BWD)
-    res_ptrs = res_ptr + rm64[:, None] * stride_resm + rn[None, :]
+    res_ptrs = (res_ptr + row0 * stride_resm + col0) + (local_m[:, None] * stride_resm + local_n[None, :])
     if RESIDUAL == 1:
         res = tl.load(res_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         tl.store(c_ptrs, (res + sign * acc).to(c_ptr.dtype.element_ty), mask=mask_c)

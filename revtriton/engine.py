@@ -173,6 +173,40 @@ class ForwardGuards:
         return None if failed.numel() == 0 else self.labels[int(failed[0, 0])]
 
 
+class BackwardChecks:
+    """Checksum flags of all segments of one forward, checked with one host sync.
+
+    Segments run backward last to first, so the first segment's backward does the check.
+    """
+
+    def __init__(self, first_layer: int):
+        self.first_layer = first_layer
+        self.flags = []  # (index of the segment's last layer, flags in backward order)
+
+    def add(self, last_layer, flags):
+        self.flags.append((last_layer, flags))
+
+    def raise_if_mismatched(self):
+        if not self.flags:
+            return
+        found = torch.cat([f for _, f in self.flags]).nonzero()
+        if found.numel():
+            position = int(found[0, 0])
+            for last_layer, flags in self.flags:
+                if position < len(flags):
+                    layer_index = last_layer - position
+                    break
+                position -= len(flags)
+            self.flags.clear()
+            raise RuntimeError(
+                f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
+                f"(int64 checksum differs). F or G of that block is not deterministic: the recompute must run "
+                f"the same kernels with the same configs, autocast state and RNG stream as the forward "
+                f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
+            )
+        self.flags.clear()
+
+
 def _overflowed(res: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # Integer wrap-around stays invertible, so only the size of the step shows it: a real step
     # (the rounded half output) is below 2**31 in magnitude, a wrapped one is not.
@@ -202,6 +236,7 @@ class SegmentRun:
     autocast: AutocastState | None = None
     anchor_layers: list = field(default_factory=list)
     trace: ScheduleTrace | None = None
+    checks: BackwardChecks | None = None
 
 
 def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record: bool):
@@ -273,15 +308,10 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         stepper = _SegmentBackward(run, anchors, checksum)
         with run.rng.preserved():
             dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
-        if mismatch is not None and bool(mismatch.any()):  # the one host sync of the backward
-            bad = int(mismatch.nonzero()[0, 0])
-            layer_index = run.first_index + len(run.layers) - 1 - bad
-            raise RuntimeError(
-                f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
-                f"(int64 checksum differs). F or G of that block is not deterministic: the recompute must run "
-                f"the same kernels with the same configs, autocast state and RNG stream as the forward "
-                f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
-            )
+        if mismatch is not None:
+            run.checks.add(run.first_index + len(run.layers) - 1, mismatch)
+        if run.first_index == run.checks.first_layer:
+            run.checks.raise_if_mismatched()  # the one host sync of the backward
         return None, dx1, dx2, None
 
 
@@ -471,9 +501,13 @@ class ReversibleStack(nn.Module):
             raise TypeError(f"x1 and x2 must have the same dtype, got {x1.dtype} and {x2.dtype}")
         return self._run(x1, x2)
 
+    # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
+    # nested backward) stays eager; users compile F and G regionally.
+    @torch.compiler.disable
     def _run(self, x1, x2):
         inputs = (x1, x2)
         guards = ForwardGuards()
+        checks = None
         if self.exact:
             with torch.no_grad():  # isfinite is composite: under grad it would save its input
                 guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
@@ -482,16 +516,18 @@ class ReversibleStack(nn.Module):
                 x = item((x1 + x2) * 0.5)
                 x1 = x2 = x
                 continue
-            x1, x2 = self._run_segment(index, item, x1, x2, guards)
+            checks = checks or BackwardChecks(index)
+            x1, x2 = self._run_segment(index, item, x1, x2, guards, checks)
         failure = guards.first_failure()  # the one host sync of the forward
         if failure is not None:
             self._raise_guard(failure, inputs)
         return x1, x2
 
-    def _run_segment(self, first_index, layers, x1, x2, guards):
+    def _run_segment(self, first_index, layers, x1, x2, guards, checks):
         fmt = self._format(x1.dtype)
         run = SegmentRun(layers, first_index, fmt, self.anchor_every, self.schedule, guards=guards,
-                         rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace)
+                         rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
+                         checks=checks)
         params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
         if not needs_graph:

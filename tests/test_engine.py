@@ -303,11 +303,26 @@ def test_overflow_names_the_block_and_a_frac_bits_that_fits():
     ReversibleStack(layers, frac_bits=fit)(torch.randn(2, 3, DIM))  # the suggestion works
 
 
-def test_non_deterministic_half_is_caught_by_the_checksum():
-    stack = ReversibleStack([ReversibleBlock(mlp(DIM), Noisy(DIM)) for _ in range(2)])
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_non_deterministic_half_is_caught_by_the_checksum(schedule):
+    layers = [ReversibleBlock(mlp(DIM), mlp(DIM)), WidenTokens(DIM, DIM), ReversibleBlock(mlp(DIM), mlp(DIM)),
+              ReversibleBlock(mlp(DIM), Noisy(DIM)), ReversibleBlock(mlp(DIM), mlp(DIM))]
+    stack = ReversibleStack(layers, schedule=schedule)
     x = torch.randn(2, 3, DIM, requires_grad=True)
-    with pytest.raises(RuntimeError, match="not deterministic"):
+    with pytest.raises(RuntimeError, match="input of layer 3 .* not deterministic"):
         stack(x).sum().backward()
+
+
+def test_compiled_model_treats_the_stack_as_one_eager_region():
+    stack = make_stack(3, dtype=torch.float32)
+    model = nn.Sequential(nn.Linear(DIM, DIM), stack, nn.Linear(DIM, 1))
+    x = torch.randn(2, 3, DIM)
+    compiled = torch.compile(model, backend="eager")
+    compiled(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
 
 
 def test_readme_example_runs():

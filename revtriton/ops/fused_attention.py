@@ -505,3 +505,121 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     if frac_bits is None:
         return out, out
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time specs (revtriton.aot collects them)
+
+AOT_HEAD_DIMS = (64, 128)
+
+
+def _aot_spec(name, kernel, config, arch, *, pointers, constexprs, floats=("sm_scale",)):
+    from ..aot import AotSpec, _jit_function
+
+    fn = _jit_function(kernel)
+    constexprs = {**constexprs, **config.kwargs}
+    signature, divisible = {}, []
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in pointers:
+            signature[arg] = "*" + pointers[arg]
+            divisible.append(arg)
+        elif arg in floats:
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+            if arg.startswith("stride"):
+                divisible.append(arg)
+    tile = "x".join(str(v) for v in config.kwargs.values())
+    return AotSpec(name=f"{name}/{tile}w{config.num_warps}s{config.num_stages}", kernel=fn, signature=signature,
+                   constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages, arch=arch,
+                   divisible=tuple(divisible))
+
+
+def aot_specs():
+    """Every kernel variant the fused attention half launches x every config, for sm_90 and sm_80.
+
+    bf16 operands (the autocast setting), fp32 lse / delta / stats / RoPE tables, head dims 64 and
+    128. GEMM variants of ops.gemm that the MLP half's specs do not already cover are added here.
+    """
+    kernels, qkv_kernels = _attention_kernels(), _qkv_kernels()
+    from . import gemm
+
+    t, f32 = "bf16", "fp32"
+    specs = []
+    for arch in (90, 80):
+        for hd in AOT_HEAD_DIMS:
+            for causal in (False, True):
+                for config in kernels.fwd_configs(hd):
+                    specs.append(_aot_spec(
+                        f"attention_fwd[d{hd},{'causal' if causal else 'full'}]", kernels.attention_fwd_kernel,
+                        config, arch, pointers=dict(Q=t, K=t, V=t, O=t, LSE=f32),
+                        constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, DOT_PRECISION="tf32")))
+            for causal, rope in ((False, False), (True, True)):
+                for config in kernels.bwd_configs(hd):
+                    specs.append(_aot_spec(
+                        f"attention_bwd[d{hd},{'causal' if causal else 'full'},{'rope' if rope else 'norope'}]",
+                        kernels.attention_bwd_kernel, config, arch,
+                        pointers=dict(Q=t, K=t, V=t, DO=t, LSE=f32, DELTA=f32, DQ=t, DK=t, DV=t, COS=f32, SIN=f32),
+                        constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, ROPE=rope, DOT_PRECISION="tf32")))
+            for config in kernels.delta_configs(hd):
+                specs.append(_aot_spec(f"attention_bwd_delta[d{hd}]", kernels.attention_bwd_delta_kernel, config,
+                                       arch, pointers=dict(O=t, DO=t, DELTA=f32), constexprs=dict(HEAD_DIM=hd)))
+            for norm, rope in (("layer", False), ("rms", True)):
+                rms = norm == "rms"
+                for config in qkv_kernels.qkv_configs(hd):
+                    specs.append(_aot_spec(
+                        f"qkv_gemm[d{hd},{norm},{'rope' if rope else 'norope'}]",
+                        qkv_kernels.qkv_norm_rope_gemm_kernel, config, arch,
+                        pointers=dict(X=f32, MEAN=f32, RSTD=f32, GAMMA=f32, BETA=f32, W=t, BIAS=f32, OUT=t, COS=f32,
+                                      SIN=f32),
+                        constexprs=dict(IS_RMS=rms, HAS_GAMMA=True, HAS_BETA=not rms, HAS_BIAS=not rms, ROPE=rope,
+                                        HEAD_DIM=hd, DOT_PRECISION="tf32")))
+    params = {"gamma_ptr": "fp32", "beta_ptr": "fp32", "bias_ptr": "fp32", "mean_ptr": "fp32", "rstd_ptr": "fp32",
+              "row_scale_ptr": "fp32", "k_scale_ptr": "fp32"}
+    params = {k: torch.float32 for k in params}
+    nt = ("stride_ak", "stride_bk", "stride_cn")
+    nn_ = ("stride_ak", "stride_bn", "stride_cn")
+    tn = ("stride_am", "stride_bn", "stride_cn")
+    bf16, fp32, i32 = torch.bfloat16, torch.float32, torch.int32
+    # out-projection + residual without bias / row scale (RMSNormAttention, eval mode)
+    specs += gemm.gemm_aot_specs("attn_couple_float_nobias", flags=dict(RESIDUAL=1), unit_strides=nt, c_dtype=fp32,
+                                 ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": fp32})
+    specs += gemm.gemm_aot_specs("attn_couple_exact_nobias", flags=dict(RESIDUAL=2), unit_strides=nt, c_dtype=i32,
+                                 ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": i32})
+    # dO = sign * row_scale * (g @ W_proj)
+    specs += gemm.gemm_aot_specs("attn_bwd_do", flags=dict(HAS_ROW_SCALE=True), unit_strides=nn_, c_dtype=bf16,
+                                 ptr_dtypes={**params, "a_ptr": fp32})
+    # dW_proj, db_proj
+    specs += gemm.gemm_aot_specs("attn_bwd_dwproj", flags=dict(A_SCALE_K=True, A_SUM=True), unit_strides=tn,
+                                 c_dtype=fp32, ptr_dtypes={**params, "a_ptr": fp32, "b_ptr": bf16})
+    # dW' = dqkv^T @ xhat (no gamma / beta in the prologue), db_qkv
+    for norm, code in (("layernorm", 1), ("rmsnorm", 2)):
+        specs += gemm.gemm_aot_specs(f"attn_bwd_dwqkv_{norm}", flags=dict(B_NORM=code, A_SUM=True), unit_strides=tn,
+                                     c_dtype=fp32, ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": fp32})
+    # norm backward without gamma (folded into W) and without partial sums
+    from ..aot import AotSpec
+
+    for arch in (90, 80):
+        for dim in (768, 4096):
+            block_n = triton_next_power_of_2(dim)
+            warps = gemm.norm_num_warps(block_n)
+            for norm in ("layer", "rms"):
+                sig = {"dn_ptr": f32, "x_ptr": f32, "mean_ptr": f32, "rstd_ptr": f32, "gamma_ptr": f32,
+                       "dres_ptr": f32, "dx_ptr": f32, "part_dgamma_ptr": f32, "part_dbeta_ptr": f32}
+                sig = {k: "*" + v for k, v in sig.items()}
+                sig.update({k: "i32" for k in ("M", "N", "rows_per_program", "stride_dnm", "stride_xm",
+                                               "stride_dresm", "stride_dxm")})
+                flags = {"IS_RMS": norm == "rms", "HAS_GAMMA": False, "HAS_BETA": False, "HAS_DRES": False,
+                         "BLOCK_N": block_n}
+                sig.update({k: "constexpr" for k in flags})
+                specs.append(AotSpec(
+                    name=f"attn_norm_bwd_nogamma[{norm},d{dim}]", kernel=gemm.norm_kernels.norm_bwd_kernel,
+                    signature=sig, constexprs=flags, num_warps=warps, num_stages=1, arch=arch,
+                    divisible=tuple(k for k in sig if k.endswith("_ptr") or k.startswith("stride"))))
+    return specs
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -241,3 +241,52 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
         stream, _, _ = _swiglu_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, eps, rs, dot_dtype,
                                        False)
     return stream.view(res.shape), None
+
+
+# ---------------------------------------------------------------- ahead-of-time specs
+
+def aot_specs():
+    """Every kernel variant this module launches (bf16 operands, fp32 streams and params as under
+    autocast) x every config of the sm_90 and sm_80 lists; row kernels at dims 768 and 4096."""
+    bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    params = {"gamma_ptr": f32, "beta_ptr": f32, "bias_ptr": f32, "mean_ptr": f32, "rstd_ptr": f32,
+              "row_scale_ptr": f32, "k_scale_ptr": f32}
+    nt = ("stride_ak", "stride_bk", "stride_cn")  # A row-major, B = W.T (W row-major), C row-major
+    nn_ = ("stride_ak", "stride_bn", "stride_cn")  # B = W read as is
+    tn = ("stride_am", "stride_bn", "stride_cn")  # A = G.T (weight gradients)
+    specs = []
+    for act in ("gelu_tanh", "gelu", "relu"):
+        code = gemm.ACTIVATION_CODES[act]
+        specs += gemm.gemm_aot_specs(
+            f"fwd_layernorm_{act}", flags=dict(A_NORM=1, HAS_GAMMA=True, HAS_BETA=True, HAS_BIAS=True, ACT=code),
+            unit_strides=nt, ptr_dtypes={**params, "a_ptr": f32})
+        specs += gemm.gemm_aot_specs(
+            f"bwd_dh_{act}", flags=dict(ACT_BWD=code, HAS_ROW_SCALE=True), unit_strides=nn_,
+            ptr_dtypes={**params, "a_ptr": f32})
+        specs += gemm.gemm_aot_specs(
+            f"bwd_dw2_{act}", flags=dict(A_SCALE_K=True, B_ACT=code, A_SUM=True), unit_strides=tn, c_dtype=f32,
+            ptr_dtypes={**params, "a_ptr": f32, "b_ptr": bf16})
+    specs += gemm.gemm_aot_specs(
+        "fwd_rmsnorm_swiglu", flags=dict(A_NORM=2, HAS_GAMMA=True, DUAL_B=True, ACT=4), unit_strides=nt,
+        ptr_dtypes={**params, "a_ptr": f32, "b2_ptr": bf16})
+    specs += gemm.gemm_aot_specs(
+        "bwd_dh_swiglu", flags=dict(ACT_BWD=4, HAS_ROW_SCALE=True), unit_strides=nn_,
+        ptr_dtypes={**params, "a_ptr": f32})
+    specs += gemm.gemm_aot_specs(
+        "bwd_dw2_swiglu", flags=dict(A_SCALE_K=True, B_ACT=4), unit_strides=tn, c_dtype=f32,
+        ptr_dtypes={**params, "a_ptr": f32, "b_ptr": bf16, "b2_ptr": bf16})
+    specs += gemm.gemm_aot_specs(
+        "couple_float", flags=dict(HAS_BIAS=True, HAS_ROW_SCALE=True, RESIDUAL=1), unit_strides=nt, c_dtype=f32,
+        ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": f32})
+    specs += gemm.gemm_aot_specs(
+        "couple_exact", flags=dict(HAS_BIAS=True, HAS_ROW_SCALE=True, RESIDUAL=2), unit_strides=nt, c_dtype=i32,
+        ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": i32})
+    for norm, code in (("layernorm", 1), ("rmsnorm", 2)):
+        specs += gemm.gemm_aot_specs(
+            f"bwd_dw1_{norm}", flags=dict(B_NORM=code, HAS_GAMMA=True, HAS_BETA=code == 1, A_SUM=code == 1),
+            unit_strides=tn, c_dtype=f32, ptr_dtypes={**params, "b_ptr": f32})
+    specs += gemm.gemm_aot_specs("bwd_dx", flags={}, unit_strides=nn_, c_dtype=f32, ptr_dtypes=params)
+    specs += gemm.gemm_aot_specs("bwd_dx_swiglu", flags=dict(SECOND_K=True), unit_strides=nn_, c_dtype=f32,
+                                 ptr_dtypes={**params, "b2_ptr": bf16})
+    specs += gemm.norm_aot_specs()
+    return specs

@@ -1,0 +1,555 @@
+"""``revify(model)``: turn the transformer blocks of an existing timm or Hugging Face model into
+one reversible stack, in place, reusing each block's weights.
+
+Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
+``GPT2Model`` and ``LlamaForCausalLM`` / ``LlamaModel``.
+
+How it works:
+
+* Each block keeps its class's weights and submodules; its class is swapped for a subclass
+  that adds ``coupling_halves()`` (F = norm1 + attention, G = norm2 + MLP). The halves are
+  light objects that read the block's parameters at call time, not registered submodules, so
+  ``state_dict`` keys, PEFT target names and FSDP wrap policies are unchanged.
+* The block list (timm ``blocks``, GPT-2 ``h``, LLaMA ``layers``) is replaced by a
+  :class:`~revtriton.engine.ReversibleStack` whose children are the same blocks, registered
+  ``"0"``, ``"1"``, ... as before.
+* For Hugging Face models the base model's forward is replaced by one that runs embeddings ->
+  stack -> final norm; the LM head and its loss (``labels=...``) are the library's own.
+
+The function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two streams
+(both start as the block input; the output is their mean) instead of ``x + F(x) + G(x + F(x))``.
+Pretrained weights are a starting point: fine-tune after converting.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .engine import ReversibleStack
+from .ops.attention import apply_rope_reference, norm_attention_couple, rope_cos_sin
+from .ops.mlp import normalize_reference, norm_mlp_couple, swiglu_mlp_couple
+from .ops.streams import couple_output
+
+SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
+             "transformers LlamaForCausalLM", "transformers LlamaModel")
+
+
+def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
+           schedule: str = "sequential") -> nn.Module:
+    """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
+
+    The keyword arguments are :class:`~revtriton.engine.ReversibleStack` options.
+    Raises TypeError for an unsupported architecture and NotImplementedError for a supported
+    one using a feature the reversible blocks do not reproduce (the message names it).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"revify takes an nn.Module, got {type(model).__name__}")
+    options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
+    for family, (module_prefix, class_name, convert) in _FAMILIES.items():
+        if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(model).__mro__):
+            convert(model, options)
+            return model
+    cls = type(model)
+    raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Class swaps (picklable: the swapped classes are found by name in this module)
+
+
+class _RevifiedBlock:
+    """Mixin of a block inside a revified model: offers coupling halves, refuses per-block calls."""
+
+    _half_classes: tuple = ()
+
+    def coupling_halves(self):
+        f_cls, g_cls = self._half_classes
+        return f_cls(self), g_cls(self)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} is a block of a ReversibleStack made by revtriton.revify and runs only inside "
+            f"the stack; per-block calls (attention masks, is_causal, gradient checkpointing) are not supported"
+        )
+
+
+_BLOCK_BASES = {}  # swapped class name -> (module, class name, mixin), for unpickling in a fresh process
+_swapped = {}
+
+
+def _swap_class(module: nn.Module, mixin: type, base_module: str, base_name: str):
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    name = f"Revified{cls.__name__}"
+    if (cls, mixin) not in _swapped:
+        new_cls = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        _swapped[(cls, mixin)] = new_cls
+        if cls.__name__ == base_name and cls.__module__ == base_module:
+            globals()[name] = new_cls
+    module.__class__ = _swapped[(cls, mixin)]
+
+
+def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpickling
+    if name in _BLOCK_BASES:
+        base_module, base_name, mixin = _BLOCK_BASES[name]
+        cls = getattr(importlib.import_module(base_module), base_name)
+        key = (cls, mixin)
+        if key not in _swapped:
+            _swapped[key] = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = _swapped[key]
+        return _swapped[key]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _replace_block_list(owner: nn.Module, attribute: str, options: dict):
+    blocks = getattr(owner, attribute)
+    if isinstance(blocks, ReversibleStack):
+        raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
+    setattr(owner, attribute, ReversibleStack(list(blocks), **options))
+
+
+# --------------------------------------------------------------------------------------------
+# Halves over an existing block's weights
+
+
+def _drop_path_scale(x: torch.Tensor, p: float, training: bool):
+    """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the global RNG)."""
+    if not training or p == 0.0:
+        return None
+    keep = 1.0 - p
+    mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 2), device=x.device, dtype=torch.float32)
+    return (mask.bernoulli_(keep) / keep).expand(x.shape[:-1])
+
+
+def _scale_rows(h, row_scale):
+    return h if row_scale is None else h * row_scale.unsqueeze(-1).to(h.dtype)
+
+
+def _layer_scaled(weight, bias, layer_scale: nn.Module):
+    """Fold a timm LayerScale (or Identity) into the output projection."""
+    gamma = getattr(layer_scale, "gamma", None)
+    if gamma is None:
+        return weight, bias
+    gamma = gamma.to(weight.dtype)
+    return weight * gamma[:, None], (None if bias is None else bias * gamma)
+
+
+def attention_with_dropout(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads, causal,
+                           rope_theta, norm, eps, attn_dropout, resid_dropout, row_scale):
+    """norm + attention with attention-probability and output dropout (the unfused training path)."""
+    batch, tokens, dim = x.shape
+    head_dim = dim // heads
+    n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
+    q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
+    k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, x.device)
+        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, dropout_p=attn_dropout, is_causal=causal)
+    o = F.linear(o.transpose(1, 2).reshape(batch, tokens, dim), w_proj, b_proj)
+    return _scale_rows(F.dropout(o, resid_dropout, training=True), row_scale)
+
+
+class _Half:
+    """A coupling half over a block's own weights (not an nn.Module: the block keeps them)."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def _dropout_active(self) -> bool:
+        return False
+
+    def _fused(self, res, x, sign, frac_bits):  # the ops layer's couple: fused on CUDA, reference on CPU
+        raise NotImplementedError
+
+    def _unfused(self, x):  # H(x) with the block's dropout, plain torch
+        raise NotImplementedError
+
+    def _input(self, x, weight):
+        # Exact streams hand halves float32 values: compute in the block's dtype (bf16 models).
+        return x if x.dtype == weight.dtype else x.to(weight.dtype)
+
+    def couple(self, res, x, sign, frac_bits=None):
+        if self._dropout_active():
+            return couple_output(res, self._unfused(x), sign, frac_bits)
+        return self._fused(res, x, sign, frac_bits)
+
+    def __call__(self, x):
+        """H(x) with plain autograd (used by stored-activation twins)."""
+        if self._dropout_active():
+            return self._unfused(x)
+        return self._fused(torch.zeros_like(x), x, +1, None)[0]
+
+
+def _p(dropout) -> float:
+    return float(getattr(dropout, "p", 0.0) or 0.0)
+
+
+# -- timm VisionTransformer ------------------------------------------------------------------
+
+
+class _TimmAttentionHalf(_Half):
+    def _dropout_active(self):
+        a = self.block.attn
+        return self.block.training and (_p(a.attn_drop) > 0 or _p(a.proj_drop) > 0)
+
+    def _args(self, x):
+        b, a = self.block, self.block.attn
+        w_proj, b_proj = _layer_scaled(a.proj.weight, a.proj.bias, b.ls1)
+        row = _drop_path_scale(x, float(getattr(b.drop_path1, "drop_prob", 0.0)), b.training)
+        return (b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias, w_proj, b_proj), \
+            dict(heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps, row_scale=row)
+
+    def _fused(self, res, x, sign, frac_bits):
+        x = self._input(x, self.block.attn.qkv.weight)
+        weights, kw = self._args(x)
+        return norm_attention_couple(res, x, sign, frac_bits, *weights, kv_heads=kw["heads"], **kw)
+
+    def _unfused(self, x):
+        x = self._input(x, self.block.attn.qkv.weight)
+        weights, kw = self._args(x)
+        a = self.block.attn
+        return attention_with_dropout(x, *weights, kv_heads=kw["heads"], rope_theta=None,
+                                      attn_dropout=_p(a.attn_drop), resid_dropout=_p(a.proj_drop), **kw)
+
+
+_GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def _timm_activation(act: nn.Module) -> str | None:
+    if isinstance(act, nn.GELU):
+        return _GELU_KINDS.get(act.approximate)
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    return None
+
+
+class _TimmMlpHalf(_Half):
+    def _dropout_active(self):
+        m = self.block.mlp
+        return self.block.training and (_p(m.drop1) > 0 or _p(m.drop2) > 0)
+
+    def _row(self, x):
+        return _drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        x = self._input(x, m.fc1.weight)
+        w2, b2 = _layer_scaled(m.fc2.weight, m.fc2.bias, b.ls2)
+        return norm_mlp_couple(res, x, sign, frac_bits, b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
+                               b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
+                               row_scale=self._row(x))
+
+    def _unfused(self, x):
+        b = self.block
+        x = self._input(x, b.mlp.fc1.weight)
+        row = self._row(x)
+        return _scale_rows(b.ls2(b.mlp(b.norm2(x))), row)
+
+
+class _TimmBlock(_RevifiedBlock):
+    _half_classes = (_TimmAttentionHalf, _TimmMlpHalf)
+
+
+def _check_timm_block(i, block):
+    from timm.layers import Mlp
+    from timm.models.vision_transformer import Attention, Block
+
+    where = f"timm block {i} ({type(block).__name__})"
+    if not isinstance(block, Block):
+        raise NotImplementedError(f"{where}: revify supports timm's standard vision_transformer.Block only")
+    a, m = block.attn, block.mlp
+    if type(a) is not Attention or type(m) is not Mlp:
+        raise NotImplementedError(f"{where}: attention {type(a).__name__} / MLP {type(m).__name__} not supported "
+                                  f"(standard Attention and Mlp only)")
+    for name, sub in (("norm1", block.norm1), ("norm2", block.norm2)):
+        if not isinstance(sub, nn.LayerNorm) or sub.weight is None:
+            raise NotImplementedError(f"{where}: {name} is {type(sub).__name__}; an affine LayerNorm is required")
+    extras = [name for name in ("q_norm", "k_norm", "norm") if not isinstance(getattr(a, name), nn.Identity)]
+    if extras or getattr(a, "gate", None) is not None or not isinstance(m.norm, nn.Identity):
+        raise NotImplementedError(f"{where}: qk-norm, scale-norm and gated attention are not supported")
+    if a.head_dim * a.num_heads != a.qkv.in_features or a.proj.out_features != a.qkv.in_features:
+        raise NotImplementedError(f"{where}: attention width must equal the model width")
+    if _timm_activation(m.act) is None:
+        raise NotImplementedError(f"{where}: MLP activation {type(m.act).__name__} not supported (GELU, ReLU)")
+
+
+def _convert_timm_vit(model, options):
+    for i, block in enumerate(model.blocks):
+        _check_timm_block(i, block)
+    for block in model.blocks:
+        _swap_class(block, _TimmBlock, "timm.models.vision_transformer", "Block")
+    model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
+    _replace_block_list(model, "blocks", options)
+
+
+# -- Hugging Face GPT-2 ----------------------------------------------------------------------
+
+_HF_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+class _GPT2AttentionHalf(_Half):
+    def _dropout_active(self):
+        a = self.block.attn
+        return self.block.training and (_p(a.attn_dropout) > 0 or _p(a.resid_dropout) > 0)
+
+    def _args(self):
+        b, a = self.block, self.block.attn
+        # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
+        return (b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(), a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias), \
+            dict(heads=a.num_heads, kv_heads=a.num_heads, causal=True, norm="layer", eps=b.ln_1.eps)
+
+    def _fused(self, res, x, sign, frac_bits):
+        x = self._input(x, self.block.ln_1.weight)
+        weights, kw = self._args()
+        return norm_attention_couple(res, x, sign, frac_bits, *weights, **kw)
+
+    def _unfused(self, x):
+        x = self._input(x, self.block.ln_1.weight)
+        weights, kw = self._args()
+        a = self.block.attn
+        return attention_with_dropout(x, *weights, rope_theta=None, attn_dropout=_p(a.attn_dropout),
+                                      resid_dropout=_p(a.resid_dropout), row_scale=None, **kw)
+
+
+class _GPT2MlpHalf(_Half):
+    def _dropout_active(self):
+        return self.block.training and _p(self.block.mlp.dropout) > 0
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        x = self._input(x, b.ln_2.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, m.c_fc.weight.t(), m.c_fc.bias,
+                               m.c_proj.weight.t(), m.c_proj.bias, norm="layer", activation=b._revtriton_activation,
+                               eps=b.ln_2.eps)
+
+    def _unfused(self, x):
+        b = self.block
+        return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
+
+
+class _GPT2Block(_RevifiedBlock):
+    _half_classes = (_GPT2AttentionHalf, _GPT2MlpHalf)
+
+
+def _convert_gpt2(model, options):
+    base = model.transformer if hasattr(model, "transformer") else model
+    config = base.config
+    activation = _HF_GPT2_ACTIVATIONS.get(config.activation_function)
+    unsupported = {
+        f"activation_function={config.activation_function!r}": activation is None,
+        "add_cross_attention=True": bool(getattr(config, "add_cross_attention", False)),
+        "scale_attn_by_inverse_layer_idx=True": bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
+        "scale_attn_weights=False": not getattr(config, "scale_attn_weights", True),
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise NotImplementedError(f"revify: {type(model).__name__} with {', '.join(bad)} is not supported")
+    for block in base.h:
+        block._revtriton_activation = activation
+        _swap_class(block, _GPT2Block, "transformers.models.gpt2.modeling_gpt2", "GPT2Block")
+    _replace_block_list(base, "h", options)
+    _swap_class(base, _RevifiedGPT2Model, "transformers.models.gpt2.modeling_gpt2", "GPT2Model")
+    _disable_cache(model)
+
+
+# -- Hugging Face LLaMA ----------------------------------------------------------------------
+
+
+class _LlamaAttentionHalf(_Half):
+    def _dropout_active(self):
+        return self.block.training and float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0) > 0
+
+    def _args(self):
+        b, a = self.block, self.block.self_attn
+        spec = b._revtriton_attention
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        norm = b.input_layernorm
+        return (norm.weight, None, w_qkv, b_qkv, a.o_proj.weight, a.o_proj.bias), \
+            dict(heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
+                 norm="rms", eps=norm.variance_epsilon)
+
+    def _fused(self, res, x, sign, frac_bits):
+        x = self._input(x, self.block.input_layernorm.weight)
+        weights, kw = self._args()
+        return norm_attention_couple(res, x, sign, frac_bits, *weights, **kw)
+
+    def _unfused(self, x):
+        x = self._input(x, self.block.input_layernorm.weight)
+        weights, kw = self._args()
+        return attention_with_dropout(x, *weights, attn_dropout=float(self.block.self_attn.attention_dropout),
+                                      resid_dropout=0.0, row_scale=None, **kw)
+
+
+class _LlamaMlpHalf(_Half):
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.post_attention_layernorm
+        x = self._input(x, norm.weight)
+        return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, m.gate_proj.weight, m.up_proj.weight,
+                                 m.down_proj.weight, eps=norm.variance_epsilon)
+
+
+class _LlamaBlock(_RevifiedBlock):
+    _half_classes = (_LlamaAttentionHalf, _LlamaMlpHalf)
+
+
+def _rope_theta(config):
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise NotImplementedError(f"revify: LLaMA RoPE type {rope_type!r} is not supported (default RoPE only)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise NotImplementedError("revify: cannot find rope_theta in the LLaMA config")
+    return float(theta)
+
+
+def _convert_llama(model, options):
+    base = model.model if hasattr(model, "model") else model
+    config = base.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    unsupported = {
+        f"hidden_act={config.hidden_act!r}": config.hidden_act != "silu",
+        "mlp_bias=True": bool(getattr(config, "mlp_bias", False)),
+        f"head_dim={head_dim} != hidden_size / num_attention_heads": head_dim * heads != config.hidden_size,
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise NotImplementedError(f"revify: {type(model).__name__} with {', '.join(bad)} is not supported")
+    spec = dict(heads=heads, kv_heads=kv_heads, rope_theta=_rope_theta(config))
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None:  # the model's own RoPE must be the plain one we compute
+        expected = 1.0 / (spec["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if inv_freq is not None and inv_freq.device.type != "meta" and not torch.allclose(
+                inv_freq.float().cpu(), expected, rtol=1e-5):
+            raise NotImplementedError("revify: this LLaMA's rotary frequencies differ from default RoPE")
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            raise NotImplementedError("revify: RoPE with attention scaling is not supported")
+    for block in base.layers:
+        block._revtriton_attention = spec
+        _swap_class(block, _LlamaBlock, "transformers.models.llama.modeling_llama", "LlamaDecoderLayer")
+    _replace_block_list(base, "layers", options)
+    _swap_class(base, _RevifiedLlamaModel, "transformers.models.llama.modeling_llama", "LlamaModel")
+    _disable_cache(model)
+
+
+# -- Hugging Face base-model forward ---------------------------------------------------------
+
+
+def _disable_cache(model):
+    # No KV cache: decoding recomputes the whole prefix (generate() works, slower).
+    for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False
+
+
+def _check_hf_inputs(model_name, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None:
+        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else len(cache)
+        if length:
+            raise NotImplementedError(f"revified {model_name} keeps no KV cache; call it with cache=None")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (mask.dim() == 2 and bool(mask.bool().all())):
+        raise NotImplementedError(
+            f"revified {model_name} supports attention_mask=None or all ones only (no padding masks): "
+            f"pack sequences without padding, or mask the loss with labels=-100 instead"
+        )
+    unsupported = {
+        "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
+        "head_mask": kwargs.get("head_mask") is not None,
+        "output_attentions=True": bool(kwargs.get("output_attentions")),
+        "output_hidden_states=True (the reversible stack keeps no per-block states)":
+            bool(kwargs.get("output_hidden_states")),
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise NotImplementedError(f"revified {model_name} does not support {', '.join(bad)}")
+
+
+def _hf_output(module, output_class_name, hidden, kwargs):
+    return_dict = kwargs.get("return_dict")
+    if return_dict is None:
+        return_dict = getattr(module.config, "use_return_dict", True)
+    if not return_dict:
+        return (hidden,)
+    outputs = importlib.import_module("transformers.modeling_outputs")
+    return getattr(outputs, output_class_name)(last_hidden_state=hidden)
+
+
+def _embeddings_input(module, input_ids, kwargs, embed):
+    inputs_embeds = kwargs.get("inputs_embeds")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("specify exactly one of input_ids or inputs_embeds")
+    return embed(input_ids) if inputs_embeds is None else inputs_embeds
+
+
+class _RevifiedGPT2Model:
+    """GPT2Model forward over a reversible stack: embeddings -> stack -> ln_f (no cache, no masks)."""
+
+    def forward(self, input_ids=None, *args, **kwargs):
+        if args:
+            raise TypeError("revified GPT2Model: pass arguments other than input_ids by keyword")
+        _check_hf_inputs("GPT2Model", kwargs)
+        if input_ids is not None:
+            input_ids = input_ids.view(-1, input_ids.shape[-1])
+        hidden = _embeddings_input(self, input_ids, kwargs, self.wte)
+        tokens = hidden.shape[1]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(tokens, device=hidden.device).unsqueeze(0)
+        hidden = hidden + self.wpe(position_ids).to(hidden.device)
+        token_type_ids = kwargs.get("token_type_ids")
+        if token_type_ids is not None:
+            hidden = hidden + self.wte(token_type_ids.view(-1, tokens))
+        hidden = self.ln_f(self.h(self.drop(hidden)))
+        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs)
+
+
+class _RevifiedLlamaModel:
+    """LlamaModel forward over a reversible stack: embeddings -> stack -> norm (no cache, no masks)."""
+
+    def forward(self, input_ids=None, *args, **kwargs):
+        if args:
+            raise TypeError("revified LlamaModel: pass arguments other than input_ids by keyword")
+        _check_hf_inputs("LlamaModel", kwargs)
+        hidden = _embeddings_input(self, input_ids, kwargs, self.embed_tokens)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            expected = torch.arange(hidden.shape[1], device=position_ids.device).expand_as(position_ids)
+            if not torch.equal(position_ids, expected):
+                raise NotImplementedError("revified LlamaModel: RoPE positions are 0..T-1; custom position_ids "
+                                          "are not supported")
+        hidden = self.norm(self.layers(hidden))
+        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs)
+
+
+_FAMILIES = {
+    "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
+    "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
+    "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
+    "llama_lm": ("transformers", "LlamaForCausalLM", _convert_llama),
+    "llama": ("transformers", "LlamaModel", _convert_llama),
+}
+
+_BLOCK_BASES.update({
+    "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
+    "RevifiedGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2Block),
+    "RevifiedLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", _LlamaBlock),
+    "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
+    "RevifiedLlamaModel": ("transformers.models.llama.modeling_llama", "LlamaModel", _RevifiedLlamaModel),
+})
