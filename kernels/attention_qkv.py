@@ -14,33 +14,34 @@ import os
 import triton
 import triton.language as tl
 
-from .attention import rope_rotate
+from .attention import _table_key, _union, prune_by_table, rope_rotate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def qkv_configs(head_dim: int | None = None) -> list[triton.Config]:
-    """BLOCK_N is the head dim (set by the launcher); configs choose BLOCK_M / BLOCK_K / warps / stages."""
+def _qkv(bm, bk, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+
+
+# BLOCK_N is the head dim (one head per column tile, set by the launcher); per (arch, head dim).
+# No config uses local memory or stack (revtriton.aot).
+QKV_CONFIGS = {
+    (90, 64): [_qkv(128, 64, 4, 3), _qkv(128, 32, 4, 4), _qkv(64, 64, 4, 3)],
+    (90, 128): [_qkv(128, 64, 8, 3), _qkv(64, 64, 4, 3)],
+    (80, 64): [_qkv(128, 64, 4, 3), _qkv(128, 32, 4, 4), _qkv(64, 64, 4, 3)],
+    (80, 128): [_qkv(128, 32, 8, 3), _qkv(64, 64, 8, 3), _qkv(64, 32, 4, 3)],
+}
+QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)
+
+
+def qkv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
-    configs = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
-    ]
-    if head_dim is not None and head_dim >= 128:
-        configs.append(triton.Config({"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3))
-    return configs
+        return [QKV_CONFIG_INTERPRETER]
+    return _union(QKV_CONFIGS) if arch is None else QKV_CONFIGS[_table_key(head_dim, arch)]
 
 
-def _prune_qkv(configs, named_args, **kwargs):
-    keep = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-            for c in qkv_configs(kwargs["HEAD_DIM"])}
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in keep]
-
-
-@triton.autotune(configs=qkv_configs(128), key=["N", "K", "HEAD_DIM", "ROPE", "IS_RMS"],
-                 prune_configs_by={"early_config_prune": _prune_qkv}, cache_results=True)
+@triton.autotune(configs=qkv_configs(), key=["N", "K", "HEAD_DIM", "ROPE", "IS_RMS"],
+                 prune_configs_by={"early_config_prune": prune_by_table(qkv_configs)}, cache_results=True)
 @triton.jit
 def qkv_norm_rope_gemm_kernel(X, MEAN, RSTD, GAMMA, BETA, W, BIAS, OUT, COS, SIN,
                               M, N, K, tokens, rope_tiles,

@@ -25,41 +25,57 @@ def _gemm(bm, bn, bk, warps, stages, group_m=8):
                          num_warps=warps, num_stages=stages)
 
 
-# Hopper: wgmma wants 4-warp groups and a 64-row granule; 128x128 fp32 accumulators need 8 warps
-# (with 4 warps the epilogue tiles push a 128x128 tile to ~254 registers and stack use).
+# Every config below compiles for its arch without spilling for every launch variant of its list
+# (ahead of time, tests/test_aot.py). The epilogues load extra tiles (residual, pre-activation,
+# row scale) next to the fp32 accumulator, so big tiles use 8 warps: 128x128x64 with 8 warps
+# or 128x64x32 with 4 warps spilled in the fused variants; see revtriton/aot.py for the rule.
+
+# Hopper (wgmma, a 4-warp group per 64 rows).
 GEMM_CONFIGS_SM90 = [
-    _gemm(128, 128, 64, 8, 3),
-    _gemm(128, 64, 64, 4, 4),
-    _gemm(64, 128, 64, 4, 4),
+    _gemm(128, 128, 32, 8, 3),
+    _gemm(128, 64, 64, 8, 3),
+    _gemm(64, 128, 64, 8, 3),
     _gemm(64, 64, 64, 4, 4),
 ]
-
-# Ampere: mma.sync, cp.async pipelines; smaller tiles keep the register budget.
+# Ampere (mma.sync + cp.async).
 GEMM_CONFIGS_SM80 = [
-    _gemm(128, 128, 32, 8, 3),
-    _gemm(128, 64, 32, 4, 4),
-    _gemm(64, 128, 32, 4, 4),
+    _gemm(128, 64, 32, 8, 3),
+    _gemm(64, 128, 32, 8, 3),
+    _gemm(64, 64, 32, 4, 3),
+]
+# Dual-accumulator (SwiGLU gate and up) and SwiGLU-gradient variants: two fp32 tiles in the epilogue.
+GEMM_DUAL_CONFIGS_SM90 = [
+    _gemm(128, 64, 32, 8, 3),
+    _gemm(64, 128, 64, 8, 3),
+    _gemm(64, 128, 32, 8, 4),
+    _gemm(64, 64, 32, 4, 3),
+]
+GEMM_DUAL_CONFIGS_SM80 = [
+    _gemm(128, 64, 32, 8, 3),
+    _gemm(64, 128, 32, 8, 3),
     _gemm(64, 64, 32, 4, 3),
 ]
 
 # The interpreter runs programs serially on numpy: big tiles mean few programs (fast), and
 # tl.dot accepts any tile there.
-GEMM_CONFIG_INTERPRETER = _gemm(32, 32, 32, 4, 1, group_m=4)
+GEMM_CONFIG_INTERPRETER = _gemm(64, 64, 64, 4, 1, group_m=4)
 
-# Tags the arch of every config object (a config may appear in several lists only once).
-_ARCH_OF = {id(c): 90 for c in GEMM_CONFIGS_SM90} | {id(c): 80 for c in GEMM_CONFIGS_SM80}
+CONFIG_LISTS = {"regular": {90: GEMM_CONFIGS_SM90, 80: GEMM_CONFIGS_SM80},
+                "dual": {90: GEMM_DUAL_CONFIGS_SM90, 80: GEMM_DUAL_CONFIGS_SM80}}
+# The arch each config object belongs to (prune_for_device keeps the running device's).
+_ARCH_OF = {id(c): arch for lists in CONFIG_LISTS.values() for arch, configs in lists.items() for c in configs}
 
 
-def gemm_configs() -> list:
-    """The config list the GEMM kernel is decorated with."""
+def gemm_configs(kind: str = "regular") -> list:
+    """The config list a GEMM kernel wrapper is decorated with (both archs; one config when interpreted)."""
     if interpreter_enabled():
         return [GEMM_CONFIG_INTERPRETER]
-    return GEMM_CONFIGS_SM90 + GEMM_CONFIGS_SM80
+    return CONFIG_LISTS[kind][90] + CONFIG_LISTS[kind][80]
 
 
-def configs_for_arch(capability_major: int) -> list:
-    """sm_90 and newer get the Hopper list, everything else the Ampere list."""
-    return GEMM_CONFIGS_SM90 if capability_major >= 9 else GEMM_CONFIGS_SM80
+def configs_for_arch(kind: str, arch: int) -> list:
+    """The configs of one arch (90 or 80) for a kernel kind ("regular" or "dual")."""
+    return CONFIG_LISTS[kind][arch]
 
 
 def prune_for_device(configs, named_args, **kwargs):
@@ -68,12 +84,12 @@ def prune_for_device(configs, named_args, **kwargs):
         return configs
     import torch  # only reached on a GPU
 
-    major = torch.cuda.get_device_capability()[0]
-    wanted = {id(c) for c in configs_for_arch(major)}
-    kept = [c for c in configs if id(c) in wanted]
+    arch = 90 if torch.cuda.get_device_capability()[0] >= 9 else 80
+    kept = [c for c in configs if _ARCH_OF.get(id(c)) == arch]
     return kept or configs[:1]
 
 
 def norm_num_warps(block_n: int) -> int:
     """Warps for a row kernel holding ``block_n`` elements of a row in registers."""
-    return min(max(block_n // 256, 1), 16) if not interpreter_enabled() else 1
+    # ~16 fp32 elements of each row array per thread; at 16 warps ptxas capped registers and spilled.
+    return min(max(block_n // 512, 1), 8) if not interpreter_enabled() else 1

@@ -122,8 +122,6 @@ def quantize(h, frac_scale):
     return v.to(tl.int32)
 
 
-@triton.autotune(configs=gemm_configs(), key=GEMM_TUNE_KEY, prune_configs_by={"early_config_prune": prune_for_device},
-                 cache_results=True)
 @triton.jit
 def fused_gemm_kernel(
         a_ptr, b_ptr, b2_ptr, c_ptr,
@@ -250,11 +248,11 @@ def fused_gemm_kernel(
         acc = acc * tl.load(row_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     c_ptrs = (c_ptr + row0 * stride_cm + col0 * stride_cn) + (local_m[:, None] * stride_cm + local_n[None, :] * stride_cn)
     if ACT_BWD == 4:
+        # One stored tile at a time keeps fewer tiles live (this epilogue spilled otherwise).
         z_gate = tl.load(aux_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-        z_up = tl.load(aux_ptrs + N, mask=mask_c, other=0.0).to(tl.float32)
-        d_up = acc * silu(z_gate)
-        acc = acc * z_up * silu_grad(z_gate)
-        tl.store(c_ptrs + N * stride_cn, d_up.to(c_ptr.dtype.element_ty), mask=mask_c)
+        tl.store(c_ptrs + N * stride_cn, (acc * silu(z_gate)).to(c_ptr.dtype.element_ty), mask=mask_c)
+        acc = acc * silu_grad(z_gate)
+        acc = acc * tl.load(aux_ptrs + N, mask=mask_c, other=0.0).to(tl.float32)
     elif ACT_BWD != 0:
         acc = acc * activation_grad(tl.load(aux_ptrs, mask=mask_c, other=0.0).to(tl.float32), ACT_BWD)
     res_ptrs = (res_ptr + row0 * stride_resm + col0) + (local_m[:, None] * stride_resm + local_n[None, :])
@@ -269,3 +267,14 @@ def fused_gemm_kernel(
     if A_SUM:
         if pid_n == 0:
             tl.store(bias_grad_ptr + rm, a_sum * alpha, mask=mask_m)
+
+
+# The JIT function wrapped twice: the dual-accumulator / SwiGLU-gradient variants (two fp32 tiles
+# live in the epilogue) get a config list of their own that does not spill.
+fused_gemm_jit = fused_gemm_kernel
+fused_gemm_kernel = triton.autotune(configs=gemm_configs("regular"), key=GEMM_TUNE_KEY,
+                                    prune_configs_by={"early_config_prune": prune_for_device},
+                                    cache_results=True)(fused_gemm_jit)
+fused_gemm_dual_kernel = triton.autotune(configs=gemm_configs("dual"), key=GEMM_TUNE_KEY,
+                                         prune_configs_by={"early_config_prune": prune_for_device},
+                                         cache_results=True)(fused_gemm_jit)

@@ -38,7 +38,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -286,6 +286,7 @@ class SweepConfig:
     max_batch: bool
     mem_budget_bytes: int | None
     time_limit_s: float | None
+    threads: int | None = None  # CPU: torch.set_num_threads (None: torch's default)
     seed: int = 0
 
 
@@ -303,13 +304,15 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
                   variants=variants, dtype="bf16" if cuda else "fp32", exact=True, max_batch=cuda,
                   mem_budget_bytes=None, time_limit_s=None)
     real_seq = {name: p.tokens for name, p in PRESETS.items()}
-    cpu_seq = {"vit-b": 65, "gpt2": 128, "llama": 128}  # 8x8 patches + class token; 128 tokens
+    cpu_seq = {"vit-b": 65, "gpt2": 64, "llama": 64}  # 8x8 patches + class token; 64 tokens
     if suite == "quick":
-        return SweepConfig(**{**common, "dim": 64, "heads": 2, "max_batch": False},
+        return SweepConfig(**{**common, "dim": 64, "heads": 2, "max_batch": False, "threads": None if cuda else 1},
                            base_seq={"vit-b": 17, "gpt2": 32, "llama": 32}, depths=[6, 12, 24], batches=[2, 4],
-                           base_depth=12, base_batch=4, warmup=1, repeats=3)
+                           base_depth=12, base_batch=4, warmup=1, repeats=2)
     if not cuda:
-        reduced = {**common, "dim": 128, "heads": 4}
+        # One thread: the shapes are small, and on a busy (CI) machine multi-threaded CPU timings
+        # swing by 10x; --threads overrides.
+        reduced = {**common, "dim": 128, "heads": 4, "threads": 1}
         if suite == "pareprop":
             return SweepConfig(**{**reduced, "presets": ["vit-b", "gpt2"], "grid": "product",
                                   "variants": [["vanilla", "reference"], ["revtriton-sequential", "reference"],
@@ -319,7 +322,7 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
         if suite == "short":
             return SweepConfig(**{**reduced, "presets": ["vit-b", "gpt2"]}, base_seq=cpu_seq, depths=[12, 24],
                                batches=[4], base_depth=12, base_batch=4, warmup=1, repeats=3)
-        return SweepConfig(**{**reduced, "seq_lens": [64, 256]}, base_seq=cpu_seq, depths=[6, 12, 24, 48],
+        return SweepConfig(**{**reduced, "seq_lens": [32, 128]}, base_seq=cpu_seq, depths=[6, 12, 24, 48],
                            batches=[2, 8], base_depth=12, base_batch=4, warmup=1, repeats=3)
     if suite == "short":
         return SweepConfig(**{**common, "presets": ["vit-b", "gpt2"], "max_batch": False}, base_seq=real_seq,
@@ -364,8 +367,11 @@ def build_grid(cfg: SweepConfig) -> list[Point]:
                 shapes += [(cfg.base_depth, cfg.base_batch, s) for s in cfg.seq_lens]
         for depth, batch, seq in sorted(set(shapes)):
             preset = base.scaled(cfg.dim, cfg.heads, seq)
+            # max_batch costs ~10 steps of growing size: searched at the base batch and length,
+            # at the base depth and the deepest one.
+            probe = (cfg.max_batch and batch == cfg.base_batch and seq == base_seq
+                     and depth in (cfg.base_depth, max(cfg.depths)))
             for variant, halves in cfg.variants:
-                probe = cfg.max_batch and batch == cfg.base_batch
                 points.append(Point(preset, depth, batch, variant, halves, probe))
     return points
 
@@ -521,7 +527,8 @@ class _Bench:
 
     def __init__(self, point: Point, cfg: SweepConfig, device: torch.device, ddp: Distributed):
         torch.manual_seed(cfg.seed)
-        model = build_stack(point.preset, point.depth, point.variant, point.halves, exact=cfg.exact).to(device)
+        with device:  # initialise on the device: a deep model built on the host is slow to move
+            model = build_stack(point.preset, point.depth, point.variant, point.halves, exact=cfg.exact)
         if ddp.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -547,7 +554,7 @@ def measure(point: Point, cfg: SweepConfig, device: torch.device, ddp: Distribut
     """The figures of one point (raises OutOfMemoryError when it does not fit)."""
     bench = _Bench(point, cfg, device, ddp)
     launches = 0
-    for i in range(max(1, cfg.warmup)):
+    for _ in range(max(1, cfg.warmup)):
         with count_launches() as counter:
             bench.step()
         launches = sum(counter.values())  # the last warm-up step: autotuning is over by then
@@ -611,12 +618,13 @@ def run_point(point: Point, cfg: SweepConfig, device: torch.device, ddp: Distrib
     try:
         row.update(measure(point, cfg, device, ddp))
         row["status"] = "ok"
-    except OutOfMemoryError as err:
-        row["status"], row["error"] = "oom", (str(err).splitlines() or ["out of memory"])[0][:300]
     except Exception as err:  # a broken variant must not hide the others; the exit code reports it
         if ddp.active:
-            raise  # the other ranks would wait on this one forever
-        row["status"], row["error"] = "error", f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            raise  # under torchrun the other ranks would wait on this one forever
+        if isinstance(err, OutOfMemoryError):
+            row["status"], row["error"] = "oom", (str(err).splitlines() or ["out of memory"])[0][:300]
+        else:
+            row["status"], row["error"] = "error", f"{type(err).__name__}: {err}".splitlines()[0][:300]
     finally:
         gc.collect()
         if device.type == "cuda":
@@ -675,8 +683,7 @@ def make_plots(rows, cfg: SweepConfig, out_dir: Path, stem: str) -> dict:
     specs = {
         "memory_vs_depth": ("depth", "peak_mem_bytes", {"batch": cfg.base_batch, "seq_len": base_seq},
                             "peak memory of a step (MiB)", 1 / 2**20),
-        "throughput_vs_batch": ("batch", "throughput", {"depth": cfg.base_depth, "seq_len": base_seq},
-                                "throughput (images/s or tokens/s)", 1.0),
+        "throughput_vs_batch": ("batch", "throughput", {"depth": cfg.base_depth, "seq_len": base_seq}, None, 1.0),
     }
     try:
         import matplotlib
@@ -693,15 +700,19 @@ def make_plots(rows, cfg: SweepConfig, out_dir: Path, stem: str) -> dict:
             continue
         file = f"{stem}-{name.replace('_', '-')}.png"
         fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4), squeeze=False)
-        for ax, (preset, by_label) in zip(axes[0], sorted(series.items())):
+        ordered = [(p, series[p]) for p in cfg.presets if p in series]
+        for ax, (preset, by_label) in zip(axes[0], ordered):
+            xs = set()
             for label, pts in sorted(by_label.items()):
                 ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o", label=label)
-            ax.set_title(preset)
-            ax.set_xlabel(x)
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
+                xs.update(p[0] for p in pts)
             if x == "batch":
                 ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(xs), [str(v) for v in sorted(xs)])
+            ax.set_title(preset)
+            ax.set_xlabel(x)
+            ax.set_ylabel(ylabel if y != "throughput" else f"throughput ({PRESETS[preset].unit}/s)")
+            ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"revtriton perf: {name.replace('_', ' ')}")
         fig.tight_layout()
@@ -819,11 +830,13 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--dtype", choices=("fp32", "bf16"))
+    ap.add_argument("--threads", type=int, help="CPU threads for torch (default on a CPU: 1)")
     ap.add_argument("--float-streams", action="store_true", help="revtriton with exact=False")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=None,
                     help="search the largest batch that fits the budget (default: on a GPU)")
     ap.add_argument("--mem-budget-gb", type=float, help="budget for --max-batch (default: 90%% of the GPU)")
-    ap.add_argument("--time-limit", type=float, help="start no point after this many seconds (the rest: skipped)")
+    ap.add_argument("--time-limit", type=float,
+                    help="start no point after this many seconds (the rest: skipped; the first always runs)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default perf/results)")
     ap.add_argument("--tag", default=None, help="suffix of the file names (default: the suite unless full)")
     ap.add_argument("--no-plots", action="store_true")
@@ -841,7 +854,7 @@ def config_from_args(args, device) -> SweepConfig:
             raise SystemExit(f"perf.sweep: unknown presets {unknown}; choose from {list(PRESETS)}")
         cfg.presets = names
     for name in ("depths", "batches", "seq_lens", "base_batch", "base_depth", "dim", "heads", "warmup", "repeats",
-                 "dtype"):
+                 "dtype", "threads"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)
@@ -873,7 +886,8 @@ def config_from_args(args, device) -> SweepConfig:
 
 
 def run_sweep(points, cfg, device, ddp, progress=True, on_row=None) -> list[dict]:
-    """Measure every point (in order); points not started within the time limit are 'skipped'."""
+    """Measure every point (in order); points not started within the time limit are 'skipped'
+    (the first point always runs)."""
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is optional
@@ -885,7 +899,8 @@ def run_sweep(points, cfg, device, ddp, progress=True, on_row=None) -> list[dict
         if bar is not None:
             bar.set_postfix_str(f"{point.preset.name} {point.variant}/{point.halves} d={point.depth} "
                                 f"b={point.batch} s={point.seq_len}", refresh=False)
-        out_of_time = cfg.time_limit_s is not None and time.monotonic() - start > cfg.time_limit_s
+        # The first point always runs, so a sweep always has something to show.
+        out_of_time = bool(rows) and cfg.time_limit_s is not None and time.monotonic() - start > cfg.time_limit_s
         if ddp.active:  # every rank must agree, or DDP would wait forever
             import torch.distributed as dist
 
@@ -911,6 +926,8 @@ def main(argv=None) -> int:
     ddp = init_distributed(requested)
     device = pick_device(requested, ddp)
     cfg = config_from_args(args, device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     info = device_info(device)
     created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     tag = args.tag if args.tag is not None else ("" if cfg.suite == "full" else cfg.suite)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .engine import ReversibleStack
 from .ops.attention import apply_rope_reference, norm_attention_couple, rope_cos_sin
-from .ops.mlp import normalize_reference, norm_mlp_couple, swiglu_mlp_couple
+from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import couple_output
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
@@ -138,40 +138,51 @@ def _layer_scaled(weight, bias, layer_scale: nn.Module):
     return weight * gamma[:, None], (None if bias is None else bias * gamma)
 
 
-def attention_with_dropout(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads, causal,
-                           rope_theta, norm, eps, attn_dropout, resid_dropout, row_scale):
-    """norm + attention with attention-probability and output dropout (the unfused training path)."""
-    batch, tokens, dim = x.shape
-    head_dim = dim // heads
-    n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
-    q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+def attention_heads(q, k, v, *, heads, kv_heads, causal, rope_theta, dropout):
+    """[B, T, *] projections -> multi-head attention output [B, T, heads * head_dim] (the module-call path)."""
+    batch, tokens, _ = q.shape
+    head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
     k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, x.device)
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, dropout_p=attn_dropout, is_causal=causal)
-    o = F.linear(o.transpose(1, 2).reshape(batch, tokens, dim), w_proj, b_proj)
-    return _scale_rows(F.dropout(o, resid_dropout, training=True), row_scale)
+    o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
 class _Half:
-    """A coupling half over a block's own weights (not an nn.Module: the block keeps them)."""
+    """A coupling half over a block's own weights (not an nn.Module: the block keeps them).
+
+    Two paths with the same math: ``_fused`` hands the raw weights to the ops layer (fused
+    Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
+    own submodules. The module path runs when dropout is active in training or when a
+    projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
+    are never bypassed.
+    """
 
     def __init__(self, block: nn.Module):
         self.block = block
 
-    def _dropout_active(self) -> bool:
-        return False
+    def _projections(self):  # the modules whose raw weights the fused path reads
+        return ()
 
-    def _fused(self, res, x, sign, frac_bits):  # the ops layer's couple: fused on CUDA, reference on CPU
+    def _dropouts(self):  # the dropout probabilities the fused path cannot apply
+        return ()
+
+    def _use_modules(self) -> bool:
+        if self.block.training and any(p > 0 for p in self._dropouts()):
+            return True
+        return any(type(m) not in _PLAIN_PROJECTIONS for m in self._projections())
+
+    def _fused(self, res, x, sign, frac_bits):
         raise NotImplementedError
 
-    def _unfused(self, x):  # H(x) with the block's dropout, plain torch
+    def _modules(self, x):  # H(x) through the block's submodules
         raise NotImplementedError
 
     def _input(self, x, weight):
@@ -179,15 +190,18 @@ class _Half:
         return x if x.dtype == weight.dtype else x.to(weight.dtype)
 
     def couple(self, res, x, sign, frac_bits=None):
-        if self._dropout_active():
-            return couple_output(res, self._unfused(x), sign, frac_bits)
+        if self._use_modules():
+            return couple_output(res, self._modules(x), sign, frac_bits)
         return self._fused(res, x, sign, frac_bits)
 
     def __call__(self, x):
         """H(x) with plain autograd (used by stored-activation twins)."""
-        if self._dropout_active():
-            return self._unfused(x)
+        if self._use_modules():
+            return self._modules(x)
         return self._fused(torch.zeros_like(x), x, +1, None)[0]
+
+
+_PLAIN_PROJECTIONS = {nn.Linear}  # + transformers' Conv1D, added when GPT-2 is converted
 
 
 def _p(dropout) -> float:
@@ -198,28 +212,28 @@ def _p(dropout) -> float:
 
 
 class _TimmAttentionHalf(_Half):
-    def _dropout_active(self):
-        a = self.block.attn
-        return self.block.training and (_p(a.attn_drop) > 0 or _p(a.proj_drop) > 0)
+    def _projections(self):
+        return self.block.attn.qkv, self.block.attn.proj
 
-    def _args(self, x):
-        b, a = self.block, self.block.attn
-        w_proj, b_proj = _layer_scaled(a.proj.weight, a.proj.bias, b.ls1)
-        row = _drop_path_scale(x, float(getattr(b.drop_path1, "drop_prob", 0.0)), b.training)
-        return (b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias, w_proj, b_proj), \
-            dict(heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps, row_scale=row)
+    def _dropouts(self):
+        return _p(self.block.attn.attn_drop), _p(self.block.attn.proj_drop)
+
+    def _row(self, x):
+        return _drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
 
     def _fused(self, res, x, sign, frac_bits):
-        x = self._input(x, self.block.attn.qkv.weight)
-        weights, kw = self._args(x)
-        return norm_attention_couple(res, x, sign, frac_bits, *weights, kv_heads=kw["heads"], **kw)
+        b, a = self.block, self.block.attn
+        x = self._input(x, a.qkv.weight)
+        w_proj, b_proj = _layer_scaled(a.proj.weight, a.proj.bias, b.ls1)
+        return norm_attention_couple(res, x, sign, frac_bits, b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
+                                     w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
+                                     row_scale=self._row(x))
 
-    def _unfused(self, x):
-        x = self._input(x, self.block.attn.qkv.weight)
-        weights, kw = self._args(x)
-        a = self.block.attn
-        return attention_with_dropout(x, *weights, kv_heads=kw["heads"], rope_theta=None,
-                                      attn_dropout=_p(a.attn_drop), resid_dropout=_p(a.proj_drop), **kw)
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, b.norm1.weight)
+        row = self._row(x)
+        return _scale_rows(b.ls1(b.attn(b.norm1(x))), row)
 
 
 _GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -234,9 +248,11 @@ def _timm_activation(act: nn.Module) -> str | None:
 
 
 class _TimmMlpHalf(_Half):
-    def _dropout_active(self):
-        m = self.block.mlp
-        return self.block.training and (_p(m.drop1) > 0 or _p(m.drop2) > 0)
+    def _projections(self):
+        return self.block.mlp.fc1, self.block.mlp.fc2
+
+    def _dropouts(self):
+        return _p(self.block.mlp.drop1), _p(self.block.mlp.drop2)
 
     def _row(self, x):
         return _drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
@@ -249,9 +265,9 @@ class _TimmMlpHalf(_Half):
                                b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
                                row_scale=self._row(x))
 
-    def _unfused(self, x):
+    def _modules(self, x):
         b = self.block
-        x = self._input(x, b.mlp.fc1.weight)
+        x = self._input(x, b.norm2.weight)
         row = self._row(x)
         return _scale_rows(b.ls2(b.mlp(b.norm2(x))), row)
 
@@ -298,32 +314,35 @@ _HF_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh
 
 
 class _GPT2AttentionHalf(_Half):
-    def _dropout_active(self):
-        a = self.block.attn
-        return self.block.training and (_p(a.attn_dropout) > 0 or _p(a.resid_dropout) > 0)
+    def _projections(self):
+        return self.block.attn.c_attn, self.block.attn.c_proj
 
-    def _args(self):
-        b, a = self.block, self.block.attn
-        # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
-        return (b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(), a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias), \
-            dict(heads=a.num_heads, kv_heads=a.num_heads, causal=True, norm="layer", eps=b.ln_1.eps)
+    def _dropouts(self):
+        return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
     def _fused(self, res, x, sign, frac_bits):
-        x = self._input(x, self.block.ln_1.weight)
-        weights, kw = self._args()
-        return norm_attention_couple(res, x, sign, frac_bits, *weights, **kw)
+        b, a = self.block, self.block.attn
+        x = self._input(x, b.ln_1.weight)
+        # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
+        return norm_attention_couple(res, x, sign, frac_bits, b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
+                                     a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
+                                     causal=True, norm="layer", eps=b.ln_1.eps)
 
-    def _unfused(self, x):
-        x = self._input(x, self.block.ln_1.weight)
-        weights, kw = self._args()
-        a = self.block.attn
-        return attention_with_dropout(x, *weights, rope_theta=None, attn_dropout=_p(a.attn_dropout),
-                                      resid_dropout=_p(a.resid_dropout), row_scale=None, **kw)
+    def _modules(self, x):
+        b, a = self.block, self.block.attn
+        x = self._input(x, b.ln_1.weight)
+        q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
+        o = attention_heads(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True, rope_theta=None,
+                            dropout=_p(a.attn_dropout) if b.training else 0.0)
+        return a.resid_dropout(a.c_proj(o))
 
 
 class _GPT2MlpHalf(_Half):
-    def _dropout_active(self):
-        return self.block.training and _p(self.block.mlp.dropout) > 0
+    def _projections(self):
+        return self.block.mlp.c_fc, self.block.mlp.c_proj
+
+    def _dropouts(self):
+        return (_p(self.block.mlp.dropout),)
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
@@ -332,7 +351,7 @@ class _GPT2MlpHalf(_Half):
                                m.c_proj.weight.t(), m.c_proj.bias, norm="layer", activation=b._revtriton_activation,
                                eps=b.ln_2.eps)
 
-    def _unfused(self, x):
+    def _modules(self, x):
         b = self.block
         return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
 
@@ -342,6 +361,9 @@ class _GPT2Block(_RevifiedBlock):
 
 
 def _convert_gpt2(model, options):
+    from transformers.pytorch_utils import Conv1D
+
+    _PLAIN_PROJECTIONS.add(Conv1D)
     base = model.transformer if hasattr(model, "transformer") else model
     config = base.config
     activation = _HF_GPT2_ACTIVATIONS.get(config.activation_function)
@@ -366,38 +388,48 @@ def _convert_gpt2(model, options):
 
 
 class _LlamaAttentionHalf(_Half):
-    def _dropout_active(self):
-        return self.block.training and float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0) > 0
+    def _projections(self):
+        a = self.block.self_attn
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
 
-    def _args(self):
-        b, a = self.block, self.block.self_attn
-        spec = b._revtriton_attention
-        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        norm = b.input_layernorm
-        return (norm.weight, None, w_qkv, b_qkv, a.o_proj.weight, a.o_proj.bias), \
-            dict(heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
-                 norm="rms", eps=norm.variance_epsilon)
+    def _dropouts(self):
+        return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),)
 
     def _fused(self, res, x, sign, frac_bits):
-        x = self._input(x, self.block.input_layernorm.weight)
-        weights, kw = self._args()
-        return norm_attention_couple(res, x, sign, frac_bits, *weights, **kw)
+        b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
+        norm = b.input_layernorm
+        x = self._input(x, norm.weight)
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
+                                     a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
+                                     rope_theta=spec["rope_theta"], norm="rms", eps=norm.variance_epsilon)
 
-    def _unfused(self, x):
-        x = self._input(x, self.block.input_layernorm.weight)
-        weights, kw = self._args()
-        return attention_with_dropout(x, *weights, attn_dropout=float(self.block.self_attn.attention_dropout),
-                                      resid_dropout=0.0, row_scale=None, **kw)
+    def _modules(self, x):
+        b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
+        x = self._input(x, b.input_layernorm.weight)
+        n = b.input_layernorm(x)
+        o = attention_heads(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"], kv_heads=spec["kv_heads"],
+                            causal=True, rope_theta=spec["rope_theta"],
+                            dropout=self._dropouts()[0] if b.training else 0.0)
+        return a.o_proj(o)
 
 
 class _LlamaMlpHalf(_Half):
+    def _projections(self):
+        m = self.block.mlp
+        return m.gate_proj, m.up_proj, m.down_proj
+
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         norm = b.post_attention_layernorm
         x = self._input(x, norm.weight)
         return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, m.gate_proj.weight, m.up_proj.weight,
                                  m.down_proj.weight, eps=norm.variance_epsilon)
+
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
 
 
 class _LlamaBlock(_RevifiedBlock):
@@ -435,7 +467,7 @@ def _convert_llama(model, options):
         expected = 1.0 / (spec["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is not None and inv_freq.device.type != "meta" and not torch.allclose(
-                inv_freq.float().cpu(), expected, rtol=1e-5):
+                inv_freq.float().cpu(), expected, rtol=1e-2):  # bf16 buffers round
             raise NotImplementedError("revify: this LLaMA's rotary frequencies differ from default RoPE")
         if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
             raise NotImplementedError("revify: RoPE with attention scaling is not supported")
@@ -484,7 +516,7 @@ def _check_hf_inputs(model_name, kwargs):
 def _hf_output(module, output_class_name, hidden, kwargs):
     return_dict = kwargs.get("return_dict")
     if return_dict is None:
-        return_dict = getattr(module.config, "use_return_dict", True)
+        return_dict = getattr(module.config, "return_dict", True)
     if not return_dict:
         return (hidden,)
     outputs = importlib.import_module("transformers.modeling_outputs")

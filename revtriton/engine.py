@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +45,10 @@ class ReversibleBlock(nn.Module):
     def coupling_halves(self):
         return self.f, self.g
 
+    def reversible_phase(self, work, *tensors):
+        """One use of the halves by the stack, as one hookable call (see :func:`run_block_phase`)."""
+        return block_phase(self, work, *tensors)
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor):
         """Plain autograd forward on float streams (stores activations); the stack does not use it."""
         y1 = x1 + self.f(x2)
@@ -57,6 +63,87 @@ def is_reversible_block(layer) -> bool:
 def is_invertible_layer(layer) -> bool:
     """A module mapping the two streams with an exact ``inverse(y1, y2) -> (x1, x2)``."""
     return not is_reversible_block(layer) and callable(getattr(layer, "inverse", None))
+
+
+# --------------------------------------------------------------------------------------------
+# One hookable call per block and phase (FSDP2)
+#
+# Every use of a block's halves (forward, rebuild in backward, inverse) goes through ONE call of
+# the block's ``reversible_phase`` method. FSDP2 (revtriton.distributed.shard_reversible) registers
+# that method with ``register_fsdp_forward_method``: it gathers the block's parameters before the
+# call and, outside backward, frees them after it. In backward it leaves them gathered; the
+# rebuild's post-backward token (``_AfterToken``) runs FSDP2's post-backward (reduce-scatter,
+# free) once the gradient has passed both halves.
+
+PHASE_METHOD = "reversible_phase"
+
+
+class PhaseResult:
+    """A phase's results, hidden from hooks that walk a call's outputs (FSDP2 hooks and casts them)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def block_phase(block, work, *tensors):
+    """The body of ``reversible_phase``: ``work(f, g, *tensors)`` on the block's halves.
+
+    ``work`` returns ``(PhaseResult(value), *visible)``: only ``visible`` tensors are outputs a hook
+    may see. ``tensors`` are the call's tensor arguments, which a hook may replace.
+    """
+    f, g = block.coupling_halves()
+    return work(f, g, *tensors)
+
+
+def run_block_phase(layer, work, *tensors):
+    """Run one phase of a block through its ``reversible_phase`` method (or directly for duck-typed
+    blocks that have none); returns the phase's value."""
+    if not getattr(layer, "_revtriton_fsdp_phase", False) and _is_fsdp_module(layer):
+        hook_phase_for_fsdp(layer)  # sharded by fully_shard directly (e.g. by accelerate)
+    method = getattr(layer, PHASE_METHOD, None)
+    out = method(work, *tensors) if method is not None else block_phase(layer, work, *tensors)
+    return out[0].value
+
+
+def _is_fsdp_module(layer) -> bool:
+    # FSDP2 not imported: nothing can be sharded (and the engine does not import it).
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return fsdp_module is not None and isinstance(layer, fsdp_module)
+
+
+def hook_phase_for_fsdp(block):
+    """Register the block's ``reversible_phase`` as an FSDP2 forward method (once).
+
+    For a block that ``fully_shard`` was applied to: FSDP2 then gathers its parameters around
+    every phase. Duck-typed blocks get the method first.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if not callable(getattr(block, PHASE_METHOD, None)):
+        setattr(block, PHASE_METHOD, types.MethodType(block_phase, block))
+    register_fsdp_forward_method(block, PHASE_METHOD)
+    block._revtriton_fsdp_phase = True
+
+
+class _AfterToken(torch.autograd.Function):
+    """Identity on ``x`` whose backward also hands ``token`` an (empty) gradient.
+
+    Joined to F's input in the rebuild, it makes a hook on the token (FSDP2's post-backward)
+    run only after the gradient has passed F, the block's last half in backward, i.e. after
+    all of the block's parameter gradients are accumulated.
+    """
+
+    @staticmethod
+    def forward(ctx, x, token):
+        ctx.token_meta = (token.shape, token.dtype, token.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.token_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +260,16 @@ class ForwardGuards:
         return None if failed.numel() == 0 else self.labels[int(failed[0, 0])]
 
 
+FIND_UNUSED_HINT = (
+    "revtriton: DistributedDataParallel(find_unused_parameters=True) does not work with reversible "
+    "stacks: their blocks' parameters are not in the output's autograd graph (the forward keeps no "
+    "graph), so DDP marks them unused and then sees their gradients arrive in backward. Use "
+    "find_unused_parameters=False (the default) or static_graph=True (which also allows parameters "
+    "that are unused in every step); with the Hugging Face Trainer set "
+    "TrainingArguments(ddp_find_unused_parameters=False)."
+)
+
+
 class BackwardChecks:
     """Checksum flags of all segments of one forward, checked with one host sync.
 
@@ -250,11 +347,15 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             run.anchor_layers.append(i)
             anchors += [s1, s2]
         if is_reversible_block(layer):
-            f, g = layer.coupling_halves()
-            state_f = run.rng.record() if record else None
-            y1, _ = f.couple(s1, fmt.value(s2), +1, k)
-            state_g = run.rng.record() if record else None
-            y2, _ = g.couple(s2, fmt.value(y1), +1, k)
+
+            def forward_phase(f, g, s1=s1, s2=s2):
+                state_f = run.rng.record() if record else None
+                y1, _ = f.couple(s1, fmt.value(s2), +1, k)
+                state_g = run.rng.record() if record else None
+                y2, _ = g.couple(s2, fmt.value(y1), +1, k)
+                return (PhaseResult((y1, y2, state_f, state_g)),)
+
+            y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
             if fmt.exact and run.guards is not None:
                 index = run.first_index + i
                 run.guards.add(("overflow", index, "F"), _overflowed(s1, y1))
@@ -306,8 +407,13 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
         dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
         stepper = _SegmentBackward(run, anchors, checksum)
-        with run.rng.preserved():
-            dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
+        try:
+            with run.rng.preserved():
+                dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
+        except RuntimeError as error:
+            if "mark a variable ready only once" in str(error):  # DDP(find_unused_parameters=True)
+                raise RuntimeError(FIND_UNUSED_HINT) from error
+            raise
         if mismatch is not None:
             run.checks.add(run.first_index + len(run.layers) - 1, mismatch)
         if run.first_index == run.checks.first_layer:
@@ -334,15 +440,21 @@ class _SegmentBackward:
         y1, y2 = self.streams_entering(i, streams)
         layer = run.layers[i]
         if is_reversible_block(layer):
-            f, g = layer.coupling_halves()
             state_f, state_g = run.rng_states[i]
-            with torch.enable_grad(), run.autocast.restored():
+
+            def rebuild_phase(f, g, token):
                 run.rng.set(state_g)
                 y1_value = fmt.value(y1).detach().requires_grad_()
                 x2, port_g = g.couple(y2, y1_value, -1, k)
                 x2_value = fmt.value(x2).detach().requires_grad_()
                 run.rng.set(state_f)
-                x1, port_f = f.couple(y1, x2_value, -1, k)
+                x1, port_f = f.couple(y1, _AfterToken.apply(x2_value, token), -1, k)
+                # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
+                return PhaseResult((x1, x2, port_g, y1_value, port_f, x2_value)), y1_value
+
+            with torch.enable_grad(), run.autocast.restored():
+                token = torch.empty(0, device=y1.device, requires_grad=True)
+                x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token)
             recovered = Recovered(i, (x1.detach(), x2.detach()), kind="block",
                                   tensors=(port_g, y1_value, port_f, x2_value))
         else:
@@ -574,9 +686,12 @@ class ReversibleStack(nn.Module):
                 if i > last_index:
                     break
                 if is_reversible_block(layer):
-                    f, g = layer.coupling_halves()
-                    x1 = f.couple(x1, x2, +1, None)[0]
-                    x2 = g.couple(x2, x1, +1, None)[0]
+
+                    def peak_phase(f, g, x1=x1, x2=x2):
+                        x1 = f.couple(x1, x2, +1, None)[0]
+                        return (PhaseResult((x1, g.couple(x2, x1, +1, None)[0])),)
+
+                    x1, x2 = run_block_phase(layer, peak_phase)
                 elif is_invertible_layer(layer):
                     x1, x2 = layer(x1, x2)
                 else:
@@ -605,9 +720,12 @@ class ReversibleStack(nn.Module):
         for i in reversed(range(len(self))):
             layer = self[i]
             if is_reversible_block(layer):
-                f, g = layer.coupling_halves()
-                s2 = g.couple(s2, fmt.value(s1), -1, fmt.frac_bits)[0]
-                s1 = f.couple(s1, fmt.value(s2), -1, fmt.frac_bits)[0]
+
+                def inverse_phase(f, g, s1=s1, s2=s2):
+                    s2 = g.couple(s2, fmt.value(s1), -1, fmt.frac_bits)[0]
+                    return (PhaseResult((f.couple(s1, fmt.value(s2), -1, fmt.frac_bits)[0], s2)),)
+
+                s1, s2 = run_block_phase(layer, inverse_phase)
             elif is_invertible_layer(layer):
                 s1, s2 = layer.inverse(s1, s2)
             else:

@@ -70,6 +70,23 @@ def test_attention_backward_is_deterministic_and_writes_into_packed_buffers(seed
     assert torch.equal(dqkv, again)
 
 
+@pytest.mark.parametrize("tokens,causal", [(17, False), (40, False), (40, True)])
+def test_attention_with_very_negative_scores_stays_finite(seeded, tokens, causal):
+    # Every score ~ -150: the row log-sum-exp is so negative that exp(-lse) overflows fp32, so a
+    # padded key must be masked, not merely multiplied by a zero k row (inf * 0 = NaN).
+    q, k, v = packed_qkv(1, tokens, 2, 2, 32, torch.float32)
+    q, k = 0.2 * q.abs() + 5.0, -(0.2 * k.abs() + 5.0)
+    o, lse = fa.attention_fwd(q, k, v, causal=causal)
+    do = torch.randn_like(o)
+    grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal)
+    ref_o, ref_lse = fa.attention_fwd_reference(q, k, v, causal=causal)
+    assert lse.max().item() < -100
+    # fp32 logits of ~150 carry ~1e-5 absolute error in either implementation: a looser bar.
+    assert torch.isfinite(o).all() and rel_err(o, ref_o) <= 1e-4
+    for g, r in zip(grads, fa.attention_bwd_reference(q, k, v, do, causal=causal)):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-3
+
+
 def test_attention_launches(seeded):
     q, k, v = packed_qkv(1, 17, 2, 2, 16, torch.float32)
     with count_launches() as fwd:
@@ -216,6 +233,18 @@ def test_fused_half_exact_matches_reference(seeded, tokens, causal, heads, kv_he
     assert port is None and torch.equal(back, res)
 
 
+def test_fused_half_with_frozen_input_skips_the_input_gradient(seeded):
+    params = make_half_params(32, 2, 1, "rms", False)
+    x, res = torch.randn(2, 9, 32), torch.randn(2, 9, 32)
+    g = torch.randn(2, 9, 32)
+    (s, grads, nf, nb), (s_ref, grads_ref, _, _) = couple_both_ways(
+        res, x, 1, None, params, g, heads=2, kv_heads=1, causal=True, rope_theta=10000.0, norm="rms", eps=1e-6,
+        row_scale=None)
+    assert nf == 4 and nb == 5  # no dxhat GEMM, no norm backward
+    for got, want in zip(grads, grads_ref):
+        assert rel_err(got, want) <= 1e-5
+
+
 def test_fused_half_keeps_nothing_without_grad(seeded):
     from revtriton.ops.attention import norm_attention_couple
 
@@ -225,3 +254,173 @@ def test_fused_half_keeps_nothing_without_grad(seeded):
     with force_triton():
         stream, port = norm_attention_couple(res, x, 1, None, *args, heads=2, causal=False)
     assert port is None and stream.grad_fn is None
+
+
+def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded):
+    from revtriton.ops.attention import norm_attention_couple
+
+    params = make_half_params(64, 4, 2, "rms", False)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    res = torch.randn(2, 9, 64)
+    kwargs = dict(heads=4, kv_heads=2, causal=True, rope_theta=10000.0, norm="rms")
+    with torch.autocast("cpu", dtype=torch.float16):
+        with force_triton(), count_launches() as launches:
+            stream, port = norm_attention_couple(res, x, 1, None, *args, **kwargs)
+        assert all("fp16" not in name for name in launches)  # (names only; dtype checked below)
+        ref, _ = norm_attention_couple(res, x.detach(), 1, None, *[a.detach() if a is not None else None
+                                                                     for a in args], **kwargs)
+    assert stream.dtype == torch.float32
+    assert rel_err(stream - res, ref.float() - res) <= 1e-2
+    g = torch.randn(2, 9, 64)
+    with force_triton():
+        port.backward(g)
+    want = torch.autograd.grad(norm_attention_couple(res, x, 1, None, *args, **kwargs)[0], [x] + [
+        a for a in args if a is not None], g)
+    got = [x.grad] + [a.grad for a in args if a is not None]
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and rel_err(a, b) <= 2e-2
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_fused_half_bad_inputs_raise_clearly():
+    from revtriton.ops.attention import norm_attention_couple
+
+    def call(x, heads, kv_heads, dim_out=None, **kw):
+        dim = x.shape[-1]
+        hd = dim // heads if heads and dim % heads == 0 else 8
+        kv = kv_heads or heads
+        w_qkv = torch.randn((heads + 2 * kv) * hd, dim)
+        w_proj = torch.randn(dim_out or dim, heads * hd)
+        with force_triton():
+            return fa.fused_norm_attention_couple(torch.zeros_like(x), x, 1, None, torch.ones(dim), None, w_qkv, None,
+                                                  w_proj, None, heads=heads, kv_heads=kv_heads, causal=False,
+                                                  rope_theta=None, norm="rms", eps=1e-6, row_scale=None)
+
+    with pytest.raises(ValueError, match=r"heads \(3\) must divide dim \(64\)"):
+        call(torch.randn(1, 4, 64), 3, None)
+    with pytest.raises(ValueError, match=r"kv_heads \(3\) must divide heads \(4\)"):
+        call(torch.randn(1, 4, 64), 4, 3)
+    with pytest.raises(ValueError, match="head dim 48 is not supported"):
+        call(torch.randn(1, 4, 96), 2, None)
+    with pytest.raises(ValueError, match="rank 2"):
+        call(torch.randn(4, 64), 4, None)
+    with pytest.raises(ValueError, match="w_proj"):
+        call(torch.randn(1, 4, 64), 4, None, dim_out=32)
+    # the dispatching entry point and the modules say the same
+    with pytest.raises(ValueError, match="rank 4"):
+        norm_attention_couple(torch.zeros(1, 1, 4, 64), torch.randn(1, 1, 4, 64), 1, None, None, None,
+                              torch.randn(192, 64), None, torch.randn(64, 64), None, heads=4)
+    x = torch.randn(1, 4, 64)
+    with pytest.raises(TypeError, match="int32"):
+        with force_triton():
+            fa.fused_norm_attention_couple(x, x, 1, 16, None, None, torch.randn(192, 64), None, torch.randn(64, 64),
+                                           None, heads=4, kv_heads=4, causal=False, rope_theta=None, norm="rms",
+                                           eps=1e-6, row_scale=None)
+
+
+# --------------------------------------------------------------------------------------------
+# A reversible stack of fully fused blocks (F = fused attention half, G = fused MLP half)
+
+
+def _fused_stack(kind, depth, exact, seed, dim=32, heads=2):
+    from torch import nn
+
+    from revtriton import LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, ReversibleBlock, \
+        ReversibleStack
+
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(depth):
+        if kind == "vit":
+            f, g = LayerNormAttention(dim, heads), LayerNormMLP(dim, 48)
+        else:
+            f, g = RMSNormAttention(dim, heads, kv_heads=heads // 2), RMSNormSwiGLU(dim, 48)  # GQA
+        for half in (f, g):
+            with torch.no_grad():  # non-trivial norm parameters and biases
+                for p in half.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+        blocks.append(ReversibleBlock(f, g))
+    stack = ReversibleStack(blocks, exact=exact, frac_bits=16)
+    assert isinstance(stack, nn.Module)
+    return stack
+
+
+@pytest.mark.parametrize("kind", ["vit", "llama"])
+@pytest.mark.parametrize("exact", [False, True], ids=["float", "exact"])
+def test_stack_of_fused_blocks_matches_reference_path(seeded, kind, exact):
+    fused, reference = _fused_stack(kind, 2, exact, seeded), _fused_stack(kind, 2, exact, seeded)
+    x = torch.randn(2, 7, 32)
+    g_out = torch.randn(2, 7, 32)
+
+    def run(stack, triton):
+        xi = x.clone().requires_grad_(True)
+        with force_triton(triton):
+            with count_launches() as fwd:
+                out = stack(xi)
+            with count_launches() as bwd:
+                (out * g_out).sum().backward()
+        return out.detach(), xi.grad, [p.grad for p in stack.parameters()], sum(fwd.values()), sum(bwd.values())
+
+    out_f, dx_f, grads_f, n_fwd, n_bwd = run(fused, True)
+    out_r, dx_r, grads_r, _, _ = run(reference, False)
+    assert n_fwd <= 7 * 2 and n_bwd <= 20 * 2, (n_fwd, n_bwd)  # per block: forward <= 7, backward <= 20
+    assert rel_err(out_f, out_r) <= 1e-5
+    assert rel_err(dx_f, dx_r) <= 1e-4
+    for a, b in zip(grads_f, grads_r):
+        assert a is not None and rel_err(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["vit", "llama"])
+def test_stack_of_fused_blocks_reconstructs_bitwise_at_depth_12(seeded, kind):
+    from revtriton.ops.streams import to_fixed
+
+    stack = _fused_stack(kind, 12, True, seeded, dim=32)
+    s1, s2 = to_fixed(torch.randn(1, 5, 32), 16), to_fixed(torch.randn(1, 5, 32), 16)
+    with torch.no_grad(), force_triton():
+        y1, y2 = stack.forward_streams(s1, s2)
+        b1, b2 = stack.inverse(y1, y2)
+    assert not torch.equal(y1, s1) and not torch.equal(y2, s2)
+    assert torch.equal(b1, s1) and torch.equal(b2, s2)
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time compilation (sm_90, sm_80): every kernel variant x config of this half
+
+
+def test_aot_specs_cover_every_kernel_and_config():
+    import subprocess
+    import sys
+
+    # The spec list is built with TRITON_INTERPRET unset (GPU config lists), in a subprocess.
+    code = ("from revtriton.ops.fused_attention import aot_specs; import collections;"
+            "print(sorted(collections.Counter(s.name.split('[')[0] + '@' + str(s.arch) for s in aot_specs()).items()))")
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, check=True)
+    counts = dict(eval(out.stdout))
+    for arch in (80, 90):
+        for kernel in ("attention_fwd", "attention_bwd", "attention_bwd_delta", "qkv_gemm", "gemm",
+                       "attn_norm_bwd_nogamma"):
+            assert counts.get(f"{kernel}@{arch}", 0) > 0, (kernel, arch, counts)
+
+
+@pytest.mark.slow
+def test_aot_compiles_for_sm90_and_sm80_without_spills():
+    from revtriton import aot
+
+    results = aot.run_in_subprocess(r"^(attention|qkv|attn_|gemm\[attn_)")
+    print("\n" + aot.format_table(results))
+    assert len(results) >= 100
+    for r in results:
+        assert r.error is None, (r.label, r.error)
+        assert r.local == 0, f"{r.label} spills ({r.local} bytes of local memory)"
+        if not r.label.startswith("gemm["):  # this half's own kernels: no stack either
+            assert r.stack == 0, f"{r.label} uses {r.stack} bytes of stack at {r.registers} registers"
+        if r.label.startswith(("attention_fwd", "qkv_gemm")) and r.arch == 90:
+            assert r.has_wgmma, f"{r.label} does not use wgmma"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .dispatch import launch
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
 
 
 def _attention_kernels():
@@ -389,7 +389,7 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
 
 
 def _fused_backward(plan: _Plan, g, x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
-                    has_b_qkv, has_b_proj):
+                    has_b_qkv, has_b_proj, need_dx=True):
     """Gradients of sign * H(x) given g = d loss / d stream; seven launches.
 
     dgamma / dbeta / the bias and the gamma, beta part of dW_qkv come from weight-sized torch
@@ -414,9 +414,12 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, qkv, o, lse, norm_weight, no
     attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,      # launches 3, 4
                   dq=dq, dk=dk, dv=dv)
     # QKV projection and the norm.
-    w_gamma = w_qkv if norm_weight is None else (w_qkv.float() * norm_weight.float()).to(dt)
-    dxhat = gemm.linear_input_grad(dqkv, w_gamma, dot_dtype=dt, out_dtype=torch.float32)        # launch 5
-    dx, _, _ = gemm.norm_bwd(dxhat, x2, (mean, rstd), None, norm=plan.norm, has_bias=False)     # launch 6
+    dx = None
+    if need_dx:
+        w_gamma = w_qkv if norm_weight is None else (w_qkv.float() * norm_weight.float()).to(dt)
+        dxhat = gemm.linear_input_grad(dqkv, w_gamma, dot_dtype=dt, out_dtype=torch.float32)    # launch 5
+        dx, _, _ = gemm.norm_bwd(dxhat, x2, (mean, rstd), None, norm=plan.norm, has_bias=False)  # launch 6
+        dx = dx.view(plan.batch, plan.tokens, plan.dim)
     dw_hat, db_qkv = gemm.linear_weight_grad(dqkv, x2, norm=plan.norm, stats=(mean, rstd),       # launch 7
                                              bias_grad=True, dot_dtype=dt)
     w32 = w_qkv.float()
@@ -428,7 +431,7 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, qkv, o, lse, norm_weight, no
     if norm_bias is not None:
         dbeta = db_qkv @ w32
         dw_qkv = dw_qkv + torch.outer(db_qkv, norm_bias.float())
-    return (dx.view(plan.batch, plan.tokens, plan.dim), dgamma, dbeta, dw_qkv,
+    return (dx, dgamma, dbeta, dw_qkv,
             db_qkv if has_b_qkv else None, dw_proj, db_proj)
 
 
@@ -463,14 +466,15 @@ class FusedNormAttentionCouple(torch.autograd.Function):
         with torch.autocast(g.device.type, enabled=False):
             dx, dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj = _fused_backward(
                 plan, g.float(), x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
-                ctx.has_b_qkv, ctx.has_b_proj)
+                ctx.has_b_qkv, ctx.has_b_proj, need_dx=ctx.needs_input_grad[2])
         param_grads = [None if d is None else d.to(dtype) for d, dtype in
                        zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes)]
-        return (None, grad_res, dx.to(ctx.x_dtype), *param_grads, None)
+        return (None, grad_res, None if dx is None else dx.to(ctx.x_dtype), *param_grads, None)
 
 
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
-                                heads, kv_heads, causal, rope_theta, norm, eps, row_scale):
+                                heads, kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6,
+                                row_scale=None):
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
     Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``.
@@ -513,11 +517,13 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
 AOT_HEAD_DIMS = (64, 128)
 
 
-def _aot_spec(name, kernel, config, arch, *, pointers, constexprs, floats=("sm_scale",)):
+def _aot_spec(name, kernel, config, arch, *, pointers, constexprs, floats=("sm_scale",), unit_strides=()):
+    """One AotSpec: pointers (name -> dtype) and strides are 16-divisible, ``unit_strides`` are the
+    strides that are 1 at every launch (the JIT specializes them to constants), other ints i32."""
     from ..aot import AotSpec, _jit_function
 
     fn = _jit_function(kernel)
-    constexprs = {**constexprs, **config.kwargs}
+    constexprs = {**constexprs, **config.kwargs, **{s: 1 for s in unit_strides}}
     signature, divisible = {}, []
     for arg in fn.arg_names:
         if arg in constexprs:
@@ -551,31 +557,32 @@ def aot_specs():
     for arch in (90, 80):
         for hd in AOT_HEAD_DIMS:
             for causal in (False, True):
-                for config in kernels.fwd_configs(hd):
+                for config in kernels.fwd_configs(hd, arch):
                     specs.append(_aot_spec(
                         f"attention_fwd[d{hd},{'causal' if causal else 'full'}]", kernels.attention_fwd_kernel,
                         config, arch, pointers=dict(Q=t, K=t, V=t, O=t, LSE=f32),
                         constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, DOT_PRECISION="tf32")))
-            for causal, rope in ((False, False), (True, True)):
-                for config in kernels.bwd_configs(hd):
+            for causal, rope in ((False, False), (True, False), (True, True)):
+                for config in kernels.bwd_configs(hd, arch):
                     specs.append(_aot_spec(
                         f"attention_bwd[d{hd},{'causal' if causal else 'full'},{'rope' if rope else 'norope'}]",
                         kernels.attention_bwd_kernel, config, arch,
                         pointers=dict(Q=t, K=t, V=t, DO=t, LSE=f32, DELTA=f32, DQ=t, DK=t, DV=t, COS=f32, SIN=f32),
                         constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, ROPE=rope, DOT_PRECISION="tf32")))
-            for config in kernels.delta_configs(hd):
+            for config in kernels.delta_configs(hd, arch):
                 specs.append(_aot_spec(f"attention_bwd_delta[d{hd}]", kernels.attention_bwd_delta_kernel, config,
                                        arch, pointers=dict(O=t, DO=t, DELTA=f32), constexprs=dict(HEAD_DIM=hd)))
             for norm, rope in (("layer", False), ("rms", True)):
                 rms = norm == "rms"
-                for config in qkv_kernels.qkv_configs(hd):
+                for config in qkv_kernels.qkv_configs(hd, arch):
                     specs.append(_aot_spec(
                         f"qkv_gemm[d{hd},{norm},{'rope' if rope else 'norope'}]",
                         qkv_kernels.qkv_norm_rope_gemm_kernel, config, arch,
                         pointers=dict(X=f32, MEAN=f32, RSTD=f32, GAMMA=f32, BETA=f32, W=t, BIAS=f32, OUT=t, COS=f32,
                                       SIN=f32),
                         constexprs=dict(IS_RMS=rms, HAS_GAMMA=True, HAS_BETA=not rms, HAS_BIAS=not rms, ROPE=rope,
-                                        HEAD_DIM=hd, DOT_PRECISION="tf32")))
+                                        HEAD_DIM=hd, DOT_PRECISION="tf32"),
+                        unit_strides=("stride_wk",)))
     params = {"gamma_ptr": "fp32", "beta_ptr": "fp32", "bias_ptr": "fp32", "mean_ptr": "fp32", "rstd_ptr": "fp32",
               "row_scale_ptr": "fp32", "k_scale_ptr": "fp32"}
     params = {k: torch.float32 for k in params}

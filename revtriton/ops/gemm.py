@@ -47,6 +47,13 @@ Backward
         per-program partial sums reduced in a second pass (two launches, deterministic).
 
 References: ``*_reference`` beside each launcher, same arguments, pure torch.
+
+Kernels: one JIT GEMM (kernels/gemm.py) autotuned through two wrappers with their own config
+lists (``fused_gemm_kernel``; ``fused_gemm_dual_kernel`` for SwiGLU's dual accumulator and its
+gradient), keyed on N, K and the variant flags, never on M. Whether the pre-activation is saved
+is a runtime flag, so a no-grad forward and its with-grad recompute get the same config and
+agree bitwise. AOT specs for a launch variant: :func:`gemm_aot_specs` (used by the fused ops
+modules' ``aot_specs()``), :func:`norm_aot_specs`.
 """
 from __future__ import annotations
 
@@ -63,11 +70,11 @@ from .streams import check_frac_bits, quantize_reference
 try:  # installed: kernels/ ships as revtriton.kernels
     from revtriton.kernels import gemm as gemm_kernels
     from revtriton.kernels import norm as norm_kernels
-    from revtriton.kernels.configs import norm_num_warps
+    from revtriton.kernels.configs import configs_for_arch, norm_num_warps
 except ImportError:  # source checkout: kernels/ sits beside revtriton/
     from kernels import gemm as gemm_kernels
     from kernels import norm as norm_kernels
-    from kernels.configs import norm_num_warps
+    from kernels.configs import configs_for_arch, norm_num_warps
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -160,8 +167,9 @@ def _launch_gemm(a, b, b_strides, c, M, N, K, *, dot_dtype, b2=None, mean=None, 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
+    dual = dual_b or act_bwd == "swiglu"
     dispatch.launch(
-        gemm_kernels.fused_gemm_kernel, grid,
+        gemm_kernels.fused_gemm_dual_kernel if dual else gemm_kernels.fused_gemm_kernel, grid,
         a, b, dummy if b2 is None else b2, c, M, N, K,
         a.stride(0), a.stride(1), stride_bk, stride_bn, c.stride(0), c.stride(1),
         dummy if mean is None else mean, dummy if rstd is None else rstd,
@@ -507,8 +515,10 @@ def norm_bwd_reference(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, 
 
 
 def norm_partial_programs(rows: int) -> int:
-    """Programs of the norm backward: a function of the row count only (fixed summation order)."""
-    return max(1, min(rows, 512))
+    """Programs of the norm backward: a function of the row count only (fixed summation order).
+
+    The interpreter runs programs one after the other, so it gets few long ones."""
+    return max(1, min(rows, 8 if dispatch.interpreter_enabled() else 512))
 
 
 def norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
@@ -574,20 +584,17 @@ def gemm_aot_specs(name, *, flags, unit_strides, dot_dtype=torch.bfloat16, c_dty
     """
     from ..aot import AotSpec
 
-    try:
-        from revtriton.kernels.configs import GEMM_CONFIGS_SM80, GEMM_CONFIGS_SM90
-    except ImportError:
-        from kernels.configs import GEMM_CONFIGS_SM80, GEMM_CONFIGS_SM90
     flags = {**GEMM_FLAG_DEFAULTS, **flags}
+    kind = "dual" if flags["DUAL_B"] or flags["ACT_BWD"] == gemm_kernels.ACT_SWIGLU else "regular"
     unknown = set(flags) - set(GEMM_FLAG_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown GEMM flags {unknown}")
     c_dtype = dot_dtype if c_dtype is None else c_dtype
     ptr_dtypes = {"a_ptr": dot_dtype, "b_ptr": dot_dtype, "c_ptr": c_dtype, **(ptr_dtypes or {})}
-    fn = gemm_kernels.fused_gemm_kernel.fn
+    fn = gemm_kernels.fused_gemm_jit
     specs = []
-    for arch, configs in ((90, GEMM_CONFIGS_SM90), (80, GEMM_CONFIGS_SM80)):
-        for config in configs:
+    for arch in (90, 80):
+        for config in configs_for_arch(kind, arch):
             constexprs = {**flags, "DOT_DTYPE": TL_DTYPES[dot_dtype],
                           "INPUT_PRECISION": "ieee" if dot_dtype == torch.float32 else "tf32", **config.kwargs}
             signature, divisible = {}, []

@@ -17,14 +17,14 @@ NORMS = ("layer", "rms")
 
 
 def normalize_reference(x, weight, bias, *, norm: str, eps: float):
-    """LayerNorm or RMSNorm over the last dim, statistics in fp32, result in x's dtype."""
+    """LayerNorm or RMSNorm over the last dim, statistics in fp32 (fp64 for fp64 input), result in x's dtype."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    xf = x.float()
+    xf = x.double() if x.dtype == torch.float64 else x.float()  # stats in fp32 at least
     if norm == "layer":
         xf = xf - xf.mean(-1, keepdim=True)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = y.to(x.dtype) if weight is None else (y * weight.float()).to(x.dtype)
+    y = y.to(x.dtype) if weight is None else (y * weight.to(xf.dtype)).to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -1,0 +1,171 @@
+"""Train a small reversible GPT on real text that is available offline: the Python standard
+library's own source files, byte by byte (vocabulary 256).
+
+The same run is repeated with the stored-activation model of identical architecture and
+identical initial weights and batches (plain autograd, float streams), so the two loss curves
+can be compared step by step.
+
+    python examples/train_lm.py                 # ~5 min on 2 CPU cores
+    python examples/train_lm.py --smoke         # a few steps (used by the tests)
+    python examples/train_lm.py --style llama   # RMSNorm, SwiGLU, RoPE, grouped-query attention
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from revtriton.models import GPTConfig, RevGPT, count_parameters, to_stored_activations
+
+try:
+    from revtriton.profiling import peak_memory, saved_bytes
+except ImportError:  # older checkouts: no profiling module
+    peak_memory = saved_bytes = None
+
+
+def stdlib_text(max_bytes: int) -> bytes:
+    """Concatenated .py files of the running Python's standard library (sorted, so reproducible)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    if size == 0:
+        raise RuntimeError(f"no Python sources found under {root}")
+    return b"\n".join(chunks)[:max_bytes]
+
+
+def get_batch(data: torch.Tensor, batch: int, seq: int, seed: int):
+    """A deterministic batch of (inputs, next-byte targets) for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+    window = torch.stack([data[s: s + seq + 1] for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def train(model, data, args, desc):
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, tokens, elapsed = [], 0, 0.0
+    bar = tqdm(range(args.steps), desc=desc, disable=args.no_bar, dynamic_ncols=True)
+    for step in bar:
+        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        lr *= 0.5 * (1 + math.cos(math.pi * step / args.steps)) if args.cosine else 1.0
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(data, args.batch, args.seq, seed=args.seed * 100_000 + step)
+        start = time.perf_counter()
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step > 0:  # step 0 pays one-time start-up costs
+            elapsed += time.perf_counter() - start
+            tokens += x.numel()
+        losses.append(loss.item())
+        if args.no_bar and (step % 50 == 0 or step == args.steps - 1):
+            print(f"{desc} step {step}: loss {losses[-1]:.4f}", flush=True)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / max(elapsed, 1e-9):,.0f}")
+    return losses, tokens / max(elapsed, 1e-9)
+
+
+def memory(model, data, args):
+    """(peak bytes of one training step, bytes the forward keeps for backward)."""
+    x, y = get_batch(data, args.batch, args.seq, seed=123_456_789)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+
+    if peak_memory is None:
+        return float("nan"), float("nan")
+    peak = peak_memory(step)
+    kept = saved_bytes(lambda: model(x, y)[1], module=model)
+    model.zero_grad(set_to_none=True)
+    return peak, kept
+
+
+@torch.no_grad()
+def evaluate(model, data, args, batches=8):
+    model.eval()
+    total = sum(model(*get_batch(data, args.batch, args.seq, seed=10**9 + i))[1].item() for i in range(batches))
+    model.train()
+    return total / batches
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--cosine", action="store_true", help="cosine decay after warmup")
+    parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
+    parser.add_argument("--data-bytes", type=int, default=4_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="fail (exit 1) if the two losses differ by more than this at any step (0: no check)")
+    parser.add_argument("--no-bar", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.batch, args.seq, args.depth, args.dim, args.data_bytes = 4, 4, 64, 2, 64, 200_000
+        args.warmup, args.tolerance = 2, 0.0
+
+    torch.manual_seed(args.seed)
+    text = stdlib_text(args.data_bytes)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    split = int(0.9 * data.numel())
+    train_data, val_data = data[:split], data[split:]
+    config = GPTConfig(style=args.style, vocab_size=256, block_size=args.seq, dim=args.dim, depth=args.depth,
+                       heads=args.heads, kv_heads=args.heads // 2 if args.style == "llama" else None)
+    model = RevGPT(config, exact=not args.float_streams)
+    # The baseline: identical weights, plain autograd, float streams.
+    baseline = to_stored_activations(copy.deepcopy(model))
+    baseline.blocks.exact = False
+    print(f"data: {len(text):,} bytes of {sysconfig.get_paths()['stdlib']}/*.py; model: {args.style}, "
+          f"{count_parameters(model):,} parameters, {args.depth} blocks, dim {args.dim}, "
+          f"{'float' if args.float_streams else 'exact'} streams; torch threads: {torch.get_num_threads()}")
+
+    results = {}
+    for name, m in (("reversible", model), ("stored-activation", baseline)):
+        losses, tokens_per_s = train(m, train_data, args, name)
+        peak, kept = memory(m, train_data, args)
+        results[name] = dict(losses=losses, tokens_per_s=tokens_per_s, peak=peak, kept=kept,
+                             val=evaluate(m, val_data, args))
+
+    mib = 2.0**20
+    print(f"\n{'model':<18} {'final loss':>10} {'val loss':>9} {'tokens/s':>9} {'peak MiB':>9} {'kept MiB':>9}")
+    for name, r in results.items():
+        print(f"{name:<18} {r['losses'][-1]:>10.4f} {r['val']:>9.4f} {r['tokens_per_s']:>9,.0f} "
+              f"{r['peak'] / mib:>9.1f} {r['kept'] / mib:>9.2f}")
+    rev, ref = results["reversible"]["losses"], results["stored-activation"]["losses"]
+    gaps = [abs(a - b) / b for a, b in zip(rev, ref)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    marks = sorted({0, len(rev) // 4, len(rev) // 2, 3 * len(rev) // 4, len(rev) - 1})
+    print("step  " + "  ".join(f"{s:>7}" for s in marks))
+    print("rev   " + "  ".join(f"{rev[s]:>7.4f}" for s in marks))
+    print("plain " + "  ".join(f"{ref[s]:>7.4f}" for s in marks))
+    print(f"loss gap |rev - plain| / plain: max {gaps[worst]:.3%} (step {worst}), final {gaps[-1]:.3%}")
+    if args.tolerance and gaps[worst] > args.tolerance:
+        print(f"FAIL: the loss gap exceeds {args.tolerance:.1%}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

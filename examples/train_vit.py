@@ -1,0 +1,166 @@
+"""Train a small reversible ViT (or RevMViT) on real images available offline: scikit-learn's
+bundled handwritten digits (1,797 grey 8x8 images, 10 classes).
+
+The same run is repeated with the stored-activation model of identical architecture and
+identical initial weights and batches (plain autograd, float streams), so the two loss curves
+can be compared step by step.
+
+    python examples/train_vit.py                  # RevViT, ~3 min on 2 CPU cores
+    python examples/train_vit.py --model mvit     # multiscale: reversible stages + stage transitions
+    python examples/train_vit.py --smoke          # a few steps (used by the tests)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from revtriton.engine import ReversibleStack
+from revtriton.models import RevViT, count_parameters, rev_mvit, to_stored_activations
+
+try:
+    from revtriton.profiling import peak_memory, saved_bytes
+except ImportError:  # older checkouts: no profiling module
+    peak_memory = saved_bytes = None
+
+
+def load_digits_tensors(seed: int):
+    """(train images, train labels, test images, test labels); images [N, 1, 8, 8] scaled to [-1, 1]."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    test, train = order[:297], order[297:]
+    return images[train], labels[train], images[test], labels[test]
+
+
+def get_batch(images, labels, batch: int, seed: int):
+    index = torch.randint(0, len(labels), (batch,), generator=torch.Generator().manual_seed(seed))
+    return images[index], labels[index]
+
+
+def build(args):
+    exact = not args.float_streams
+    if args.model == "mvit":
+        return rev_mvit("xs", img_size=8, in_chans=1, num_classes=10, patch_kernel=3, patch_stride=1,
+                        drop_path_rate=args.drop_path, exact=exact)
+    return RevViT(img_size=8, patch_size=2, in_chans=1, num_classes=10, dim=args.dim, depth=args.depth,
+                  heads=args.heads, drop_path_rate=args.drop_path, exact=exact)
+
+
+def train(model, data, args, desc):
+    images, labels = data
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
+    losses, seen, elapsed = [], 0, 0.0
+    bar = tqdm(range(args.steps), desc=desc, disable=args.no_bar, dynamic_ncols=True)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        x, y = get_batch(images, labels, args.batch, seed=args.seed * 100_000 + step)
+        torch.manual_seed(args.seed * 100_000 + step)  # same drop-path draws for both models
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step > 0:  # step 0 pays one-time start-up costs
+            elapsed += time.perf_counter() - start
+            seen += len(y)
+        losses.append(loss.item())
+        if args.no_bar and (step % 50 == 0 or step == args.steps - 1):
+            print(f"{desc} step {step}: loss {losses[-1]:.4f}", flush=True)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", img_s=f"{seen / max(elapsed, 1e-9):,.0f}")
+    return losses, seen / max(elapsed, 1e-9)
+
+
+def memory(model, data, args):
+    """(peak bytes of one training step, bytes the forward keeps for backward)."""
+    x, y = get_batch(*data, args.batch, seed=123_456_789)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    if peak_memory is None:
+        return float("nan"), float("nan")
+    peak = peak_memory(step)
+    kept = saved_bytes(lambda: F.cross_entropy(model(x), y), module=model)
+    model.zero_grad(set_to_none=True)
+    return peak, kept
+
+
+@torch.no_grad()
+def accuracy(model, images, labels):
+    model.eval()
+    correct = (model(images).argmax(-1) == labels).float().mean().item()
+    model.train()
+    return correct
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["vit", "mvit"], default="vit")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--drop-path", type=float, default=0.1)
+    parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="fail (exit 1) if the two losses differ by more than this at any step (0: no check)")
+    parser.add_argument("--no-bar", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.batch, args.depth, args.dim, args.warmup, args.tolerance = 4, 16, 2, 32, 2, 0.0
+
+    train_x, train_y, test_x, test_y = load_digits_tensors(args.seed)
+    torch.manual_seed(args.seed)
+    model = build(args)
+    # The baseline: identical weights, plain autograd, float streams.
+    baseline = to_stored_activations(copy.deepcopy(model))
+    for module in baseline.modules():
+        if isinstance(module, ReversibleStack):
+            module.exact = False
+    print(f"data: scikit-learn digits, {len(train_y)} train / {len(test_y)} test images (8x8); model: {args.model}, "
+          f"{count_parameters(model):,} parameters, {'float' if args.float_streams else 'exact'} streams; "
+          f"torch threads: {torch.get_num_threads()}")
+
+    results = {}
+    for name, m in (("reversible", model), ("stored-activation", baseline)):
+        losses, images_per_s = train(m, (train_x, train_y), args, name)
+        peak, kept = memory(m, (train_x, train_y), args)
+        results[name] = dict(losses=losses, images_per_s=images_per_s, peak=peak, kept=kept,
+                             acc=accuracy(m, test_x, test_y))
+
+    mib = 2.0**20
+    print(f"\n{'model':<18} {'final loss':>10} {'test acc':>9} {'images/s':>9} {'peak MiB':>9} {'kept MiB':>9}")
+    for name, r in results.items():
+        print(f"{name:<18} {r['losses'][-1]:>10.4f} {r['acc']:>9.3f} {r['images_per_s']:>9,.0f} "
+              f"{r['peak'] / mib:>9.1f} {r['kept'] / mib:>9.2f}")
+    rev, ref = results["reversible"]["losses"], results["stored-activation"]["losses"]
+    gaps = [abs(a - b) / b for a, b in zip(rev, ref)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    marks = sorted({0, len(rev) // 4, len(rev) // 2, 3 * len(rev) // 4, len(rev) - 1})
+    print("step  " + "  ".join(f"{s:>7}" for s in marks))
+    print("rev   " + "  ".join(f"{rev[s]:>7.4f}" for s in marks))
+    print("plain " + "  ".join(f"{ref[s]:>7.4f}" for s in marks))
+    print(f"loss gap |rev - plain| / plain: max {gaps[worst]:.3%} (step {worst}), final {gaps[-1]:.3%}")
+    if args.tolerance and gaps[worst] > args.tolerance:
+        print(f"FAIL: the loss gap exceeds {args.tolerance:.1%}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""``python -m perf.autotune``: warm the on-disk autotune cache for a preset's shapes.
+
+The fused kernels are autotuned per (N, K, variant flags, dtypes), never per token count, with
+``cache_results=True``: the first run of a shape benchmarks every config and writes the winner to
+Triton's cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``); later processes read it. This
+runs forward + backward of one reversible block of fused halves for each preset, stream kind and
+dtype, so a sweep or a training run starts with every config already chosen.
+
+On a machine without CUDA there is nothing to tune: it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from revtriton import ReversibleStack
+from revtriton.ops.dispatch import count_launches
+
+from .stacks import PRESETS, make_blocks
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m perf.autotune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default=",".join(PRESETS), help=f"comma list of {','.join(PRESETS)}")
+    ap.add_argument("--batch", type=int, default=2, help="the token count does not change the tuned config")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
+    ap.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp32")
+    ap.add_argument("--streams", default="exact,float", help="comma list of exact, float")
+    return ap.parse_args(argv)
+
+
+def warm(preset, batch: int, dtype: str, exact: bool, device) -> tuple[float, int]:
+    """Forward + backward of one fused block twice; returns (first run's seconds, launches of the second)."""
+    torch.manual_seed(0)
+    stack = ReversibleStack(make_blocks(preset, 1, "fused"), exact=exact).to(device)
+    x = torch.randn(batch, preset.tokens, preset.dim, device=device, requires_grad=True)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+    def step():
+        with amp:
+            out = stack(x)
+        out.backward(torch.ones_like(out))
+
+    begin = time.perf_counter()
+    step()
+    torch.cuda.synchronize(device)
+    first = time.perf_counter() - begin
+    with count_launches() as counter:
+        step()
+    torch.cuda.synchronize(device)
+    return first, sum(counter.values())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("perf.autotune: needs a CUDA device (Triton autotunes on the GPU); on this machine the "
+              "reference path runs and there is nothing to tune.")
+        return 0
+    names = [n for n in args.presets.split(",") if n]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        print(f"perf.autotune: unknown presets {unknown}; choose from {list(PRESETS)}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"perf.autotune on {torch.cuda.get_device_name(device)}; cache: {cache_dir()}")
+    failures = 0
+    for name in names:
+        preset = PRESETS[name].scaled(tokens=args.seq) if args.seq else PRESETS[name]
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            for streams in [s for s in args.streams.split(",") if s]:
+                try:
+                    seconds, launches = warm(preset, args.batch, dtype, streams == "exact", device)
+                    print(f"  {name:6s} {dtype:4s} {streams:5s} streams: tuned in {seconds:6.1f} s, "
+                          f"{launches} launches per block step")
+                except Exception as err:  # report every shape, then fail
+                    failures += 1
+                    print(f"  {name:6s} {dtype:4s} {streams:5s} streams: FAILED {type(err).__name__}: {err}",
+                          file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

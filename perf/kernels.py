@@ -1,0 +1,294 @@
+"""``python -m perf.kernels``: microbenchmarks of the fused halves' kernels on a GPU.
+
+For each case of the registry (:data:`CASES`; other modules add theirs with :func:`register`)
+and each model dim (768 / 1024 / 4096, 8192 tokens, bf16), every operation (forward couple,
+inverse couple, backward = recompute with grad + backward) runs as
+
+* ``fused``: revtriton's Triton kernels (ops/fused_mlp.py),
+* ``eager``: the same math in PyTorch eager (the reference path, ops/mlp.py),
+* ``cublas``: cuBLAS GEMMs (``torch.addmm``) + PyTorch's fused elementwise ops (F.layer_norm,
+  F.gelu, ...), i.e. the best unfused composition,
+
+and each fused GEMM alone against ``torch.addmm`` / ``torch.mm`` of the same shape. Reported:
+median ms, TFLOP/s and GB/s (minimum traffic) next to two ceilings measured in the same run
+(device-to-device copy bandwidth and a large bf16 matmul), plus the issue's bars (fused forward
+>= 1.2 x eager; fused GEMMs >= 0.85 x cuBLAS).
+
+Results: ``perf/results/<device>-<date>-kernels.json`` and ``.csv``. Without a CUDA GPU there is
+nothing to measure: it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DIMS = (768, 1024, 4096)
+TOKENS = 8192
+BAR_FORWARD_VS_EAGER = 1.2
+BAR_GEMM_VS_CUBLAS = 0.85
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One timed callable: ``fn()`` runs the op once; flops / bytes are per call (minimum traffic)."""
+    fn: Callable[[], object]
+    flops: float
+    bytes: float
+
+
+@dataclasses.dataclass
+class BenchCase:
+    """A registry entry: ``build(dim, tokens, device)`` -> {(op, impl): Measurement}.
+
+    op names the operation ("forward", "inverse", "backward", "gemm1", ...); impl is "fused",
+    "eager" or "cublas". Ratios are taken between impls of the same op.
+    """
+    name: str
+    build: Callable[[int, int, torch.device], dict]
+    dims: tuple = DIMS
+    tokens: int = TOKENS
+
+
+CASES: dict[str, BenchCase] = {}
+
+
+def register(case: BenchCase) -> BenchCase:
+    if case.name in CASES:
+        raise ValueError(f"benchmark case {case.name!r} registered twice")
+    CASES[case.name] = case
+    return case
+
+
+# ---------------------------------------------------------------- the norm+MLP cases
+
+def _mlp_case(kind: str):
+    def build(dim, tokens, device):
+        from revtriton.ops import fused_mlp, mlp
+        from revtriton.ops.streams import couple_output, to_fixed
+
+        dt = torch.bfloat16
+        swiglu = kind == "swiglu"
+        hidden = (int(8 * dim / 3) + 255) // 256 * 256 if swiglu else 4 * dim
+        x = torch.randn(tokens, dim, device=device, dtype=dt)
+        res = to_fixed(torch.randn(tokens, dim, device=device), 16)
+        gamma = torch.ones(dim, device=device, dtype=dt)
+        beta = None if swiglu else torch.zeros(dim, device=device, dtype=dt)
+        w1 = torch.randn(hidden, dim, device=device, dtype=dt) * dim ** -0.5
+        wu = torch.randn(hidden, dim, device=device, dtype=dt) * dim ** -0.5 if swiglu else None
+        b1 = None if swiglu else torch.zeros(hidden, device=device, dtype=dt)
+        w2 = torch.randn(dim, hidden, device=device, dtype=dt) * hidden ** -0.5
+        b2 = None if swiglu else torch.zeros(dim, device=device, dtype=dt)
+        params = [gamma, wu, w1, w2] if swiglu else [gamma, beta, w1, b1, w2, b2]
+        n_gemm = 3 if swiglu else 2
+        gemm_flops = 2.0 * tokens * dim * hidden
+        weight_bytes = 2.0 * n_gemm * dim * hidden
+        # forward: read x (bf16) and res (int32), write the stream (int32), read the weights.
+        fwd_bytes = tokens * dim * (2 + 4 + 4) + weight_bytes
+        # backward: recompute + read the port gradient (fp32), write dx and the weight gradients.
+        bwd_bytes = fwd_bytes + tokens * dim * (4 + 2) + weight_bytes
+
+        def fused(sign):
+            if swiglu:
+                return fused_mlp.fused_swiglu_mlp_couple(res, x, sign, 16, gamma, w1, wu, w2)
+            return fused_mlp.fused_norm_mlp_couple(res, x, sign, 16, gamma, beta, w1, b1, w2, b2, norm="layer",
+                                                   activation="gelu_tanh")
+
+        def eager_h(xx):
+            if swiglu:
+                return mlp.swiglu_mlp_reference(xx, gamma, w1, wu, w2)
+            return mlp.norm_mlp_reference(xx, gamma, beta, w1, b1, w2, b2, norm="layer", activation="gelu_tanh")
+
+        def cublas_h(xx):
+            if swiglu:
+                n = F.rms_norm(xx, (dim,), gamma, 1e-6)
+                return torch.mm(F.silu(torch.mm(n, w1.t())) * torch.mm(n, wu.t()), w2.t())
+            n = F.layer_norm(xx, (dim,), gamma, beta, 1e-6)
+            return torch.addmm(b2, F.gelu(torch.addmm(b1, n, w1.t()), approximate="tanh"), w2.t())
+
+        def eager(sign):
+            return couple_output(res, eager_h(x), sign, 16)
+
+        def cublas(sign):
+            return couple_output(res, cublas_h(x), sign, 16)
+
+        g = torch.randn(tokens, dim, device=device)
+
+        def backward_of(couple):
+            def run():
+                xx = x.detach().requires_grad_(True)
+                for p in params:
+                    if p is not None:
+                        p.requires_grad_(True)
+                _, port = couple(xx)
+                torch.autograd.backward(port, g)
+                for p in params:
+                    if p is not None:
+                        p.grad = None
+            return run
+
+        def fused_couple_with(xx):
+            if swiglu:
+                return fused_mlp.fused_swiglu_mlp_couple(res, xx, -1, 16, gamma, w1, wu, w2)
+            return fused_mlp.fused_norm_mlp_couple(res, xx, -1, 16, gamma, beta, w1, b1, w2, b2, norm="layer",
+                                                   activation="gelu_tanh")
+
+        out = {}
+        for op, sign in (("forward", 1), ("inverse", -1)):
+            out[(op, "fused")] = Measurement(lambda s=sign: fused(s), n_gemm * gemm_flops, fwd_bytes)
+            out[(op, "eager")] = Measurement(lambda s=sign: eager(s), n_gemm * gemm_flops, fwd_bytes)
+            out[(op, "cublas")] = Measurement(lambda s=sign: cublas(s), n_gemm * gemm_flops, fwd_bytes)
+        bwd_flops = 3 * n_gemm * gemm_flops
+        out[("backward", "fused")] = Measurement(backward_of(fused_couple_with), bwd_flops, bwd_bytes)
+        out[("backward", "eager")] = Measurement(
+            backward_of(lambda xx: couple_output(res, eager_h(xx), -1, 16)), bwd_flops, bwd_bytes)
+        out[("backward", "cublas")] = Measurement(
+            backward_of(lambda xx: couple_output(res, cublas_h(xx), -1, 16)), bwd_flops, bwd_bytes)
+
+        # The fused GEMMs alone vs cuBLAS on the same shape.
+        from revtriton.ops import gemm
+
+        norm = "rms" if swiglu else "layer"
+        stats = gemm.row_stats(x, norm=norm)
+        act = "swiglu" if swiglu else "gelu_tanh"
+        a1, _ = gemm.linear(x, w1, b1, activation=act, weight_up=wu, norm=norm, stats=stats, norm_weight=gamma,
+                            norm_bias=beta)
+        g1_flops = gemm_flops * (2 if swiglu else 1)
+        g1_bytes = tokens * (dim + hidden) * 2 + 2.0 * dim * hidden * (2 if swiglu else 1)
+        out[("gemm1", "fused")] = Measurement(
+            lambda: gemm.linear(x, w1, b1, activation=act, weight_up=wu, norm=norm, stats=stats, norm_weight=gamma,
+                                norm_bias=beta), g1_flops, g1_bytes)
+        w1u = torch.cat([w1, wu]) if swiglu else w1
+        out[("gemm1", "cublas")] = Measurement(lambda: torch.mm(x, w1u.t()), g1_flops, g1_bytes)
+        g2_bytes = tokens * hidden * 2 + tokens * dim * 8 + 2.0 * dim * hidden
+        out[("gemm2", "fused")] = Measurement(lambda: gemm.linear_couple(a1, w2, b2, res, 1, frac_bits=16),
+                                              gemm_flops, g2_bytes)
+        out[("gemm2", "cublas")] = Measurement(lambda: torch.mm(a1, w2.t()), gemm_flops, g2_bytes)
+        return out
+
+    return build
+
+
+register(BenchCase("layernorm_mlp_gelu_tanh", _mlp_case("layer")))
+register(BenchCase("rmsnorm_swiglu", _mlp_case("swiglu")))
+
+
+# ---------------------------------------------------------------- timing and ceilings
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def ceilings(device) -> dict:
+    """Copy bandwidth (GB/s, read + write) and bf16 matmul TFLOP/s measured now, on this device."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_ms = bench_ms(lambda: torch.mm(a, b))
+    del src, dst
+    return {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * n ** 3 / mm_ms / 1e9}
+
+
+def run(case_names=None, dims=None, device="cuda") -> dict:
+    device = torch.device(device)
+    roof = ceilings(device)
+    rows = []
+    for case in CASES.values():
+        if case_names and case.name not in case_names:
+            continue
+        for dim in dims or case.dims:
+            measurements = case.build(dim, case.tokens, device)
+            times = {}
+            for (op, impl), m in measurements.items():
+                ms = bench_ms(m.fn)
+                times[(op, impl)] = ms
+                rows.append({"case": case.name, "dim": dim, "tokens": case.tokens, "op": op, "impl": impl,
+                             "ms": ms, "TFLOPs": m.flops / ms / 1e9, "GBps": m.bytes / ms / 1e6,
+                             "frac_of_matmul_ceiling": m.flops / ms / 1e9 / roof["bf16_matmul_TFLOPs"],
+                             "frac_of_copy_ceiling": m.bytes / ms / 1e6 / roof["copy_GBps"]})
+            for row in rows:
+                if row["case"] == case.name and row["dim"] == dim:
+                    for ref in ("eager", "cublas"):
+                        base = times.get((row["op"], ref))
+                        row[f"speedup_vs_{ref}"] = base / row["ms"] if base else None
+            del measurements
+            torch.cuda.empty_cache()
+    bars = []
+    for row in rows:
+        if row["impl"] != "fused":
+            continue
+        if row["op"] == "forward" and row.get("speedup_vs_eager") is not None:
+            bars.append({"case": row["case"], "dim": row["dim"], "bar": f"forward >= {BAR_FORWARD_VS_EAGER} x eager",
+                         "value": row["speedup_vs_eager"], "met": row["speedup_vs_eager"] >= BAR_FORWARD_VS_EAGER})
+        if row["op"].startswith("gemm") and row.get("speedup_vs_cublas") is not None:
+            bars.append({"case": row["case"], "dim": row["dim"],
+                         "bar": f"{row['op']} >= {BAR_GEMM_VS_CUBLAS} x cuBLAS", "value": row["speedup_vs_cublas"],
+                         "met": row["speedup_vs_cublas"] >= BAR_GEMM_VS_CUBLAS})
+    return {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "ceilings": roof, "rows": rows, "bars": bars}
+
+
+def write_results(result: dict, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-").lower()
+    stem = out_dir / f"{device}-{result['date']}-kernels"
+    json_path, csv_path = stem.with_suffix(".json"), stem.with_suffix(".csv")
+    json_path.write_text(json.dumps(result, indent=1))
+    with csv_path.open("w", newline="") as f:
+        fields = sorted({k for row in result["rows"] for k in row}, key=lambda k: (k not in (
+            "case", "dim", "tokens", "op", "impl"), k))
+        writer = csv.DictWriter(f, fieldnames=["device"] + fields)
+        writer.writeheader()
+        for row in result["rows"]:
+            writer.writerow({"device": result["device"], **row})
+    return json_path, csv_path
+
+
+def print_table(result: dict):
+    roof = result["ceilings"]
+    print(f"{result['device']}: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul {roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'case':26s} {'dim':>5s} {'op':9s} {'impl':7s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>7s} {'vs eager':>8s}"
+          f" {'vs cuBLAS':>9s}")
+    for r in result["rows"]:
+        ve = f"{r['speedup_vs_eager']:.2f}" if r.get("speedup_vs_eager") else "-"
+        vc = f"{r['speedup_vs_cublas']:.2f}" if r.get("speedup_vs_cublas") else "-"
+        print(f"{r['case']:26s} {r['dim']:5d} {r['op']:9s} {r['impl']:7s} {r['ms']:8.3f} {r['TFLOPs']:8.1f} "
+              f"{r['GBps']:7.0f} {ve:>8s} {vc:>9s}")
+    for b in result["bars"]:
+        print(f"bar {b['case']} d{b['dim']}: {b['bar']}: {b['value']:.2f} {'met' if b['met'] else 'NOT met'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="fused-half kernel microbenchmarks (GPU)")
+    parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
+    parser.add_argument("--dims", nargs="*", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("perf.kernels measures Triton kernels on a CUDA GPU; none is available here, so there is nothing to "
+              "measure (exit 0). Run it on a GPU machine.")
+        return 0
+    result = run(args.cases, args.dims)
+    print_table(result)
+    paths = write_results(result, args.out)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

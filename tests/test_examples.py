@@ -1,0 +1,49 @@
+"""The training examples run end to end in smoke mode (a few steps; each well under 2 minutes on CPU)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(script, *args):
+    env = {**os.environ, "KINETO_LOG_LEVEL": "5"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--smoke", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, proc.stderr
+
+
+def check_report(stdout, stderr, rate):
+    assert re.search(rf"model\s+final loss .*{rate}\s+peak MiB", stdout), stdout
+    rows = {name: line.split() for line in stdout.splitlines()
+            for name in ("reversible", "stored-activation") if line.startswith(name + " ")}
+    assert set(rows) == {"reversible", "stored-activation"}, stdout
+    for row in rows.values():
+        assert float(row[1]) > 0 and float(row[3].replace(",", "")) > 0  # finite loss, positive throughput
+    # The reversible model keeps less for backward than its stored-activation twin.
+    assert float(rows["reversible"][5]) < float(rows["stored-activation"][5]), stdout
+    assert "loss gap" in stdout
+    assert "100%" in stderr  # the tqdm progress bar ran to the end
+
+
+def test_train_lm_smoke():
+    stdout, stderr = run_example("train_lm.py")
+    check_report(stdout, stderr, "tokens/s")
+    assert "/*.py" in stdout  # trained on the standard library's sources
+
+
+def test_train_vit_smoke():
+    pytest.importorskip("sklearn")
+    stdout, stderr = run_example("train_vit.py")
+    check_report(stdout, stderr, "images/s")
+
+
+def test_train_vit_mvit_smoke():
+    pytest.importorskip("sklearn")
+    stdout, stderr = run_example("train_vit.py", "--model", "mvit")
+    check_report(stdout, stderr, "images/s")

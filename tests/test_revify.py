@@ -1,0 +1,275 @@
+"""revify(): timm ViT, Hugging Face GPT-2 and LLaMA converted in place (random init, no downloads).
+
+The timm model is ViT-S (width 384, 6 heads) with 3 blocks instead of 12 and 32 px images
+(4 patches) instead of 224 px, to keep the CPU tests short.
+"""
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from revtriton.convert import revify
+from revtriton.engine import ReversibleStack
+from revtriton.models import to_stored_activations
+
+from test_models import max_relative_grad_error
+
+DEPTH = 3
+
+
+def timm_vit(seed=0, **overrides):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(seed)
+    kwargs = dict(pretrained=False, img_size=32, depth=DEPTH, num_classes=10, drop_path_rate=0.2, init_values=0.5)
+    return timm.create_model("vit_small_patch16_224", **{**kwargs, **overrides})
+
+
+def hf_gpt2(seed=0, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
+
+
+def hf_llama(seed=0, **overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
+
+
+BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama}
+FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", "llama"]
+
+
+def make_batch(family):
+    if family == "timm_vit":
+        return torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    ids = torch.randint(0, 128, (2, 24))
+    return ids, ids
+
+
+def loss_of(family, model, batch):
+    inputs, labels = batch
+    if family == "timm_vit":
+        return F.cross_entropy(model(inputs), labels)
+    return model(input_ids=inputs, labels=labels).loss  # the library's own loss
+
+
+def block_list(family, model):
+    return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h,
+            "llama": lambda: model.model.layers}[family]()
+
+
+# -- gradients and a training step --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("exact", [False, True])
+def test_revified_training_step_matches_stored_activation_twin(family, exact, seeded):
+    model = revify(BUILDERS[family](seed=seeded), exact=exact).train()
+    assert isinstance(block_list(family, model), ReversibleStack)
+    twin = to_stored_activations(copy.deepcopy(model))
+    batch = make_batch(family)
+    torch.manual_seed(seeded)  # same drop-path draws in both runs
+    loss = loss_of(family, model, batch)
+    loss.backward()
+    torch.manual_seed(seeded)
+    twin_loss = loss_of(family, twin, batch)
+    twin_loss.backward()
+    assert torch.isfinite(loss) and torch.allclose(loss, twin_loss, rtol=1e-6, atol=0)
+    assert max_relative_grad_error(model, twin) <= 1e-5
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert torch.isfinite(loss_of(family, model, batch))
+
+
+@pytest.mark.parametrize("family", [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2"])
+def test_dropout_path_matches_twin(family, seeded):
+    """Attention / projection dropout (the unfused path) replays exactly in the recompute."""
+    if family == "timm_vit":
+        model = timm_vit(seeded, drop_path_rate=0.0, init_values=None, proj_drop_rate=0.1, attn_drop_rate=0.1)
+    else:
+        model = hf_gpt2(seeded, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+    model = revify(model, exact=False).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    batch = make_batch(family)
+    torch.manual_seed(seeded)
+    loss_of(family, model, batch).backward()
+    torch.manual_seed(seeded)
+    loss_of(family, twin, batch).backward()
+    assert max_relative_grad_error(model, twin) <= 1e-5
+
+
+# -- the halves are the original blocks' own math ---------------------------------------------
+
+
+def _capture_blocks(blocks):
+    """Record each block's input and output during one forward of the unconverted model."""
+    records, handles = [], []
+    for block in blocks:
+        record = {}
+        records.append(record)
+
+        def pre(module, args, kwargs, record=record):
+            record["x"] = args[0] if args else kwargs["hidden_states"]
+
+        def post(module, args, kwargs, out, record=record):
+            record["y"] = out[0] if isinstance(out, tuple) else out
+
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post, with_kwargs=True))
+    return records, handles
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_halves_compute_the_original_blocks(family, seeded):
+    """With F and G from revify, x + F(x) + G(x + F(x)) is each original block's output."""
+    model = BUILDERS[family](seed=seeded).eval()
+    records, handles = _capture_blocks(block_list(family, model))
+    inputs, _ = make_batch(family)
+    with torch.no_grad():
+        model(inputs) if family == "timm_vit" else model(input_ids=inputs)
+    for handle in handles:
+        handle.remove()
+    revify(model)
+    with torch.no_grad():
+        for record, block in zip(records, block_list(family, model)):
+            f, g = block.coupling_halves()
+            x = record["x"]
+            h = x + f(x)
+            expected = record["y"]
+            err = ((h + g(h)) - expected).abs().max() / expected.abs().max()
+            assert err < 1e-5, err
+    # ... and the converted model is a different function (fine-tune after converting).
+
+
+# -- state_dict, keys, errors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_keys_unchanged_and_round_trip(family, seeded):
+    original_keys = list(BUILDERS[family](seed=seeded).state_dict())
+    model = revify(BUILDERS[family](seed=seeded))
+    assert list(model.state_dict()) == original_keys
+    batch = make_batch(family)
+    loss_of(family, model, batch).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    fresh = revify(BUILDERS[family](seed=seeded + 1))
+    fresh.load_state_dict(model.state_dict())  # strict
+    model.eval(), fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(loss_of(family, model, batch), loss_of(family, fresh, batch))
+    clone = pickle.loads(pickle.dumps(model))  # swapped classes pickle by name
+    with torch.no_grad():
+        assert torch.equal(loss_of(family, clone, batch), loss_of(family, model, batch))
+
+
+def test_unsupported_architecture_names_the_class():
+    with pytest.raises(TypeError, match=r"torch\.nn\.modules\.linear\.Linear"):
+        revify(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="nn.Module"):
+        revify("gpt2")
+
+
+def test_hf_cache_masks_and_per_block_calls(seeded):
+    model = revify(hf_gpt2(seeded))
+    assert model.config.use_cache is False
+    ids = torch.randint(0, 128, (2, 12))
+    model.train()
+    out = model(input_ids=ids, labels=ids, use_cache=True)  # training: no cache, loss works
+    assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    padding = torch.ones_like(ids)
+    padding[0, -3:] = 0
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        model(input_ids=ids, attention_mask=padding)
+    with pytest.raises(NotImplementedError, match="output_hidden_states"):
+        model.transformer(input_ids=ids, output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="runs only inside"):
+        model.transformer.h[0](torch.randn(1, 4, 64))
+    with pytest.raises(ValueError, match="already a ReversibleStack"):
+        revify(model)
+
+
+def test_llama_generate_and_position_ids(seeded):
+    model = revify(hf_llama(seeded)).eval()
+    ids = torch.randint(0, 128, (1, 6))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        step = model(input_ids=out[:, :-1]).logits[:, -1].argmax(-1)
+    assert out.shape == (1, 9) and torch.equal(step, out[:, -1])
+    with pytest.raises(NotImplementedError, match="position_ids"):
+        model(input_ids=ids, position_ids=torch.arange(1, 7)[None])
+
+
+def test_llama_unsupported_config_is_named(seeded):
+    with pytest.raises(NotImplementedError, match="mlp_bias"):
+        revify(hf_llama(seeded, mlp_bias=True))
+
+
+def test_bf16_model_trains_in_exact_mode(seeded):
+    model = revify(hf_llama(seeded).to(torch.bfloat16)).train()
+    ids = torch.randint(0, 128, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.timm
+def test_timm_unsupported_features_raise(seeded):
+    timm = pytest.importorskip("timm")
+    with pytest.raises(NotImplementedError, match="qk-norm"):
+        revify(timm_vit(seeded, qk_norm=True))
+    with pytest.raises(TypeError, match="VisionTransformer|supported"):
+        revify(timm.create_model("resnet18", pretrained=False))
+    model = revify(timm_vit(seeded))
+    with pytest.raises(NotImplementedError, match="runs only inside"):
+        model.forward_features(torch.randn(1, 3, 32, 32), is_causal=True)
+
+
+class LoraLinear(torch.nn.Module):
+    """A PEFT-style wrapper: base Linear plus a low-rank update (not a plain nn.Linear)."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, rank) * 0.1)
+
+    @property
+    def weight(self):  # what a weight-reading path would (wrongly) use: the base weight only
+        return self.base.weight
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
+def test_wrapped_projections_are_called_not_bypassed(seeded):
+    """A LoRA-wrapped projection added after revify is used (module path), and trains."""
+    model = revify(hf_llama(seeded), exact=False).train()
+    attn = model.model.layers[1].self_attn
+    lora = LoraLinear(attn.q_proj)
+    attn.q_proj = lora
+    merged = torch.nn.Linear(lora.base.in_features, lora.base.out_features, bias=False)
+    with torch.no_grad():
+        merged.weight.copy_(lora.base.weight + lora.lora_b @ lora.lora_a)
+    x = torch.randn(2, 10, 64)
+    f = model.model.layers[1].coupling_halves()[0]
+    with torch.no_grad():
+        with_lora = f(x)
+        attn.q_proj = merged
+        expected = f(x)
+        attn.q_proj = lora
+    assert torch.allclose(with_lora, expected, rtol=1e-5, atol=1e-6)
+    twin = to_stored_activations(copy.deepcopy(model))
+    batch = make_batch("llama")
+    loss_of("llama", model, batch).backward()
+    loss_of("llama", twin, batch).backward()
+    assert lora.lora_a.grad is not None and lora.lora_a.grad.abs().sum() > 0
+    assert max_relative_grad_error(model, twin) <= 1e-5
