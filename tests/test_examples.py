@@ -12,8 +12,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 def run_example(script, *args):
     env = {**os.environ, "KINETO_LOG_LEVEL": "5"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--smoke", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    # One thread: on a busy 2-core runner, two torch threads each wait on the other.
+    command = [sys.executable, str(EXAMPLES / script), "--smoke", "--threads", "1", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 

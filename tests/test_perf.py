@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from perf import autotune, engine_bench, sweep
+from revtriton.ops.dispatch import force_triton, interpreter_enabled
 from perf.stacks import PRESETS, VARIANTS, ReferenceHalf, build_stack, make_halves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -403,3 +404,19 @@ def test_failing_points_are_recorded_and_fail_the_run(tmp_path, monkeypatch, cap
     assert "kernel exploded" in capsys.readouterr().err
     seq = next(r for r in doc["rows"] if r["variant"] == "revtriton-sequential")
     assert seq["time_vs_vanilla"] is not None and seq["time_vs_checkpoint"] is None  # no checkpoint figure
+
+
+@pytest.mark.skipif(not interpreter_enabled(), reason="fused halves on CPU need TRITON_INTERPRET=1")
+def test_fused_variant_counts_its_triton_launches():
+    """The fused halves run (here on the interpreter) and every launch is counted, linearly in depth."""
+    cfg = sweep.default_config("quick", torch.device("cpu"))
+    cfg.warmup, cfg.repeats = 1, 1
+    preset = PRESETS["gpt2"].scaled(dim=32, heads=2, tokens=8)
+    launches = {}
+    for depth in (1, 2):
+        point = sweep.Point(preset, depth, 2, "revtriton-sequential", "fused")
+        with force_triton():
+            row = sweep.run_point(point, cfg, torch.device("cpu"), sweep.Distributed())
+        assert row["status"] == "ok", row["error"]
+        launches[depth] = row["launches_per_step"]
+    assert launches[1] > 0 and launches[2] == 2 * launches[1], launches
