@@ -5,7 +5,7 @@ The same run is repeated with the stored-activation model of identical architect
 identical initial weights and batches (plain autograd, float streams), so the two loss curves
 can be compared step by step.
 
-    python examples/train_lm.py                 # ~5 min on 2 CPU cores
+    python examples/train_lm.py                 # ~10 min on one CPU core
     python examples/train_lm.py --smoke         # a few steps (used by the tests)
     python examples/train_lm.py --style llama   # RMSNorm, SwiGLU, RoPE, grouped-query attention
 """
@@ -133,6 +133,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--cosine", action="store_true", help="cosine decay after warmup")
     parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
+    parser.add_argument("--baseline", choices=["float", "rounded"], default="float",
+                        help="stored-activation baseline: plain float streams, or the same rounded (exact) model")
     parser.add_argument("--data-bytes", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=0.02,
@@ -156,12 +158,13 @@ def main(argv=None):
     config = GPTConfig(style=args.style, vocab_size=256, block_size=args.seq, dim=args.dim, depth=args.depth,
                        heads=args.heads, kv_heads=args.heads // 2 if args.style == "llama" else None)
     model = RevGPT(config, exact=not args.float_streams)
-    # The baseline: identical weights, plain autograd, float streams.
+    # The baseline: identical weights, plain autograd (float streams unless --baseline rounded).
     baseline = to_stored_activations(copy.deepcopy(model))
-    baseline.blocks.exact = False
+    baseline.blocks.exact = args.baseline == "rounded" and not args.float_streams
     print(f"data: {len(text):,} bytes of {sysconfig.get_paths()['stdlib']}/*.py; model: {args.style}, "
           f"{count_parameters(model):,} parameters, {args.depth} blocks, dim {args.dim}, "
-          f"{'float' if args.float_streams else 'exact'} streams; torch threads: {torch.get_num_threads()}")
+          f"{'float' if args.float_streams else 'exact'} streams, {args.baseline} baseline; "
+          f"torch threads: {torch.get_num_threads()}")
 
     results = {}
     for name, m in (("reversible", model), ("stored-activation", baseline)):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import ReversibleStack
+from .engine import ReversibleStack, block_phase
 from .ops.attention import apply_rope_reference, norm_attention_couple, rope_cos_sin
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import couple_output
@@ -68,6 +68,10 @@ class _RevifiedBlock:
     def coupling_halves(self):
         f_cls, g_cls = self._half_classes
         return f_cls(self), g_cls(self)
+
+    def reversible_phase(self, work, *tensors):
+        """One use of the halves by the stack as one hookable call (FSDP2), as ReversibleBlock."""
+        return block_phase(self, work, *tensors)
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError(
