@@ -89,8 +89,8 @@ def report(results: dict, args) -> tuple[str, bool]:
     lines = [f"engine benchmark (CPU, {torch.get_num_threads()} threads): width {args.dim}, {args.heads} heads, "
              f"seq {args.seq}, batch {args.batch}, median of {args.repeats} interleaved steps",
              "",
-             "| depth | variant | step ms | time / plain | fastest step ms | fastest / plain's | peak MiB | mem / plain "
-             "| mem / checkpoint |",
+             "| depth | variant | step ms | time / plain | fastest step ms | fastest / plain's | peak MiB "
+             "| mem / plain | mem / checkpoint |",
              "|---|---|---|---|---|---|---|---|---|"]
     ok = True
     verdicts = []

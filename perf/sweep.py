@@ -680,10 +680,15 @@ def plot_series(rows, cfg: SweepConfig, x: str, y: str, fixed: dict) -> dict:
 def make_plots(rows, cfg: SweepConfig, out_dir: Path, stem: str) -> dict:
     """Memory vs depth and throughput vs batch, one panel per preset; returns the plotted data."""
     base_seq = lambda row: cfg.base_seq.get(row["preset"], row["seq_len"])  # noqa: E731
+    # The base depth / batch when the sweep has it (a product grid or overrides may not).
+    depths = {r["depth"] for r in rows}
+    batches = {r["batch"] for r in rows}
+    depth = cfg.base_depth if cfg.base_depth in depths or not depths else min(depths)
+    batch = cfg.base_batch if cfg.base_batch in batches or not batches else min(batches)
     specs = {
-        "memory_vs_depth": ("depth", "peak_mem_bytes", {"batch": cfg.base_batch, "seq_len": base_seq},
+        "memory_vs_depth": ("depth", "peak_mem_bytes", {"batch": batch, "seq_len": base_seq},
                             "peak memory of a step (MiB)", 1 / 2**20),
-        "throughput_vs_batch": ("batch", "throughput", {"depth": cfg.base_depth, "seq_len": base_seq}, None, 1.0),
+        "throughput_vs_batch": ("batch", "throughput", {"depth": depth, "seq_len": base_seq}, None, 1.0),
     }
     try:
         import matplotlib
