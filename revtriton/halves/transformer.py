@@ -2,7 +2,7 @@
 
 Each is a :class:`CouplingHalf` whose ``couple`` calls the ops layer: fused Triton kernels on
 CUDA, the pure-torch reference elsewhere (same weights, same math). ``forward(x)`` is H(x) on
-the reference path, for use outside a reversible stack.
+the reference path (plain torch ops and autograd), for use outside a reversible stack.
 
 Drop-path (stochastic depth) and layer scale are part of the half: drop-path becomes a
 per-row scale of H(x) (drawn from the global RNG, which the engine replays), layer scale is
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.attention import check_attention_shapes, norm_attention_couple
-from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, swiglu_mlp_couple
+from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
+from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from .base import CouplingHalf
 
 
@@ -49,9 +49,23 @@ class _TransformerHalf(CouplingHalf):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != dim {self.dim}")
 
+    # Subclasses give the op pair (dispatching couple, pure-torch reference) and their operands.
+    couple_op = reference_op = None
+
+    def operands(self, x):
+        """(positional weights, keyword options) of this half's ops for input ``x``."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros_like(x)
-        return self.couple(zero, x, +1, None)[0]
+        """H(x) on the pure-torch reference path (plain autograd; what a vanilla block runs)."""
+        self._check_input(x)
+        args, options = self.operands(x)
+        return type(self).reference_op(x, *args, **options)
+
+    def couple(self, res, x, sign, frac_bits=None):
+        self._check_input(x)
+        args, options = self.operands(x)
+        return type(self).couple_op(res, x, sign, frac_bits, *args, **options)
 
 
 class LayerNormMLP(_TransformerHalf):
@@ -67,12 +81,12 @@ class LayerNormMLP(_TransformerHalf):
         self.fc1 = nn.Linear(dim, hidden, bias=bias)
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
 
-    def couple(self, res, x, sign, frac_bits=None):
-        self._check_input(x)
+    couple_op, reference_op = norm_mlp_couple, norm_mlp_reference
+
+    def operands(self, x):
         w2, b2 = self._scaled_out(self.fc2.weight, self.fc2.bias)
-        return norm_mlp_couple(res, x, sign, frac_bits, self.norm.weight, self.norm.bias, self.fc1.weight,
-                               self.fc1.bias, w2, b2, norm="layer", activation=self.activation, eps=self.eps,
-                               row_scale=self._row_scale(x))
+        return ((self.norm.weight, self.norm.bias, self.fc1.weight, self.fc1.bias, w2, b2),
+                dict(norm="layer", activation=self.activation, eps=self.eps, row_scale=self._row_scale(x)))
 
 
 class RMSNormSwiGLU(_TransformerHalf):
@@ -87,11 +101,12 @@ class RMSNormSwiGLU(_TransformerHalf):
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
-    def couple(self, res, x, sign, frac_bits=None):
-        self._check_input(x)
+    couple_op, reference_op = swiglu_mlp_couple, swiglu_mlp_reference
+
+    def operands(self, x):
         w_down, _ = self._scaled_out(self.down.weight, None)
-        return swiglu_mlp_couple(res, x, sign, frac_bits, self.norm.weight, self.gate.weight, self.up.weight, w_down,
-                                 eps=self.eps, row_scale=self._row_scale(x))
+        return ((self.norm.weight, self.gate.weight, self.up.weight, w_down),
+                dict(eps=self.eps, row_scale=self._row_scale(x)))
 
 
 class _AttentionHalf(_TransformerHalf):
@@ -112,13 +127,16 @@ class _AttentionHalf(_TransformerHalf):
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
-    def couple(self, res, x, sign, frac_bits=None):
+    couple_op, reference_op = norm_attention_couple, norm_attention_reference
+
+    def _check_input(self, x):
         check_attention_shapes(x, self.dim, self.heads, self.kv_heads)
+
+    def operands(self, x):
         w_proj, b_proj = self._scaled_out(self.proj.weight, self.proj.bias)
-        return norm_attention_couple(res, x, sign, frac_bits, self.norm.weight, getattr(self.norm, "bias", None),
-                                     self.qkv.weight, self.qkv.bias, w_proj, b_proj, heads=self.heads,
-                                     kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
-                                     norm=self.norm_kind, eps=self.eps, row_scale=self._row_scale(x))
+        return ((self.norm.weight, getattr(self.norm, "bias", None), self.qkv.weight, self.qkv.bias, w_proj, b_proj),
+                dict(heads=self.heads, kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
+                     norm=self.norm_kind, eps=self.eps, row_scale=self._row_scale(x)))
 
 
 class LayerNormAttention(_AttentionHalf):
