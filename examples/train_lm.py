@@ -111,8 +111,8 @@ def compare_curves(rev, ref, window, tolerance, atol):
     rev_curve, ref_curve = trailing_mean(rev), trailing_mean(ref)
     marks = sorted({0, len(rev) // 4, len(rev) // 2, 3 * len(rev) // 4, len(rev) - 1})
     print(f"{'step':<22}" + "  ".join(f"{s:>7}" for s in marks))
-    for label, xs in (("reversible", rev), ("stored-activation", ref), (f"reversible, mean {window}", rev_curve),
-                      (f"stored, mean {window}", ref_curve)):
+    for label, xs in (("rev: step loss", rev), ("stored: step loss", ref), (f"rev: mean of {window}", rev_curve),
+                      (f"stored: mean of {window}", ref_curve)):
         print(f"{label:<22}" + "  ".join(f"{xs[s]:>7.4f}" for s in marks))
     for label, a, b in (("per step", rev, ref), (f"curve (trailing mean of {window} steps)", rev_curve, ref_curve)):
         gaps = [abs(x - y) / y for x, y in zip(a, b)]
@@ -139,11 +139,12 @@ def main(argv=None):
     parser.add_argument("--data-bytes", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=0.02,
-                        help="fail (exit 1) if the loss curves differ by more than this at any step (0: no check)")
+                        help="relative gap the loss curves should stay within at every step")
     parser.add_argument("--atol", type=float, default=0.01,
                         help="absolute slack of that check: relative gaps mean little as a loss nears zero")
     parser.add_argument("--window", type=int, default=0, help="steps in the curves' trailing mean (0: steps / 15)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the curves do not stay within it")
     parser.add_argument("--no-bar", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
@@ -151,7 +152,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)  # 1 avoids thread oversubscription on a busy machine
     if args.smoke:
         args.steps, args.batch, args.seq, args.depth, args.dim, args.data_bytes = 4, 4, 64, 2, 64, 200_000
-        args.warmup, args.tolerance = 2, 0.0
+        args.warmup = 2
 
     torch.manual_seed(args.seed)
     text = stdlib_text(args.data_bytes)
@@ -183,10 +184,9 @@ def main(argv=None):
               f"{r['peak'] / mib:>9.1f} {r['kept'] / mib:>9.2f}")
     rev, ref = results["reversible"]["losses"], results["stored-activation"]["losses"]
     window = args.window or max(1, args.steps // 15)
-    if not compare_curves(rev, ref, window, args.tolerance, args.atol) and args.tolerance:
-        print(f"FAIL: the loss curves differ by more than {args.tolerance:.1%} + {args.atol} at some step")
-        return 1
-    return 0
+    track = compare_curves(rev, ref, window, args.tolerance, args.atol)
+    print(f"loss curves within {args.tolerance:.1%} + {args.atol} at every step: {'yes' if track else 'NO'}")
+    return 1 if args.strict and not track else 0
 
 
 if __name__ == "__main__":
