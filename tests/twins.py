@@ -2,8 +2,7 @@
 import torch
 from torch import nn
 
-from revtriton.engine import is_invertible_layer, is_reversible_block
-from revtriton.ops.streams import from_fixed, quantize_reference, to_fixed
+from revtriton.models.common import stored_exact_streams, stored_float_streams
 
 
 def mlp(dim, hidden=None, dropout=0.0):
@@ -29,51 +28,16 @@ class DropPath(nn.Module):
         return out * keep / (1 - self.p)
 
 
-def plain_streams(layers, x1, x2):
-    """Stored-activation forward of a stack's layers (float streams)."""
-    for layer in layers:
-        if is_reversible_block(layer):
-            f, g = layer.coupling_halves()
-            x1 = x1 + f(x2)
-            x2 = x2 + g(x1)
-        elif is_invertible_layer(layer):
-            x1, x2 = layer(x1, x2)
-        else:
-            x1 = x2 = layer((x1 + x2) * 0.5)
-    return x1, x2
-
-
 def plain_forward(stack, x):
-    y1, y2 = plain_streams(list(stack), x, x)
+    """Stored-activation forward of a stack's layers (float streams)."""
+    y1, y2 = stored_float_streams(list(stack), x, x)
     return (y1 + y2) * 0.5
-
-
-class _Snap(torch.autograd.Function):
-    """Forward: the exact grid value; backward: identity to the float path (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, z, exact_value):
-        return exact_value.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def rounded_forward(stack, x, frac_bits):
     """Stored-activation forward of the *rounded* model that exact streams compute."""
-    s1 = s2 = to_fixed(x.detach(), frac_bits)
-    # Two snaps, as the engine sums the two streams' input grads last: dx = dx1 + dx2.
-    v1, v2 = _Snap.apply(x, from_fixed(s1, frac_bits)), _Snap.apply(x, from_fixed(s2, frac_bits))
-    for layer in stack:
-        f, g = layer.coupling_halves()
-        h = f(v2)
-        s1 = s1 + quantize_reference(h.detach(), frac_bits)
-        v1 = _Snap.apply(v1 + h, from_fixed(s1, frac_bits))
-        h = g(v1)
-        s2 = s2 + quantize_reference(h.detach(), frac_bits)
-        v2 = _Snap.apply(v2 + h, from_fixed(s2, frac_bits))
-    return (v1 + v2) * 0.5
+    y1, y2 = stored_exact_streams(list(stack), x, x, frac_bits)
+    return (y1 + y2) * 0.5
 
 
 def grads_of(module, x, loss_fn):

@@ -73,59 +73,57 @@ class StoredActivationStack(ReversibleStack):
     Made by :func:`to_stored_activations`; not meant to be built directly.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_float_input("input", x)
-        if self.streams == "split":
-            if x.shape[-1] % 2:
-                raise ValueError(f"streams='split' needs an even last dim to split in two, got {x.shape[-1]}")
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat(self.forward_streams(x1, x2), dim=-1)
-        y1, y2 = self.forward_streams(x, x)
-        return (y1 + y2) * 0.5
+    def _run(self, x1, x2):  # the engine's forward / forward_streams call this
+        if self.exact:
+            return stored_exact_streams(list(self), x1, x2, self.frac_bits)
+        return stored_float_streams(list(self), x1, x2)
 
-    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor):
-        if x1.shape != x2.shape:
-            raise ValueError(f"x1 and x2 must have the same shape, got {tuple(x1.shape)} and {tuple(x2.shape)}")
-        return self._plain_exact(x1, x2) if self.exact else self._plain_float(x1, x2)
 
-    def _plain_float(self, x1, x2):
-        for layer in self:
-            if is_reversible_block(layer):
-                f, g = layer.coupling_halves()
-                x1 = x1 + f(x2)
-                x2 = x2 + g(x1)
-            elif is_invertible_layer(layer):
-                x1, x2 = layer(x1, x2)
-            else:
-                x1 = x2 = layer((x1 + x2) * 0.5)
-        return x1, x2
+def stored_float_streams(layers, x1, x2):
+    """Stored-activation (plain autograd) forward of a stack's layers on float streams."""
+    for layer in layers:
+        if is_reversible_block(layer):
+            f, g = layer.coupling_halves()
+            x1 = x1 + f(x2)
+            x2 = x2 + g(x1)
+        elif is_invertible_layer(layer):
+            x1, x2 = layer(x1, x2)
+        else:
+            x1 = x2 = layer((x1 + x2) * 0.5)
+    return x1, x2
 
-    def _plain_exact(self, x1, x2):
-        k, dtype = self.frac_bits, x1.dtype
 
-        def encode(v):  # float value -> (int32 stream, value on the grid with a straight-through grad)
-            s = to_fixed(v.detach(), k)
-            return s, _Snap.apply(v, from_fixed(s, k))
+def stored_exact_streams(layers, x1, x2, frac_bits):
+    """Stored-activation forward of the *rounded* model that exact streams compute (straight-through).
 
-        s1, v1 = encode(x1)
-        s2, v2 = encode(x2)
-        for layer in self:
-            if is_reversible_block(layer):
-                f, g = layer.coupling_halves()
-                h = f(v2)
-                s1 = s1 + quantize_reference(h.detach(), k)
-                v1 = _Snap.apply(v1 + h, from_fixed(s1, k))
-                h = g(v1)
-                s2 = s2 + quantize_reference(h.detach(), k)
-                v2 = _Snap.apply(v2 + h, from_fixed(s2, k))
-            elif is_invertible_layer(layer):
-                raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
-            else:
-                # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
-                x = layer(((v1.to(dtype) + v2.to(dtype)) * 0.5))
-                s1, v1 = encode(x)
-                s2, v2 = s1, v1
-        return v1.to(dtype), v2.to(dtype)
+    Each stream is encoded with its own snap, as the engine sums the two streams' input grads
+    last (dx = dx1 + dx2): with the same summation order the gradients agree bitwise.
+    """
+    k, dtype = frac_bits, x1.dtype
+
+    def encode(v):  # float value -> (int32 stream, value on the grid with a straight-through grad)
+        s = to_fixed(v.detach(), k)
+        return s, _Snap.apply(v, from_fixed(s, k))
+
+    s1, v1 = encode(x1)
+    s2, v2 = encode(x2)
+    for layer in layers:
+        if is_reversible_block(layer):
+            f, g = layer.coupling_halves()
+            h = f(v2)
+            s1 = s1 + quantize_reference(h.detach(), k)
+            v1 = _Snap.apply(v1 + h, from_fixed(s1, k))
+            h = g(v1)
+            s2 = s2 + quantize_reference(h.detach(), k)
+            v2 = _Snap.apply(v2 + h, from_fixed(s2, k))
+        elif is_invertible_layer(layer):
+            raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
+        else:
+            # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
+            x = layer((v1.to(dtype) + v2.to(dtype)) * 0.5)
+            s1, v1 = encode(x)
+            s2, v2 = encode(x)
+    return v1.to(dtype), v2.to(dtype)
 
 
 def to_stored_activations(model: nn.Module) -> nn.Module:

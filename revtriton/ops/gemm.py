@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
+from .mlp import activation_reference
 from .streams import check_frac_bits, quantize_reference
 
 try:  # installed: kernels/ ships as revtriton.kernels
@@ -241,15 +242,7 @@ def _normalize_with_stats(a, stats, norm_weight, norm_bias, norm, dtype):
 
 
 def _activation(h, activation):
-    if activation is None:
-        return h
-    if activation == "gelu_tanh":
-        return F.gelu(h, approximate="tanh")
-    if activation == "gelu":
-        return F.gelu(h)
-    if activation == "relu":
-        return F.relu(h)
-    raise ValueError(f"unknown activation {activation!r}")
+    return h if activation is None else activation_reference(h, activation)
 
 
 def linear_reference(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, stats=None,
