@@ -1,0 +1,147 @@
+"""GPU-only checks (compiled Triton kernels, real CUDA streams, bf16): run by perf/gpu_check.sh.
+
+Skipped without a CUDA device. Run with TRITON_INTERPRET=0 (gpu_check.sh sets it).
+"""
+import copy
+
+import pytest
+import torch
+
+from revtriton import (LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, RMSNormAttention,
+                       RMSNormSwiGLU)
+from revtriton.ops.dispatch import count_launches
+from revtriton.ops.streams import to_fixed
+from revtriton.profiling import peak_memory
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HALVES = {
+    "layernorm_mlp": lambda: LayerNormMLP(256, 512),
+    "rmsnorm_swiglu": lambda: RMSNormSwiGLU(256, 512),
+    "layernorm_attention": lambda: LayerNormAttention(256, 4),
+    "layernorm_attention_causal": lambda: LayerNormAttention(256, 4, causal=True),
+    "rmsnorm_attention_gqa_rope": lambda: RMSNormAttention(256, 4, kv_heads=2),
+    "rmsnorm_attention_hd128": lambda: RMSNormAttention(256, 2),
+}
+# fp32 operands go through TF32 tensor cores in tl.dot; bf16 has 8 mantissa bits.
+TOL = {torch.float32: 1e-2, torch.bfloat16: 4e-2}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def vit_block(dim=256, heads=4):
+    return ReversibleBlock(LayerNormAttention(dim, heads, drop_path=0.1), LayerNormMLP(dim, 2 * dim, drop_path=0.1))
+
+
+def llama_block(dim=256, heads=4):
+    return ReversibleBlock(RMSNormAttention(dim, heads, kv_heads=2), RMSNormSwiGLU(dim, 2 * dim))
+
+
+@pytest.mark.parametrize("name", list(HALVES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_fused_half_matches_reference(name, dtype):
+    half = HALVES[name]().cuda()
+    x = torch.randn(2, 100, half.dim, device="cuda")
+    res, g = torch.randn_like(x), torch.randn_like(x)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16)
+
+    xf = x.clone().requires_grad_()
+    with autocast:
+        stream, port = half.couple(res, xf, -1)  # CUDA: the fused kernels
+    torch.autograd.backward(port, g)
+    fused = [xf.grad] + [p.grad.clone() for p in half.parameters()]
+    half.zero_grad(set_to_none=True)
+
+    xr = x.clone().requires_grad_()
+    with autocast:
+        h = half(xr)  # the pure-torch reference
+    torch.autograd.backward(h, -g.to(h.dtype))
+    reference = [xr.grad] + [p.grad for p in half.parameters()]
+
+    assert stream.dtype == res.dtype
+    assert rel(res - stream, h) <= TOL[dtype]
+    for a, b in zip(fused, reference):
+        assert rel(a, b) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("make_block", [vit_block, llama_block], ids=["vit", "llama"])
+def test_exact_fused_stack_inverts_bitwise_and_recomputes_deterministically(make_block):
+    stack = ReversibleStack([make_block() for _ in range(12)]).cuda().eval()
+    s1 = to_fixed(torch.randn(2, 197, 256, device="cuda"), 16)
+    s2 = to_fixed(torch.randn(2, 197, 256, device="cuda"), 16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        r1, r2 = stack.inverse(*stack.forward_streams(s1, s2))
+    assert torch.equal(r1, s1) and torch.equal(r2, s2)
+    # Training step under bf16 autocast with drop-path: the checksum guard raises on any recompute
+    # that differs from the forward (a non-deterministic kernel or config).
+    stack.train()
+    x = torch.randn(2, 197, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = stack(x)
+    out.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "float"])
+def test_fused_stack_gradients_match_reference_path(exact):
+    torch.manual_seed(0)
+    stack = ReversibleStack([vit_block() for _ in range(4)], exact=exact).eval()
+    cpu_stack = copy.deepcopy(stack)  # CPU tensors take the pure-torch reference
+    stack.cuda()
+    x = torch.randn(2, 64, 256)
+    grads = []
+    for model, device in ((stack, "cuda"), (cpu_stack, "cpu")):
+        xi = x.to(device).requires_grad_()
+        model(xi).square().mean().backward()
+        grads.append([xi.grad.cpu()] + [p.grad.cpu() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert rel(a, b) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "float"])
+@pytest.mark.parametrize("depth", [1, 2, 5, 8])
+def test_pareprop_on_cuda_streams_equals_sequential(exact, depth):
+    torch.manual_seed(depth)
+    base = ReversibleStack([vit_block() for _ in range(depth)], exact=exact).cuda().train()
+    x = torch.randn(4, 197, 256, device="cuda", requires_grad=True)
+    results = []
+    for schedule in ("sequential", "pareprop"):
+        base.schedule = schedule
+        base.zero_grad(set_to_none=True)
+        x.grad = None
+        torch.manual_seed(123)  # same drop-path draws
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = base(x)
+        out.float().square().mean().backward()
+        results.append([x.grad.clone()] + [p.grad.clone() for p in base.parameters()])
+    for a, b in zip(*results):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            assert rel(a, b) <= 1e-5
+
+
+def test_launch_budget_of_a_fused_block():
+    stack = ReversibleStack([vit_block()]).cuda().eval()
+    x = torch.randn(2, 197, 256, device="cuda", requires_grad=True)
+    with count_launches() as forward:
+        out = stack(x)
+    with count_launches() as backward:
+        out.sum().backward()
+    assert sum(forward.values()) <= 7, forward
+    assert sum(backward.values()) <= 20, backward
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_cuda_peak_memory_is_flat_in_depth(schedule):
+    peaks = []
+    x = torch.randn(4, 197, 256, device="cuda", requires_grad=True)
+    for depth in (4, 16):
+        stack = ReversibleStack([vit_block() for _ in range(depth)], schedule=schedule).cuda()
+        stack(x).sum().backward()  # allocate .grad and warm the kernels
+        peaks.append(peak_memory(lambda: stack(x).sum().backward(), device="cuda"))
+    # Parameter grads already exist; what remains grows with neither depth nor schedule run-ahead.
+    assert peaks[1] <= 1.10 * peaks[0], peaks
