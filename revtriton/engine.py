@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .halves.base import as_half
-from .ops.streams import OVERFLOW_THRESHOLD, check_frac_bits, from_fixed, to_fixed
+from .ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed, out_of_range, to_fixed
 from .schedules import SCHEDULES, BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 
 
@@ -304,12 +304,6 @@ class BackwardChecks:
         self.flags.clear()
 
 
-def _overflowed(res: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    # Integer wrap-around stays invertible, so only the size of the step shows it: a real step
-    # (the rounded half output) is below 2**31 in magnitude, a wrapped one is not.
-    return (out.long() - res.long()).abs().amax() >= OVERFLOW_THRESHOLD
-
-
 def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     return torch.stack([s1.sum(dtype=torch.int64), s2.sum(dtype=torch.int64)])
 
@@ -342,6 +336,9 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
     anchors, checksums = [], []
     if fmt.exact:
         checksums.append(_checksum(s1, s2))
+        if run.guards is not None:
+            index = run.first_index
+            run.guards.add(("overflow", index, "input"), out_of_range(s1) | out_of_range(s2))
     for i, layer in enumerate(run.layers):
         if record and run.anchor_every and i > 0 and i % run.anchor_every == 0:
             run.anchor_layers.append(i)
@@ -358,8 +355,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
             if fmt.exact and run.guards is not None:
                 index = run.first_index + i
-                run.guards.add(("overflow", index, "F"), _overflowed(s1, y1))
-                run.guards.add(("overflow", index, "G"), _overflowed(s2, y2))
+                run.guards.add(("overflow", index, "F"), out_of_range(y1))
+                run.guards.add(("overflow", index, "G"), out_of_range(y2))
             if record:
                 run.rng_states.append((state_f, state_g))
             s1, s2 = y1, y2
@@ -660,14 +657,16 @@ class ReversibleStack(nn.Module):
         peak = self._float_peak(inputs, index)
         suggestion = ""
         if peak is not None and math.isfinite(peak) and peak > 0:
-            fit = int(math.floor(30 - math.log2(peak)))
+            fit = int(math.ceil(STREAM_LIMIT_BITS - math.log2(peak))) - 1  # 2**(29 - fit) > peak
             suggestion = (f"; the float streams reach |value| = {peak:.4g} there, so frac_bits <= {fit} would fit"
                           if fit >= 0 else f"; the float streams reach |value| = {peak:.4g}: too large for int32")
         elif peak is not None:
             suggestion = "; the float model itself produces non-finite values there"
+        where = f"the {half} half of layer {index}" if half != "input" else f"the input of layer {index}"
         raise OverflowError(
-            f"revtriton: the exact int32 stream overflowed in the {half} half of layer {index} "
-            f"(frac_bits={self.frac_bits} holds |value| < {2.0 ** (31 - self.frac_bits):.6g}){suggestion}. "
+            f"revtriton: the exact int32 stream left its range in {where} "
+            f"(frac_bits={self.frac_bits} holds |value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})"
+            f"{suggestion}. "
             f"Lower frac_bits or use exact=False."
         )
 

