@@ -48,7 +48,8 @@ def to_fixed(x: torch.Tensor, frac_bits: int) -> torch.Tensor:
 
 def from_fixed(stream: torch.Tensor, frac_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """int32 fixed-point stream -> float values (float32 unless asked otherwise)."""
-    return (stream.to(torch.float32) * (2.0**-frac_bits)).to(dtype)
+    value = stream * (2.0**-frac_bits)  # int32 * python float -> float32 in one pass (exact: a power of 2)
+    return value if dtype == torch.float32 else value.to(dtype)
 
 
 def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
