@@ -305,7 +305,8 @@ class BackwardChecks:
 
 
 def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    return torch.stack([s1.sum(dtype=torch.int64), s2.sum(dtype=torch.int64)])
+    # int32 sums accumulate in int64 (torch's default for integers; an explicit dtype would copy first).
+    return torch.stack([s1.sum(), s2.sum()])
 
 
 # --------------------------------------------------------------------------------------------
