@@ -658,7 +658,8 @@ class ReversibleStack(nn.Module):
         peak = self._float_peak(inputs, index)
         suggestion = ""
         if peak is not None and math.isfinite(peak) and peak > 0:
-            fit = int(math.ceil(STREAM_LIMIT_BITS - math.log2(peak))) - 1  # 2**(29 - fit) > peak
+            # 2**(29 - fit) > 1.01 * peak: 1% of slack for the exact model's rounding.
+            fit = int(math.ceil(STREAM_LIMIT_BITS - math.log2(1.01 * peak))) - 1
             suggestion = (f"; the float streams reach |value| = {peak:.4g} there, so frac_bits <= {fit} would fit"
                           if fit >= 0 else f"; the float streams reach |value| = {peak:.4g}: too large for int32")
         elif peak is not None:
