@@ -25,11 +25,10 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .engine import ReversibleStack, block_phase
-from .ops.attention import apply_rope_reference, norm_attention_couple, rope_cos_sin
+from .ops.attention import multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import couple_output
 
@@ -140,23 +139,6 @@ def _layer_scaled(weight, bias, layer_scale: nn.Module):
         return weight, bias
     gamma = gamma.to(weight.dtype)
     return weight * gamma[:, None], (None if bias is None else bias * gamma)
-
-
-def attention_heads(q, k, v, *, heads, kv_heads, causal, rope_theta, dropout):
-    """[B, T, *] projections -> multi-head attention output [B, T, heads * head_dim] (the module-call path)."""
-    batch, tokens, _ = q.shape
-    head_dim = q.shape[-1] // heads
-    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
-    k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
-    if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device)
-        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
-    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
 class _Half:
@@ -336,7 +318,7 @@ class _GPT2AttentionHalf(_Half):
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
         q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
-        o = attention_heads(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True, rope_theta=None,
+        o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True, rope_theta=None,
                             dropout=_p(a.attn_dropout) if b.training else 0.0)
         return a.resid_dropout(a.c_proj(o))
 
@@ -413,7 +395,7 @@ class _LlamaAttentionHalf(_Half):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         x = self._input(x, b.input_layernorm.weight)
         n = b.input_layernorm(x)
-        o = attention_heads(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"], kv_heads=spec["kv_heads"],
+        o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"], kv_heads=spec["kv_heads"],
                             causal=True, rope_theta=spec["rope_theta"],
                             dropout=self._dropouts()[0] if b.training else 0.0)
         return a.o_proj(o)

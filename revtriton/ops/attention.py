@@ -35,26 +35,32 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
 
 
-def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
-                             causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
-    """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)]."""
-    kv_heads = kv_heads or heads
-    batch, tokens, dim = x.shape
-    head_dim = dim // heads
-    n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
-    qkv = F.linear(n, w_qkv, b_qkv)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0):
+    """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd]."""
+    batch, tokens, _ = q.shape
+    head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
     k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, x.device)
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    o = o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
+def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
+                             causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
+    """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)]."""
+    kv_heads = kv_heads or heads
+    dim = x.shape[-1]
+    head_dim = dim // heads
+    n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
+    q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    o = multi_head_attention_reference(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta)
     return _scale_rows(F.linear(o, w_proj, b_proj), row_scale)
 
 
