@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import launch
+from .streams import check_frac_bits, couple_result, function_outputs
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
 
@@ -448,12 +449,7 @@ class FusedNormAttentionCouple(torch.autograd.Function):
                                                                       b_proj)]
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale)
-        if plan.frac_bits is None:
-            return stream
-        ctx.mark_non_differentiable(stream)
-        from .streams import gradient_port
-
-        return stream, gradient_port(stream)
+        return function_outputs(ctx, stream, plan.frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -488,8 +484,6 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")
     if frac_bits is not None:
-        from .streams import check_frac_bits
-
         check_frac_bits(frac_bits)
     _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
     dot_dtype = _compute_dtype(x, w_qkv)
@@ -506,9 +500,7 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
         return stream, None
     out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
                                          row_scale)
-    if frac_bits is None:
-        return out, out
-    return out
+    return couple_result(out, frac_bits)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from . import gemm
 from .mlp import ACTIVATIONS, NORMS
-from .streams import check_frac_bits, gradient_port
+from .streams import check_frac_bits, couple_result, function_outputs
 
 
 # ---------------------------------------------------------------- input handling
@@ -77,14 +77,6 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _finish(outputs, frac_bits):
-    if frac_bits is None:
-        stream = outputs
-        return stream, (stream if stream.requires_grad else None)
-    stream, port = outputs
-    return stream, (port if port.requires_grad else None)
-
-
 # ---------------------------------------------------------------- LayerNorm / RMSNorm + MLP
 
 def _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation, eps,
@@ -108,11 +100,7 @@ class FusedNormMLPCouple(torch.autograd.Function):
         ctx.save_for_backward(x2, mean, rstd, z1, norm_weight, norm_bias, w1, w2, row_scale)
         ctx.options = (sign, frac_bits, norm, activation, dot_dtype, b1 is not None, b2 is not None)
         ctx.x_shape = x.shape
-        stream = stream.view(res.shape)
-        if frac_bits is None:
-            return stream
-        ctx.mark_non_differentiable(stream)
-        return stream, gradient_port(res)
+        return function_outputs(ctx, stream.view(res.shape), frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -161,7 +149,7 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
     params = (norm_weight, norm_bias, w1, b1, w2, b2)
     if _needs_grad(res, x, *params):
         out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype)
-        return _finish(out, frac_bits)
+        return couple_result(out, frac_bits)
     with torch.no_grad():
         stream, _, _ = _norm_mlp_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, norm, activation,
                                          eps, rs, dot_dtype, False)
@@ -189,11 +177,7 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         ctx.save_for_backward(x2, mean, rstd, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.options = (sign, frac_bits, dot_dtype)
         ctx.x_shape = x.shape
-        stream = stream.view(res.shape)
-        if frac_bits is None:
-            return stream
-        ctx.mark_non_differentiable(stream)
-        return stream, gradient_port(res)
+        return function_outputs(ctx, stream.view(res.shape), frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -236,7 +220,7 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
     params = (norm_weight, w_gate, w_up, w_down)
     if _needs_grad(res, x, *params):
         out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype)
-        return _finish(out, frac_bits)
+        return couple_result(out, frac_bits)
     with torch.no_grad():
         stream, _, _ = _swiglu_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, eps, rs, dot_dtype,
                                        False)

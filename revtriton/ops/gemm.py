@@ -258,9 +258,8 @@ def linear_reference(a, weight, bias=None, *, activation=None, weight_up=None, n
     return _activation(z.float(), activation).to(out_dtype), (z if save_preact else None)
 
 
-def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, stats=None, norm_weight=None,
-           norm_bias=None, save_preact=False, dot_dtype=None, out_dtype=None):
-    """act(norm(a) @ weight.T + bias) in one launch; see the module doc."""
+def _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype):
+    """Checks shared by the forward GEMM launchers; returns (dot_dtype, M, K, N)."""
     _check_matrix(weight, "weight")
     dot_dtype = _dot_dtype(weight, dot_dtype)
     _check_matrix(a, "a", cols=weight.shape[1])
@@ -270,6 +269,13 @@ def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, 
     N = weight.shape[0]
     _check_norm(norm, stats, norm_weight, norm_bias, M, K)
     _check_vector(bias, "bias", N)
+    return dot_dtype, M, K, N
+
+
+def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, stats=None, norm_weight=None,
+           norm_bias=None, save_preact=False, dot_dtype=None, out_dtype=None):
+    """act(norm(a) @ weight.T + bias) in one launch; see the module doc."""
+    dot_dtype, M, K, N = _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype)
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
     if (activation == "swiglu") != (weight_up is not None):
@@ -315,15 +321,7 @@ def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_s
 def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, norm=None, stats=None,
                   norm_weight=None, norm_bias=None, dot_dtype=None):
     """res + sign * (norm(a) @ weight.T + bias) * row_scale, float or exact, in one launch."""
-    _check_matrix(weight, "weight")
-    dot_dtype = _dot_dtype(weight, dot_dtype)
-    _check_matrix(a, "a", cols=weight.shape[1])
-    if norm is None and a.dtype != dot_dtype:
-        raise TypeError(f"a dtype {a.dtype} != GEMM operand dtype {dot_dtype} (only a norm prologue casts)")
-    M, K = a.shape
-    N = weight.shape[0]
-    _check_norm(norm, stats, norm_weight, norm_bias, M, K)
-    _check_vector(bias, "bias", N)
+    dot_dtype, M, K, N = _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype)
     _check_row_scale(row_scale, M)
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")

@@ -57,6 +57,20 @@ def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
 
 
+def function_outputs(ctx, stream: torch.Tensor, frac_bits: int | None):
+    """What a fused couple's autograd Function returns: the float stream, or the int32 stream and a port."""
+    if frac_bits is None:
+        return stream
+    ctx.mark_non_differentiable(stream)
+    return stream, gradient_port(stream)
+
+
+def couple_result(outputs, frac_bits: int | None):
+    """``(stream, port)`` from a fused couple Function's outputs; port is None when nothing requires grad."""
+    stream, port = (outputs, outputs) if frac_bits is None else outputs
+    return stream, (port if port.requires_grad else None)
+
+
 def exact_add_reference(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int) -> torch.Tensor:
     """The exact epilogue in torch: ``res + sign * round(h * 2**frac_bits)`` in int32 (wraps)."""
     q = quantize_reference(h, frac_bits)
