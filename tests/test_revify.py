@@ -85,7 +85,11 @@ def test_revified_training_step_matches_stored_activation_twin(family, exact, se
     assert max_relative_grad_error(model, twin) <= 1e-5
     before = [p.detach().clone() for p in model.parameters()]
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # Drop-path can drop a half for the whole (2-sample) batch: its zero-initialised biases then get a
+    # zero grad and stay put (measured in ~8% of seeds). Every parameter that got a gradient must move.
+    moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+    assert all(m for m, p in zip(moved, model.parameters()) if p.grad is not None and p.grad.abs().max() > 0)
+    assert sum(moved) >= 0.8 * len(moved)
     assert torch.isfinite(loss_of(family, model, batch))
 
 
