@@ -1,9 +1,40 @@
-"""Shared by the training examples: compare the reversible and stored-activation loss curves."""
+"""Shared by the training examples: the stored-activation baseline and the loss-curve comparison."""
+import copy
+
+from revtriton.engine import ReversibleStack
+from revtriton.models import to_stored_activations
+
+BASELINES = ("same", "float")
 
 
-def compare_curves(rev, ref, window, tolerance, atol):
-    """Print per-step and trailing-mean (the plotted loss curve) gaps; True if the curves agree within
-    ``tolerance`` (relative) + ``atol`` (absolute, for losses near zero) at every step."""
+def add_comparison_args(parser):
+    parser.add_argument("--baseline", choices=BASELINES, default="same",
+                        help="stored-activation baseline: 'same' is the identical model (with exact streams, the "
+                             "same rounded function), 'float' has plain float streams (shows what the rounding "
+                             "itself changes)")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="relative gap the two losses must stay within at every step")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="absolute slack of that check (relative gaps mean little as a loss nears zero)")
+    parser.add_argument("--window", type=int, default=0, help="steps in the curves' trailing mean (0: steps / 15)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the losses do not stay within it")
+
+
+def stored_activation_baseline(model, baseline: str):
+    """A copy of ``model`` (same weights) trained with plain autograd instead of reversible backward."""
+    twin = to_stored_activations(copy.deepcopy(model))
+    if baseline == "float":
+        for module in twin.modules():
+            if isinstance(module, ReversibleStack):
+                module.exact = False
+    return twin
+
+
+def compare_curves(rev, ref, args):
+    """Print per-step and trailing-mean (the plotted loss curve) gaps; return whether the per-step losses
+    agree within ``args.tolerance`` (relative) + ``args.atol`` at every step, as printed."""
+    window = args.window or max(1, len(rev) // 15)
+
     def trailing_mean(xs):
         return [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
 
@@ -17,4 +48,9 @@ def compare_curves(rev, ref, window, tolerance, atol):
         gaps = [abs(x - y) / y for x, y in zip(a, b)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         print(f"loss gap |rev - stored| / stored, {label}: max {gaps[worst]:.3%} (step {worst}), final {gaps[-1]:.3%}")
-    return all(abs(x - y) <= tolerance * y + atol for x, y in zip(rev_curve, ref_curve))
+    identical = sum(x == y for x, y in zip(rev, ref))
+    print(f"identical losses: {identical} of {len(rev)} steps")
+    track = all(abs(x - y) <= args.tolerance * y + args.atol for x, y in zip(rev, ref))
+    slack = f" + {args.atol}" if args.atol else ""
+    print(f"losses within {args.tolerance:.1%}{slack} at every step: {'yes' if track else 'NO'}")
+    return track

@@ -14,7 +14,7 @@ from revtriton.convert import revify
 from revtriton.engine import ReversibleStack
 from revtriton.models import to_stored_activations
 
-from test_models import max_relative_grad_error
+from test_models import check_against_twin, max_relative_grad_error
 
 DEPTH = 3
 
@@ -81,8 +81,8 @@ def test_revified_training_step_matches_stored_activation_twin(family, exact, se
     torch.manual_seed(seeded)
     twin_loss = loss_of(family, twin, batch)
     twin_loss.backward()
-    assert torch.isfinite(loss) and torch.allclose(loss, twin_loss, rtol=1e-6, atol=0)
-    assert max_relative_grad_error(model, twin) <= 1e-5
+    assert torch.isfinite(loss)
+    check_against_twin(model, twin, loss, twin_loss, exact)
     before = [p.detach().clone() for p in model.parameters()]
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
     # Drop-path can drop a half for the whole (2-sample) batch: its zero-initialised biases then get a

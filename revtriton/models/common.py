@@ -64,12 +64,31 @@ class _Snap(torch.autograd.Function):
         return grad, None
 
 
+class _HalfInput(torch.autograd.Function):
+    """Identity whose backward hands on the half's input gradient already summed.
+
+    The engine reads a half's input gradient as a whole (``x.grad``) and then adds the stream's
+    own gradient; without this node autograd would add the stream's gradient in between the
+    half's partial gradients (a LayerNorm input gets two), another float summation order.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class StoredActivationStack(ReversibleStack):
     """The same layers and options as a ReversibleStack, run with plain (stored-activation) autograd.
 
-    Float stacks compute ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``; exact stacks compute the same
+    Float stacks compute ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` (gradients equal to the
+    reversible stack's up to the float rounding of its inverse); exact stacks compute the same
     rounded model as the fixed-point streams (every half output rounded to the 2**-frac_bits
-    grid, straight-through gradient), so the two agree to float rounding of the gradients.
+    grid, straight-through gradient) with the engine's summation order, so on the same device
+    and halves their losses and gradients are bitwise those of the reversible stack.
     Made by :func:`to_stored_activations`; not meant to be built directly.
     """
 
@@ -96,8 +115,10 @@ def stored_float_streams(layers, x1, x2):
 def stored_exact_streams(layers, x1, x2, frac_bits):
     """Stored-activation forward of the *rounded* model that exact streams compute (straight-through).
 
-    Each stream is encoded with its own snap, as the engine sums the two streams' input grads
-    last (dx = dx1 + dx2): with the same summation order the gradients agree bitwise.
+    Gradients are summed in the engine's order: each stream is encoded with its own snap (the
+    engine adds the two streams' input grads last, dx = dx1 + dx2) and each half's input grad is
+    summed before the stream's own grad joins it (:class:`_HalfInput`). With the same order the
+    gradients agree bitwise, so the two train step for step alike.
     """
     k, dtype = frac_bits, x1.dtype
 
@@ -110,10 +131,10 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
     for layer in layers:
         if is_reversible_block(layer):
             f, g = layer.coupling_halves()
-            h = f(v2)
+            h = f(_HalfInput.apply(v2))
             s1 = s1 + quantize_reference(h.detach(), k)
             v1 = _Snap.apply(v1 + h, from_fixed(s1, k))
-            h = g(v1)
+            h = g(_HalfInput.apply(v1))
             s2 = s2 + quantize_reference(h.detach(), k)
             v2 = _Snap.apply(v2 + h, from_fixed(s2, k))
         elif is_invertible_layer(layer):
