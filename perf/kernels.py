@@ -200,7 +200,6 @@ def ceilings(device) -> dict:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     mm_ms = bench_ms(lambda: torch.mm(a, b))
-    del src, dst
     return {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * n ** 3 / mm_ms / 1e9}
 
 

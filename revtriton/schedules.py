@@ -8,9 +8,12 @@ A schedule composes two per-layer steps offered by the engine:
   grads and return the gradients w.r.t. layer i's input.
 
 Sequential runs recover(i), grads(i) for i = L-1 .. 0. PaReprop (Zhao et al., 2023) rebuilds
-layer i-1 on a *rebuild* stream while layer i's gradients run on a *gradient* stream; the
-dependencies are device-side events, never host syncs. The rebuild stream waits for grads(i)
-before it rebuilds layer i-2, so at most two layers' recompute graphs are alive at once.
+layer i-1 while layer i's gradients run, on two side streams ("lanes") that take turns: layer
+i is rebuilt *and* gets its gradients on lane i % 2. Autograd runs each backward op on the
+stream its forward op ran on, so grads(i) lands on the stream that rebuilt layer i whichever
+stream issues it; with one rebuild stream it would queue behind rebuild(i-1) and nothing would
+overlap. The dependencies are device-side events, never host syncs, and stream order on a
+lane (grads(i+1) before rebuild(i-1)) keeps at most two layers' recompute graphs alive.
 
 On CPU the same code runs with streams that do nothing, so tests exercise the real ordering
 (and can record it with a :class:`ScheduleTrace`).
@@ -49,8 +52,9 @@ class BlockGrads:
 class ScheduleTrace:
     """Events issued by a backward schedule, in host issue order.
 
-    Each event is ``(op, layer, stream, waits)``: op is "rebuild" or "grads", waits lists the
-    ``(op, layer)`` events it depends on (device-side waits and same-stream order).
+    Each event is ``(op, layer, stream, waits)``: op is "rebuild" or "grads", stream is "main"
+    (sequential) or "lane0" / "lane1" (PaReprop), waits lists the ``(op, layer)`` events it
+    depends on (device-side waits and same-stream order).
     """
 
     events: list = field(default_factory=list)
@@ -78,12 +82,12 @@ class _NullStream:
         return None
 
 
-def _streams_for(device: torch.device):
+def _side_streams(device: torch.device):
+    """(the caller's stream, two side streams): CUDA streams on a GPU, no-op stand-ins elsewhere."""
     if device.type == "cuda":
-        main = torch.cuda.current_stream(device)
-        return main, torch.cuda.Stream(device), torch.cuda.Stream(device)
+        return torch.cuda.current_stream(device), (torch.cuda.Stream(device), torch.cuda.Stream(device))
     null = _NullStream()
-    return null, null, null
+    return null, (null, null)
 
 
 def _on(stream):
@@ -116,44 +120,48 @@ def _sequential(stepper, streams, dy1, dy2, trace):
 
 def _pareprop(stepper, streams, dy1, dy2, trace):
     n = stepper.num_layers
-    device = streams[0].device
-    main, rebuild, grad = _streams_for(device)
-    rebuild.wait_stream(main)
-    grad.wait_stream(main)
+    main, lanes = _side_streams(streams[0].device)
+    for lane in lanes:
+        lane.wait_stream(main)  # the segment's outputs, anchors and dy were made on the caller's stream
+    rebuilt, grads_done = {}, {}
     mismatches = []
 
-    def issue_rebuild(i, inputs, after_grads_of):
-        waits = []
-        if after_grads_of is not None:
-            # Bound the run-ahead (and memory) to two layers: rebuild i only after grads(i+2).
-            rebuild.wait_event(grads_done[after_grads_of])
-            waits.append(("grads", after_grads_of))
-        with _on(rebuild):
+    def issue_rebuild(i, inputs):
+        lane, waits = lanes[i % 2], []
+        if i + 1 < n:  # its inputs were rebuilt by layer i+1, on the other lane
+            lane.wait_event(rebuilt[i + 1])
+            waits.append(("rebuild", i + 1))
+        if i + 2 < n:  # issued after grads(i+2) on this lane: run-ahead bounded by stream order
+            waits.append(("grads", i + 2))
+        _protect(inputs, lane)
+        with _on(lane):
             recovered = stepper.recover(i, inputs)
-        rebuilt[i] = rebuild.record_event()
+        rebuilt[i] = lane.record_event()
         if trace is not None:
-            trace.add("rebuild", i, "rebuild", waits)
+            trace.add("rebuild", i, f"lane{i % 2}", waits)
         return recovered
 
-    rebuilt, grads_done = {}, {}
-    upcoming = issue_rebuild(n - 1, streams, None)
+    upcoming = issue_rebuild(n - 1, streams)
     for i in reversed(range(n)):
         current = upcoming
-        if i > 0:
-            upcoming = issue_rebuild(i - 1, current.inputs, i + 1 if i + 1 < n else None)
-        grad.wait_event(rebuilt[i])
-        _protect(current.tensors + current.inputs, grad)
-        with _on(grad):
+        if i > 0:  # queued before grads(i) so the two run side by side
+            upcoming = issue_rebuild(i - 1, current.inputs)
+        lane, waits = lanes[i % 2], [("rebuild", i)]
+        if i + 1 < n:  # dy comes from grads(i+1), on the other lane
+            lane.wait_event(grads_done[i + 1])
+            waits.append(("grads", i + 1))
+        _protect([dy1, dy2], lane)
+        with _on(lane):
             dy1, dy2 = stepper.grads(current, dy1, dy2)
-        grads_done[i] = grad.record_event()
+        grads_done[i] = lane.record_event()
         if trace is not None:
-            trace.add("grads", i, "grad", [("rebuild", i)] + ([("grads", i + 1)] if i + 1 < n else []))
+            trace.add("grads", i, f"lane{i % 2}", waits)
         if current.mismatch is not None:
             mismatches.append(current.mismatch)
         del current
     # The caller's stream (and so the optimizer step) sees every gradient.
-    main.wait_stream(grad)
-    main.wait_stream(rebuild)
+    for lane in lanes:
+        main.wait_stream(lane)
     _protect([dy1, dy2] + mismatches, main)
     return dy1, dy2, mismatches
 

@@ -1,8 +1,6 @@
 """Fused norm+MLP half: every kernel vs its reference under the Triton interpreter, the fused
 couple vs the reference half (forward, exact inverse, gradients), launch budgets, bad input,
 and the fused half inside a ReversibleStack."""
-import math
-
 import pytest
 import torch
 

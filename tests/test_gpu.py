@@ -3,6 +3,8 @@
 Skipped without a CUDA device. Run with TRITON_INTERPRET=0 (gpu_check.sh sets it).
 """
 import copy
+import json
+from collections import Counter
 
 import pytest
 import torch
@@ -122,6 +124,25 @@ def test_pareprop_on_cuda_streams_equals_sequential(exact, depth):
             assert torch.equal(a, b)
         else:
             assert rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule, lanes", [("sequential", 1), ("pareprop", 2)])
+def test_backward_kernels_land_on_the_schedule_streams(tmp_path, schedule, lanes):
+    """Autograd runs a backward op on its forward op's stream: PaReprop's gradient kernels must spread
+    over both lanes (on one rebuild stream they would queue behind the next rebuild)."""
+    stack = ReversibleStack([vit_block() for _ in range(4)], schedule=schedule).cuda().train()
+    x = torch.randn(4, 197, 256, device="cuda", requires_grad=True)
+    stack(x).sum().backward()  # warm the kernels
+    out = stack(x).sum()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out.backward()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    per_stream = Counter(e["args"]["stream"] for e in events if e.get("cat") == "kernel")
+    busy = [stream for stream, kernels in per_stream.items() if kernels >= 8]
+    assert len(busy) == lanes, per_stream
 
 
 def test_launch_budget_of_a_fused_block():
