@@ -172,7 +172,7 @@ class _Half:
         raise NotImplementedError
 
     def _input(self, x, weight):
-        # Exact streams hand halves float32 values: compute in the block's dtype (bf16 models).
+        # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block).
         return x if x.dtype == weight.dtype else x.to(weight.dtype)
 
     def couple(self, res, x, sign, frac_bits=None):

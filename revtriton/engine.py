@@ -221,23 +221,33 @@ class AutocastState:
 
 @dataclass
 class StreamFormat:
-    """How streams are held: float (``frac_bits`` None) or int32 fixed point."""
+    """How streams are held: float (``frac_bits`` None) or int32 fixed point.
+
+    Halves and the stack's outputs see an exact stream's value in ``value_dtype``, the dtype the
+    stack was given (so a bf16 or float64 model gets bf16 or float64 inputs, as with float
+    streams); rounding it there is deterministic, so the stream itself stays exact.
+    """
 
     frac_bits: int | None
-    value_dtype: torch.dtype = torch.float32
+    value_dtype: torch.dtype | None = torch.float32  # None: the block's parameters' (int32 API)
 
     @property
     def exact(self) -> bool:
         return self.frac_bits is not None
 
+    def for_block(self, half: nn.Module) -> StreamFormat:
+        """This format with ``value_dtype`` resolved for a block, inside its phase (so under FSDP2
+        mixed precision the gathered bf16 parameters decide, not the float32 shards)."""
+        if self.value_dtype is not None:
+            return self
+        dtype = next((p.dtype for p in half.parameters() if p.is_floating_point()), torch.float32)
+        return StreamFormat(self.frac_bits, dtype)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return to_fixed(x, self.frac_bits) if self.exact else x
 
     def value(self, stream: torch.Tensor) -> torch.Tensor:
-        """The float value a half sees (float32 for exact streams)."""
-        return from_fixed(stream, self.frac_bits) if self.exact else stream
-
-    def output(self, stream: torch.Tensor) -> torch.Tensor:
+        """The float value of a stream, as halves see it and the stack returns it."""
         return from_fixed(stream, self.frac_bits, self.value_dtype) if self.exact else stream
 
 
@@ -347,10 +357,11 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
         if is_reversible_block(layer):
 
             def forward_phase(f, g, s1=s1, s2=s2):
+                values = run.fmt.for_block(f)
                 state_f = run.rng.record() if record else None
-                y1, _ = f.couple(s1, fmt.value(s2), +1, k)
+                y1, _ = f.couple(s1, values.value(s2), +1, k)
                 state_g = run.rng.record() if record else None
-                y2, _ = g.couple(s2, fmt.value(y1), +1, k)
+                y2, _ = g.couple(s2, values.value(y1), +1, k)
                 return (PhaseResult((y1, y2, state_f, state_g)),)
 
             y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
@@ -383,7 +394,7 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         checksum = torch.stack(checksums) if checksums else None
         ctx.has_checksum = checksum is not None
         ctx.save_for_backward(y1, y2, *anchors, *([checksum] if checksum is not None else []))
-        out1, out2 = fmt.output(y1), fmt.output(y2)
+        out1, out2 = fmt.value(y1), fmt.value(y2)
         # Outputs must not alias the saved streams (float mode) or the inputs.
         if out1 is y1 or out1 is x1 or out1 is x2:
             out1 = out1.clone()
@@ -401,7 +412,8 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         anchors = {
             layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
         }
-        grad_dtype = torch.float32 if run.fmt.exact else y1.dtype
+        # Exact streams carry gradients in fp32 at least (float64 for a float64 model).
+        grad_dtype = torch.promote_types(torch.float32, run.fmt.value_dtype) if run.fmt.exact else y1.dtype
         dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
         dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
         stepper = _SegmentBackward(run, anchors, checksum)
@@ -645,7 +657,7 @@ class ReversibleStack(nn.Module):
                 s1 = fmt.encode(x1)
                 s2 = s1 if x2 is x1 else fmt.encode(x2)
                 y1, y2, _, _ = _segment_forward(run, s1, s2, record=False)
-            return fmt.output(y1), fmt.output(y2)
+            return fmt.value(y1), fmt.value(y2)
         # A requires-grad dummy input makes autograd record the node even when x needs no grad
         # (frozen embeddings, LoRA): otherwise the blocks' parameters would silently get no grads.
         grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)
@@ -715,7 +727,7 @@ class ReversibleStack(nn.Module):
         self._check_float_input("y1", y1)
         fmt = self._format(y1.dtype)
         s1, s2 = self._invert(fmt, fmt.encode(y1), fmt.encode(y2))
-        return fmt.output(s1), fmt.output(s2)
+        return fmt.value(s1), fmt.value(s2)
 
     def _invert(self, fmt, s1, s2):
         for i in reversed(range(len(self))):
@@ -723,8 +735,9 @@ class ReversibleStack(nn.Module):
             if is_reversible_block(layer):
 
                 def inverse_phase(f, g, s1=s1, s2=s2):
-                    s2 = g.couple(s2, fmt.value(s1), -1, fmt.frac_bits)[0]
-                    return (PhaseResult((f.couple(s1, fmt.value(s2), -1, fmt.frac_bits)[0], s2)),)
+                    values = fmt.for_block(f)
+                    s2 = g.couple(s2, values.value(s1), -1, fmt.frac_bits)[0]
+                    return (PhaseResult((f.couple(s1, values.value(s2), -1, fmt.frac_bits)[0], s2)),)
 
                 s1, s2 = run_block_phase(layer, inverse_phase)
             elif is_invertible_layer(layer):
@@ -743,7 +756,7 @@ class ReversibleStack(nn.Module):
             raise TypeError("int32 streams are fixed-point streams: they need an exact=True stack")
         if s1.dtype != torch.int32 or s2.dtype != torch.int32:
             raise TypeError(f"both streams must be int32, got {s1.dtype} and {s2.dtype}")
-        fmt = self._format(torch.float32)
+        fmt = self._format(None)  # no float input to take a dtype from: each block's parameters'
         if inverse:
             return self._invert(fmt, s1, s2)
         for kind, index, item in self._segments():

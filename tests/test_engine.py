@@ -53,6 +53,52 @@ def test_exact_mode_gradients_equal_rounded_model_bitwise(autocast):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_exact_streams_in_the_model_dtype(dtype):
+    """A model held in bf16, fp16 or fp64 without autocast: halves see stream values in its dtype,
+    the output and grads have its dtype and equal the rounded model's bitwise, and int32 streams
+    run and invert bitwise (the halves then take the parameters' dtype)."""
+    stack = make_stack(5, dim=8, dtype=dtype)
+    x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+    assert stack(x).dtype == dtype
+    got = grads_of(stack, x, lambda: loss_of(stack(x).float()))
+    want = grads_of(stack, x, lambda: loss_of(rounded_forward(stack, x, 16).float()))
+    assert got[0].dtype == dtype and torch.equal(got[0], want[0])
+    assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    s1, s2 = to_fixed(torch.randn(2, 3, 8), 16), to_fixed(torch.randn(2, 3, 8), 16)
+    y1, y2 = stack.forward_streams(s1, s2)
+    r1, r2 = stack.inverse(y1, y2)
+    assert torch.equal(r1, s1) and torch.equal(r2, s2)
+
+
+class DtypeProbe(nn.Module):
+    """Records the dtype of its input and of the gradient reaching its output."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.seen = module, set()
+
+    def forward(self, x):
+        self.seen.add(("input", x.dtype))
+        out = self.module(x)
+        if out.requires_grad:
+            out.register_hook(lambda grad: self.seen.add(("grad", grad.dtype)))
+        return out
+
+
+def test_exact_float64_keeps_float64_precision():
+    """A float64 model's halves see float64 stream values and get float64 gradients, so exact
+    mode is within the grid's rounding (2**-24 here) of plain float64 autograd."""
+    probes = [DtypeProbe(mlp(8)) for _ in range(6)]
+    stack = ReversibleStack([ReversibleBlock(probes[2 * i], probes[2 * i + 1]) for i in range(3)],
+                            frac_bits=24).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    assert all(p.seen == {("input", torch.float64), ("grad", torch.float64)} for p in probes)
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-6
+
+
 def test_exact_inverse_is_bitwise_at_depth_96_and_float_drift_is_reported():
     stack = make_stack(96, dim=8, dtype=torch.float32)
     x1, x2 = torch.randn(2, 2, 4, 8).unbind(0)

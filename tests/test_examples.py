@@ -59,3 +59,19 @@ def test_train_vit_mvit_smoke():
     pytest.importorskip("sklearn")
     stdout, stderr = run_example("train_vit.py", "--model", "mvit")
     check_report(stdout, stderr, "images/s")
+
+
+def test_compare_curves_flags_a_gap(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from argparse import Namespace
+
+    from loss_curves import compare_curves
+
+    args = Namespace(tolerance=0.02, atol=0.0, window=2)
+    ref = [2.0, 1.5, 1.0, 0.5]
+    assert compare_curves([2.0, 1.5, 1.0, 0.5], ref, args)
+    assert "identical losses: 4 of 4 steps" in capsys.readouterr().out
+    assert compare_curves([2.0, 1.52, 1.0, 0.509], ref, args)  # 1.3% and 1.8%
+    assert not compare_curves([2.0, 1.5, 1.0, 0.511], ref, args)  # 2.2% at the last step
+    assert "at every step: NO" in capsys.readouterr().out
+    assert compare_curves([2.0, 1.5, 1.0, 0.511], ref, Namespace(tolerance=0.02, atol=0.01, window=2))

@@ -150,6 +150,25 @@ def test_revmvit_gradients_match_twin(seeded, exact):
     check_against_twin(model, twin, loss, twin_loss, exact)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("preset", ["vit", "llama-tiny"])
+def test_models_held_in_bf16_or_float64_train_exactly(seeded, dtype, preset):
+    """No autocast: the whole model in bf16 (or float64). Exact streams hand the halves values in
+    that dtype, and the gradients are bitwise the stored-activation twin's."""
+    if preset == "vit":
+        model = rev_vit("small", depth=2, img_size=32, num_classes=10, drop_path_rate=0.2).to(dtype)
+        images, labels = torch.randn(2, 3, 32, 32, dtype=dtype), torch.randint(0, 10, (2,))
+        make_loss = lambda m: torch.nn.functional.cross_entropy(m(images).float(), labels)  # noqa: E731
+    else:
+        model = rev_gpt(preset, depth=2, drop_path_rate=0.1).to(dtype)
+        idx = torch.randint(0, 256, (2, 24))
+        make_loss = lambda m: m(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
+    twin, loss, twin_loss = twin_grads(model, make_loss, seeded)
+    assert torch.isfinite(loss)
+    assert all(p.grad.dtype == dtype for p in model.parameters())
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+
+
 def test_twin_check_detects_a_different_model(seeded):
     """The comparison above can fail: a twin with one perturbed weight is caught."""
     model = rev_gpt("gpt2-tiny", depth=2, exact=False)

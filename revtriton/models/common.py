@@ -121,22 +121,23 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
     gradients agree bitwise, so the two train step for step alike.
     """
     k, dtype = frac_bits, x1.dtype
+    grad_dtype = torch.promote_types(torch.float32, dtype)  # as the engine's: fp32 at least
 
     def encode(v):  # float value -> (int32 stream, value on the grid with a straight-through grad)
         s = to_fixed(v.detach(), k)
-        return s, _Snap.apply(v, from_fixed(s, k))
+        return s, _Snap.apply(v.to(grad_dtype), from_fixed(s, k, grad_dtype))
 
     s1, v1 = encode(x1)
     s2, v2 = encode(x2)
     for layer in layers:
         if is_reversible_block(layer):
             f, g = layer.coupling_halves()
-            h = f(_HalfInput.apply(v2))
+            h = f(_HalfInput.apply(v2.to(dtype)))  # halves see the stack's dtype, as in the engine
             s1 = s1 + quantize_reference(h.detach(), k)
-            v1 = _Snap.apply(v1 + h, from_fixed(s1, k))
-            h = g(_HalfInput.apply(v1))
+            v1 = _Snap.apply(v1 + h, from_fixed(s1, k, grad_dtype))
+            h = g(_HalfInput.apply(v1.to(dtype)))
             s2 = s2 + quantize_reference(h.detach(), k)
-            v2 = _Snap.apply(v2 + h, from_fixed(s2, k))
+            v2 = _Snap.apply(v2 + h, from_fixed(s2, k, grad_dtype))
         elif is_invertible_layer(layer):
             raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
         else:

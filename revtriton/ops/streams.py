@@ -37,7 +37,7 @@ def check_frac_bits(frac_bits: int) -> int:
 
 def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
     """round(h * 2**frac_bits) as int32, half to even, saturating; NaN saturates (so it is caught)."""
-    scaled = h.float() * (2.0**frac_bits)
+    scaled = (h if h.dtype == torch.float64 else h.float()) * (2.0**frac_bits)
     return scaled.round_().nan_to_num_(nan=SATURATION).clamp_(-SATURATION, SATURATION).to(torch.int32)
 
 
@@ -48,7 +48,9 @@ def to_fixed(x: torch.Tensor, frac_bits: int) -> torch.Tensor:
 
 def from_fixed(stream: torch.Tensor, frac_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """int32 fixed-point stream -> float values (float32 unless asked otherwise)."""
-    value = stream * (2.0**-frac_bits)  # int32 * python float -> float32 in one pass (exact: a power of 2)
+    if dtype == torch.float64:  # exact in float64 (float32 holds 24 of the stream's 31 bits)
+        return stream.double() * (2.0**-frac_bits)
+    value = stream * (2.0**-frac_bits)  # int32 * python float -> float32 in one pass (a power of 2)
     return value if dtype == torch.float32 else value.to(dtype)
 
 
@@ -86,7 +88,7 @@ class ExactAdd(torch.autograd.Function):
         ctx.h_dtype = h.dtype
         out = exact_add_reference(res, h, sign, frac_bits)
         ctx.mark_non_differentiable(out)
-        return out, gradient_port(res)
+        return out, gradient_port(res, torch.promote_types(torch.float32, h.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_port):
