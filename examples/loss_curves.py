@@ -1,5 +1,7 @@
-"""Shared by the training examples: the stored-activation baseline and the loss-curve comparison."""
+"""Shared by the training examples: options, the stored-activation baseline, the loss-curve comparison."""
 import copy
+
+import torch
 
 from revtriton.engine import ReversibleStack
 from revtriton.models import to_stored_activations
@@ -7,7 +9,8 @@ from revtriton.models import to_stored_activations
 BASELINES = ("same", "float")
 
 
-def add_comparison_args(parser):
+def add_common_args(parser):
+    parser.add_argument("--bf16", action="store_true", help="forward under bf16 autocast (both models)")
     parser.add_argument("--baseline", choices=BASELINES, default="same",
                         help="stored-activation baseline: 'same' is the identical model (with exact streams, the "
                              "same rounded function), 'float' has plain float streams (shows what the rounding "
@@ -18,6 +21,11 @@ def add_comparison_args(parser):
                         help="absolute slack of that check (relative gaps mean little as a loss nears zero)")
     parser.add_argument("--window", type=int, default=0, help="steps in the curves' trailing mean (0: steps / 15)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when the losses do not stay within it")
+
+
+def autocast(args):
+    """The forward's precision: bf16 autocast with --bf16 (the engine restores it in its recompute)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
 
 
 def stored_activation_baseline(model, baseline: str):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loss_curves import add_comparison_args, compare_curves, stored_activation_baseline  # examples/
+from loss_curves import add_common_args, autocast, compare_curves, stored_activation_baseline  # examples/
 from revtriton.models import GPTConfig, RevGPT, count_parameters
 from revtriton.profiling import peak_memory, saved_bytes
 
@@ -62,7 +62,8 @@ def train(model, data, args, desc):
             group["lr"] = lr
         x, y = get_batch(data, args.batch, args.seq, seed=args.seed * 100_000 + step)
         start = time.perf_counter()
-        _, loss = model(x, y)
+        with autocast(args):
+            _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -81,12 +82,16 @@ def memory(model, data, args):
     """(peak bytes of one training step, bytes the forward keeps for backward)."""
     x, y = get_batch(data, args.batch, args.seq, seed=123_456_789)
 
+    def loss():
+        with autocast(args):
+            return model(x, y)[1]
+
     def step():
         model.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
+        loss().backward()
 
     peak = peak_memory(step)
-    kept = saved_bytes(lambda: model(x, y)[1], module=model)
+    kept = saved_bytes(loss, module=model)
     model.zero_grad(set_to_none=True)
     return peak, kept
 
@@ -94,7 +99,8 @@ def memory(model, data, args):
 @torch.no_grad()
 def evaluate(model, data, args, batches=8):
     model.eval()
-    total = sum(model(*get_batch(data, args.batch, args.seq, seed=10**9 + i))[1].item() for i in range(batches))
+    with autocast(args):
+        total = sum(model(*get_batch(data, args.batch, args.seq, seed=10**9 + i))[1].item() for i in range(batches))
     model.train()
     return total / batches
 
@@ -115,7 +121,7 @@ def main(argv=None):
     parser.add_argument("--data-bytes", type=int, default=4_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    add_comparison_args(parser)
+    add_common_args(parser)
     parser.add_argument("--no-bar", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
@@ -134,9 +140,10 @@ def main(argv=None):
                        heads=args.heads, kv_heads=args.heads // 2 if args.style == "llama" else None)
     model = RevGPT(config, exact=not args.float_streams)
     baseline = stored_activation_baseline(model, args.baseline)
+    precision = ", bf16 autocast" if args.bf16 else ""
     print(f"data: {len(text):,} bytes of {sysconfig.get_paths()['stdlib']}/*.py; model: {args.style}, "
           f"{count_parameters(model):,} parameters, {args.depth} blocks, dim {args.dim}, "
-          f"{'float' if args.float_streams else 'exact'} streams, {args.baseline} baseline; "
+          f"{'float' if args.float_streams else 'exact'} streams, {args.baseline} baseline{precision}; "
           f"torch threads: {torch.get_num_threads()}")
 
     results = {}

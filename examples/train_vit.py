@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from loss_curves import add_comparison_args, compare_curves, stored_activation_baseline  # examples/
+from loss_curves import add_common_args, autocast, compare_curves, stored_activation_baseline  # examples/
 from revtriton.models import RevViT, count_parameters, rev_mvit
 from revtriton.profiling import peak_memory, saved_bytes
 
@@ -63,7 +63,8 @@ def train(model, data, args, desc):
         x, y = get_batch(images, labels, args.batch, seed=args.seed * 100_000 + step)
         torch.manual_seed(args.seed * 100_000 + step)  # same drop-path draws for both models
         start = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        with autocast(args):
+            loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -81,20 +82,25 @@ def memory(model, data, args):
     """(peak bytes of one training step, bytes the forward keeps for backward)."""
     x, y = get_batch(*data, args.batch, seed=123_456_789)
 
+    def loss():
+        with autocast(args):
+            return F.cross_entropy(model(x), y)
+
     def step():
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss().backward()
 
     peak = peak_memory(step)
-    kept = saved_bytes(lambda: F.cross_entropy(model(x), y), module=model)
+    kept = saved_bytes(loss, module=model)
     model.zero_grad(set_to_none=True)
     return peak, kept
 
 
 @torch.no_grad()
-def accuracy(model, images, labels):
+def accuracy(model, images, labels, args):
     model.eval()
-    correct = (model(images).argmax(-1) == labels).float().mean().item()
+    with autocast(args):
+        correct = (model(images).argmax(-1) == labels).float().mean().item()
     model.train()
     return correct
 
@@ -113,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    add_comparison_args(parser)
+    add_common_args(parser)
     parser.add_argument("--no-bar", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
@@ -126,8 +132,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = build(args)
     baseline = stored_activation_baseline(model, args.baseline)
+    precision = ", bf16 autocast" if args.bf16 else ""
     print(f"data: scikit-learn digits, {len(train_y)} train / {len(test_y)} test images (8x8); model: {args.model}, "
-          f"{count_parameters(model):,} parameters, {'float' if args.float_streams else 'exact'} streams, {args.baseline} baseline; "
+          f"{count_parameters(model):,} parameters, {'float' if args.float_streams else 'exact'} streams, "
+          f"{args.baseline} baseline{precision}; "
           f"torch threads: {torch.get_num_threads()}")
 
     results = {}
@@ -135,7 +143,7 @@ def main(argv=None):
         losses, images_per_s = train(m, (train_x, train_y), args, name)
         peak, kept = memory(m, (train_x, train_y), args)
         results[name] = dict(losses=losses, images_per_s=images_per_s, peak=peak, kept=kept,
-                             acc=accuracy(m, test_x, test_y))
+                             acc=accuracy(m, test_x, test_y, args))
 
     mib = 2.0**20
     print(f"\n{'model':<18} {'final loss':>10} {'test acc':>9} {'images/s':>9} {'peak MiB':>9} {'kept MiB':>9}")

@@ -55,6 +55,13 @@ def test_train_vit_smoke():
     check_report(stdout, stderr, "images/s")
 
 
+def test_train_vit_smoke_under_bf16_autocast():
+    pytest.importorskip("sklearn")
+    stdout, stderr = run_example("train_vit.py", "--bf16")
+    assert "bf16 autocast" in stdout
+    check_report(stdout, stderr, "images/s")  # identical losses under autocast too
+
+
 def test_train_vit_mvit_smoke():
     pytest.importorskip("sklearn")
     stdout, stderr = run_example("train_vit.py", "--model", "mvit")

@@ -56,7 +56,8 @@ def check_against_twin(model, twin, loss, twin_loss, exact):
     gradient are bitwise equal. Float streams: equal to float rounding of the inverse."""
     if exact:
         assert torch.equal(loss, twin_loss)
-        differ = [n for (n, p), q in zip(model.named_parameters(), twin.parameters()) if not torch.equal(p.grad, q.grad)]
+        differ = [n for (n, p), q in zip(model.named_parameters(), twin.parameters())
+                  if not torch.equal(p.grad, q.grad)]
         assert not differ, f"gradients not bitwise equal to the stored-activation twin: {differ}"
     else:
         assert torch.allclose(loss, twin_loss, rtol=1e-6, atol=0)
