@@ -143,8 +143,11 @@ def test_backward_kernels_land_on_the_schedule_streams(tmp_path, schedule, lanes
     # Kineto writes GPU kernels as "kernel" events whose thread id (and args.stream) is the CUDA stream.
     per_stream = Counter(e.get("args", {}).get("stream", e.get("tid")) for e in events
                          if str(e.get("cat", "")).lower() == "kernel")
-    busy = [stream for stream, kernels in per_stream.items() if kernels >= 8]
-    assert len(busy) == lanes, per_stream
+    counts = sorted(per_stream.values(), reverse=True)
+    if lanes == 1:  # everything on the caller's stream
+        assert counts[0] >= 0.9 * sum(counts), per_stream
+    else:  # two lanes with two blocks each: about half of the kernels on each
+        assert len(counts) >= 2 and counts[1] >= 0.25 * sum(counts), per_stream
 
 
 def test_launch_budget_of_a_fused_block():
