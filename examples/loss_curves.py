@@ -21,6 +21,7 @@ def add_common_args(parser):
                         help="absolute slack of that check (relative gaps mean little as a loss nears zero)")
     parser.add_argument("--window", type=int, default=0, help="steps in the curves' trailing mean (0: steps / 15)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when the losses do not stay within it")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write both loss curves to this image")
 
 
 def autocast(args):
@@ -38,15 +39,35 @@ def stored_activation_baseline(model, baseline: str):
     return twin
 
 
-def compare_curves(rev, ref, args):
+def trailing_mean(xs, window):
+    return [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
+
+
+def plot_curves(rev, ref, window, path, title):
+    """Step losses (faint) and their trailing means of both runs, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for losses, label, color, style in ((ref, "stored-activation", "tab:blue", "-"),
+                                        (rev, "reversible", "tab:orange", "--")):
+        ax.plot(losses, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(trailing_mean(losses, window), color=color, linestyle=style, label=f"{label} (mean of {window})")
+    ax.set(xlabel="step", ylabel="training loss", yscale="log", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"loss curves written to {path}")
+
+
+def compare_curves(rev, ref, args, title="reversible vs stored-activation"):
     """Print per-step and trailing-mean (the plotted loss curve) gaps; return whether the per-step losses
     agree within ``args.tolerance`` (relative) + ``args.atol`` at every step, as printed."""
     window = args.window or max(1, len(rev) // 15)
-
-    def trailing_mean(xs):
-        return [sum(xs[max(0, i - window + 1): i + 1]) / len(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
-
-    rev_curve, ref_curve = trailing_mean(rev), trailing_mean(ref)
+    rev_curve, ref_curve = trailing_mean(rev, window), trailing_mean(ref, window)
     marks = sorted({0, len(rev) // 4, len(rev) // 2, 3 * len(rev) // 4, len(rev) - 1})
     print(f"{'step':<22}" + "  ".join(f"{s:>7}" for s in marks))
     for label, xs in (("rev: step loss", rev), ("stored: step loss", ref), (f"rev: mean of {window}", rev_curve),
@@ -61,4 +82,6 @@ def compare_curves(rev, ref, args):
     track = all(abs(x - y) <= args.tolerance * y + args.atol for x, y in zip(rev, ref))
     slack = f" + {args.atol}" if args.atol else ""
     print(f"losses within {args.tolerance:.1%}{slack} at every step: {'yes' if track else 'NO'}")
+    if args.plot:
+        plot_curves(rev, ref, window, args.plot, title)
     return track

@@ -151,7 +151,8 @@ def main(argv=None):
         print(f"{name:<18} {r['losses'][-1]:>10.4f} {r['acc']:>9.3f} {r['images_per_s']:>9,.0f} "
               f"{r['peak'] / mib:>9.1f} {r['kept'] / mib:>9.2f}")
     rev, ref = results["reversible"]["losses"], results["stored-activation"]["losses"]
-    track = compare_curves(rev, ref, args)
+    title = f"{args.model} on digits: reversible vs stored ({args.baseline} baseline{precision})"
+    track = compare_curves(rev, ref, args, title)
     return 1 if args.strict and not track else 0
 
 

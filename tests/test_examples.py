@@ -55,11 +55,13 @@ def test_train_vit_smoke():
     check_report(stdout, stderr, "images/s")
 
 
-def test_train_vit_smoke_under_bf16_autocast():
+def test_train_vit_smoke_under_bf16_autocast_with_plot(tmp_path):
     pytest.importorskip("sklearn")
-    stdout, stderr = run_example("train_vit.py", "--bf16")
+    plot = tmp_path / "curves.png"
+    stdout, stderr = run_example("train_vit.py", "--bf16", "--plot", str(plot))
     assert "bf16 autocast" in stdout
     check_report(stdout, stderr, "images/s")  # identical losses under autocast too
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
 def test_train_vit_mvit_smoke():
@@ -74,11 +76,11 @@ def test_compare_curves_flags_a_gap(monkeypatch, capsys):
 
     from loss_curves import compare_curves
 
-    args = Namespace(tolerance=0.02, atol=0.0, window=2)
+    args = Namespace(tolerance=0.02, atol=0.0, window=2, plot=None)
     ref = [2.0, 1.5, 1.0, 0.5]
     assert compare_curves([2.0, 1.5, 1.0, 0.5], ref, args)
     assert "identical losses: 4 of 4 steps" in capsys.readouterr().out
     assert compare_curves([2.0, 1.52, 1.0, 0.509], ref, args)  # 1.3% and 1.8%
     assert not compare_curves([2.0, 1.5, 1.0, 0.511], ref, args)  # 2.2% at the last step
     assert "at every step: NO" in capsys.readouterr().out
-    assert compare_curves([2.0, 1.5, 1.0, 0.511], ref, Namespace(tolerance=0.02, atol=0.01, window=2))
+    assert compare_curves([2.0, 1.5, 1.0, 0.511], ref, Namespace(tolerance=0.02, atol=0.01, window=2, plot=None))
