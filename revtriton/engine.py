@@ -545,7 +545,7 @@ class ReversibleStack(nn.Module):
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if streams not in ("duplicate", "split"):
             raise ValueError(f"streams must be 'duplicate' or 'split', got {streams!r}")
-        if not isinstance(anchor_every, int) or anchor_every < 0:
+        if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 0:
             raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.exact = bool(exact)
         self.frac_bits = check_frac_bits(frac_bits)
@@ -725,8 +725,18 @@ class ReversibleStack(nn.Module):
         if y1.dtype == torch.int32 or y2.dtype == torch.int32:
             return self._run_fixed(y1, y2, inverse=True)
         self._check_float_input("y1", y1)
+        self._check_float_input("y2", y2)
+        if y1.dtype != y2.dtype:
+            raise TypeError(f"y1 and y2 must have the same dtype, got {y1.dtype} and {y2.dtype}")
         fmt = self._format(y1.dtype)
-        s1, s2 = self._invert(fmt, fmt.encode(y1), fmt.encode(y2))
+        s1, s2 = fmt.encode(y1), fmt.encode(y2)
+        if fmt.exact:  # what forward's guards check, here at once (inverse is not a training hot path)
+            if not (torch.isfinite(y1).all() and torch.isfinite(y2).all()):
+                raise ValueError("y1 / y2 contain NaN or Inf: exact (fixed-point) streams need finite values")
+            if bool(out_of_range(s1) | out_of_range(s2)):
+                raise OverflowError(f"y1 / y2 exceed what exact streams hold at frac_bits={self.frac_bits} "
+                                    f"(|value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})")
+        s1, s2 = self._invert(fmt, s1, s2)
         return fmt.value(s1), fmt.value(s2)
 
     def _invert(self, fmt, s1, s2):

@@ -255,8 +255,11 @@ def test_fused_half_keeps_nothing_without_grad(seeded):
     assert port is None and stream.grad_fn is None
 
 
-def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded):
+def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded, monkeypatch):
     from revtriton.ops.attention import norm_attention_couple
+    from test_fused_mlp import launch_operand_dtypes
+
+    operands = launch_operand_dtypes(monkeypatch, fa)
 
     params = make_half_params(64, 4, 2, "rms", False)
     args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
@@ -264,9 +267,9 @@ def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded):
     res = torch.randn(2, 9, 64)
     kwargs = dict(heads=4, kv_heads=2, causal=True, rope_theta=10000.0, norm="rms")
     with torch.autocast("cpu", dtype=torch.float16):
-        with force_triton(), count_launches() as launches:
+        with force_triton():
             stream, port = norm_attention_couple(res, x, 1, None, *args, **kwargs)
-        assert all("fp16" not in name for name in launches)  # (names only; dtype checked below)
+        assert torch.float16 in operands  # fp16 GEMM / attention operands (both errors are < 1e-2)
         ref, _ = norm_attention_couple(res, x.detach(), 1, None, *[a.detach() if a is not None else None
                                                                      for a in args], **kwargs)
     assert stream.dtype == torch.float32

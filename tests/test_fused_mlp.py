@@ -178,8 +178,9 @@ def test_fused_couple_matches_reference_with_launch_budgets(seeded, kind, activa
     # ReLU's kink: a pre-activation within fp16 rounding of 0 can take the other branch than in the
     # float64 oracle, which moves whole gradient entries (measured up to 1.005e-2 relative).
     tol = TOL[dtype] * (3 if activation == "relu" and dtype == torch.float16 else 1)
-    for name, a, b in zip(["x"] + [f"p{i}" for i in range(len(got) - 1)], got, want):
-        assert a.dtype == (x.dtype if name == "x" else a.dtype)
+    leaves = [x] + [p for p in params if p is not None]
+    for name, a, b, leaf in zip(["x"] + [f"p{i}" for i in range(len(got) - 1)], got, want, leaves):
+        assert a.dtype == leaf.dtype
         assert rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
@@ -218,15 +219,30 @@ def test_no_grad_forward_keeps_nothing_and_float_port_is_the_stream(seeded):
     assert port is stream and stream.requires_grad
 
 
-def test_autocast_uses_the_autocast_dtype_for_gemms(seeded):
+def launch_operand_dtypes(monkeypatch, *modules):
+    """Record the dtypes of the tensors every Triton launch receives (through ``modules.launch``)."""
+    seen, real = set(), dispatch.launch
+
+    def launch(kernel, grid, *args, **meta):
+        seen.update(a.dtype for a in (*args, *meta.values()) if isinstance(a, torch.Tensor))
+        return real(kernel, grid, *args, **meta)
+
+    for module in (dispatch, *modules):
+        monkeypatch.setattr(module, "launch", launch)
+    return seen
+
+
+def test_autocast_uses_the_autocast_dtype_for_gemms(seeded, monkeypatch):
     dim, hidden = 64, 96
     x = rand(2, 5, dim).requires_grad_(True)
     params = [p.requires_grad_(True) for p in make_params("swiglu", dim, hidden)]
     res = rand(2, 5, dim)
     fn = couple_fn("swiglu")
+    operands = launch_operand_dtypes(monkeypatch)
     with torch.autocast("cpu", dtype=torch.float16):
         with dispatch.force_triton():
             stream, port = fn(res, x, 1, None, params, None)
+        assert torch.float16 in operands  # the GEMMs get fp16 operands (fp32 and fp16 errors are both < 1e-2)
         ref, _ = mlp.swiglu_mlp_couple(res, x.detach(), 1, None, *[p.detach() for p in params])
     assert stream.dtype == torch.float32
     assert rel_err(stream - res, ref.float() - res) <= 1e-2

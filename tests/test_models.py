@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 
+from revtriton import LayerNormAttention, LayerNormMLP, RMSNormSwiGLU
 from revtriton.engine import ReversibleStack
 from revtriton.models import (GPT_PRESETS, RevGPT, RevMViT, RevViT, StageTransition, StoredActivationStack,
                               count_parameters, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible,
@@ -168,6 +169,26 @@ def test_models_held_in_bf16_or_float64_train_exactly(seeded, dtype, preset):
     assert torch.isfinite(loss)
     assert all(p.grad.dtype == dtype for p in model.parameters())
     check_against_twin(model, twin, loss, twin_loss, exact=True)
+
+
+@pytest.mark.parametrize("make", [lambda: LayerNormMLP(16, 32, drop_path=0.25),
+                                  lambda: RMSNormSwiGLU(16, 32, drop_path=0.25),
+                                  lambda: LayerNormAttention(16, 2, drop_path=0.25)], ids=["mlp", "swiglu", "attn"])
+def test_drop_path_drops_whole_samples_and_rescales(seeded, make):
+    """Stochastic depth as timm: per sample, all its tokens dropped or all scaled by 1 / keep."""
+    half = make()
+    x = torch.randn(64, 5, 16)
+    full = half.eval()(x)
+    out = half.train()(x)
+    dropped = out.flatten(1).abs().amax(1) == 0
+    kept = ~dropped
+    assert 0 < int(dropped.sum()) < 64  # both happen (p = 0.25 over 64 samples)
+    assert torch.allclose(out[kept], full[kept] / 0.75, rtol=1e-5, atol=1e-6)
+    res = torch.randn_like(x)
+    torch.manual_seed(seeded)
+    via_couple, _ = half.couple(res, x, +1)
+    torch.manual_seed(seeded)
+    assert torch.allclose(via_couple - res, half(x), rtol=1e-5, atol=1e-6)  # couple draws the same mask
 
 
 def test_twin_check_detects_a_different_model(seeded):

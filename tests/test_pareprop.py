@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from revtriton import ReversibleBlock, ReversibleStack, ScheduleTrace
+from revtriton import ReversibleBlock, ReversibleStack, ScheduleTrace, schedules
 from revtriton.profiling import peak_memory, saved_bytes
 from test_engine import WidenTokens, loss_of
 from twins import DropPath, grads_of, max_rel_error, mlp
@@ -62,6 +62,49 @@ def test_trace_orders_rebuild_ahead_of_grads_and_bounds_run_ahead(depth):
             grads_issued = [j for op2, j, _, _ in events[: trace.index("rebuild", i)] if op2 == "grads"]
             lowest_done = min(grads_issued, default=depth)
             assert lowest_done - i <= 2
+
+
+class RecordingStream:
+    """A stand-in stream that logs the waits and event records the schedule issues on it."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event))
+
+    def wait_stream(self, stream):
+        self.log.append(("wait_stream", self.name, stream.name))
+
+    def record_event(self, event=None):
+        event = object()
+        self.log.append(("record", self.name, event))
+        return event
+
+
+@pytest.mark.parametrize("depth", [2, 3, 5, 8])
+def test_pareprop_really_waits_on_the_events_it_needs(depth, monkeypatch):
+    """The trace says what the schedule means to wait for; this checks the wait_event calls it makes."""
+    log = []
+    lanes = (RecordingStream("lane0", log), RecordingStream("lane1", log))
+    monkeypatch.setattr(schedules, "_side_streams", lambda device: (RecordingStream("main", log), lanes))
+    stack = build(depth, "pareprop", exact=True)
+    stack.trace = trace = ScheduleTrace()
+    stack(torch.randn(2, 3, 12, requires_grad=True)).sum().backward()
+    # The k-th recorded event closes the k-th traced op (record_event runs right before trace.add).
+    records = [event for kind, _, event in log if kind == "record"]
+    op_of = {event: (op, i) for event, (op, i, _, _) in zip(records, trace.events)}
+    waited, pending, ops = {}, {"lane0": set(), "lane1": set()}, iter(trace.events)
+    for kind, lane, event in log:
+        if kind == "wait":
+            pending[lane].add(op_of[event])
+        elif kind == "record":
+            op, i, stream, _ = next(ops)
+            assert stream == lane
+            waited[op, i], pending[lane] = pending[lane], set()
+    for i in range(depth - 1):
+        assert ("rebuild", i + 1) in waited["rebuild", i]  # its inputs, from the other lane
+        assert ("grads", i + 1) in waited["grads", i]  # its dy, from the other lane
 
 
 def test_no_host_sync_in_backward(monkeypatch):

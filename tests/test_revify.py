@@ -137,8 +137,12 @@ def test_halves_compute_the_original_blocks(family, seeded):
     model = BUILDERS[family](seed=seeded).eval()
     records, handles = _capture_blocks(block_list(family, model))
     inputs, _ = make_batch(family)
-    with torch.no_grad():
-        model(inputs) if family == "timm_vit" else model(input_ids=inputs)
+
+    def output():
+        with torch.no_grad():
+            return model(inputs) if family == "timm_vit" else model(input_ids=inputs).logits
+
+    before = output()
     for handle in handles:
         handle.remove()
     revify(model)
@@ -151,6 +155,8 @@ def test_halves_compute_the_original_blocks(family, seeded):
             err = ((h + g(h)) - expected).abs().max() / expected.abs().max()
             assert err < 1e-5, err
     # ... and the converted model is a different function (fine-tune after converting).
+    after = output()
+    assert after.shape == before.shape and not torch.allclose(after, before, rtol=1e-3, atol=1e-3)
 
 
 # -- state_dict, keys, errors -------------------------------------------------------------------
