@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from .halves.base import as_half
-from .ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed, out_of_range, to_fixed
+from .ops.streams import (STREAM_LIMIT_BITS, check_frac_bits, from_fixed, out_of_range, stream_grad_dtype,
+                          to_fixed)
 from .schedules import SCHEDULES, BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 
 
@@ -412,8 +413,7 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         anchors = {
             layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
         }
-        # Exact streams carry gradients in fp32 at least (float64 for a float64 model).
-        grad_dtype = torch.promote_types(torch.float32, run.fmt.value_dtype) if run.fmt.exact else y1.dtype
+        grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else y1.dtype
         dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
         dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
         stepper = _SegmentBackward(run, anchors, checksum)

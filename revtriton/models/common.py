@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, is_invertible_layer, is_reversible_block
-from ..ops.streams import from_fixed, quantize_reference, to_fixed
+from ..ops.streams import from_fixed, quantize_reference, stream_grad_dtype, to_fixed
 
 STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
 
@@ -121,7 +121,7 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
     gradients agree bitwise, so the two train step for step alike.
     """
     k, dtype = frac_bits, x1.dtype
-    grad_dtype = torch.promote_types(torch.float32, dtype)  # as the engine's: fp32 at least
+    grad_dtype = stream_grad_dtype(dtype)  # the engine's stream-gradient dtype
 
     def encode(v):  # float value -> (int32 stream, value on the grid with a straight-through grad)
         s = to_fixed(v.detach(), k)

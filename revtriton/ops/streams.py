@@ -54,6 +54,11 @@ def from_fixed(stream: torch.Tensor, frac_bits: int, dtype: torch.dtype = torch.
     return value if dtype == torch.float32 else value.to(dtype)
 
 
+def stream_grad_dtype(value_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an exact stream's gradient travels in: float32 at least (float64 for float64)."""
+    return torch.promote_types(torch.float32, value_dtype)
+
+
 def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A float tensor shaped like ``like`` that owns one element of storage (see module doc)."""
     return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
@@ -88,7 +93,7 @@ class ExactAdd(torch.autograd.Function):
         ctx.h_dtype = h.dtype
         out = exact_add_reference(res, h, sign, frac_bits)
         ctx.mark_non_differentiable(out)
-        return out, gradient_port(res, torch.promote_types(torch.float32, h.dtype))
+        return out, gradient_port(res, stream_grad_dtype(h.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_port):
