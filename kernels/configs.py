@@ -7,7 +7,7 @@ Under the interpreter (``TRITON_INTERPRET=1``) there is a single config: multi-c
 needs a GPU.
 
 Every config here is compiled ahead of time for sm_90 and sm_80 by ``revtriton.aot`` and must
-use no local memory (no spills); see tests/test_aot.py.
+use no local memory (no spills); see tests/test_static.py (the static model, perf/static.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _gemm(bm, bn, bk, warps, stages, group_m=8):
 
 
 # Every config below compiles for its arch without spilling for every launch variant of its list
-# (ahead of time, tests/test_aot.py). The epilogues load extra tiles (residual, pre-activation,
+# (ahead of time, tests/test_static.py). The epilogues load extra tiles (residual, pre-activation,
 # row scale) next to the fp32 accumulator, so big tiles use 8 warps: 128x128x64 with 8 warps
 # or 128x64x32 with 4 warps spilled in the fused variants; see revtriton/aot.py for the rule.
 

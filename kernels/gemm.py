@@ -122,7 +122,10 @@ def quantize(h, frac_scale):
     return v.to(tl.int32)
 
 
-@triton.jit
+# sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
+# constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
+# kernels; exact streams need the rebuild to run the forward's code.
+@triton.jit(do_not_specialize=["sign", "store_aux"])
 def fused_gemm_kernel(
         a_ptr, b_ptr, b2_ptr, c_ptr,
         M, N, K,

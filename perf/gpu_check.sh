@@ -6,9 +6,16 @@
 # benchmark, within 8 minutes in all. Every output goes under OUTDIR; a short summary table is
 # printed last. Without a CUDA device it fails at once (exit 2) with a message.
 #
-#   --dry-run   print the plan (steps, time caps, commands) and exit 0; needs no GPU
+# Runs as it is on a bare GPU machine: `python3` (no `python` needed), the preinstalled torch,
+# triton and pytest, the repository not installed (everything imports from this source tree:
+# PYTHONPATH is set to it), no network (nothing is downloaded: Hugging Face is forced offline),
+# nothing compiled but by Triton's JIT. It checks those requirements first (exit 2 if one fails).
 #
-# Environment: PYTHON (default: python), GPU_CHECK_BUDGET_S (default 470: total seconds).
+#   --dry-run   check and state each requirement (no GPU needed: the device is reported, not
+#               required), print the plan (steps, time caps, commands); exit 0, or 1 when a
+#               requirement fails
+#
+# Environment: PYTHON (default: python3), GPU_CHECK_BUDGET_S (default 470: total seconds).
 set -u
 
 usage() {
@@ -32,11 +39,122 @@ done
 if [ -z "$out" ]; then usage >&2; exit 2; fi
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-py="${PYTHON:-python}"
+py="${PYTHON:-python3}"
 budget="${GPU_CHECK_BUDGET_S:-470}"
 # Compiled kernels, never the interpreter (tests/conftest.py defaults it to 1 when unset).
 export TRITON_INTERPRET=0
 export PYTHONUNBUFFERED=1
+# The source tree, not an installed copy (there may be none), in this process and every child.
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# No network there: never try a download (a hub lookup would hang until its timeout instead).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PIP_NO_INDEX=1
+
+# requirements [--collect]: check and print each requirement; exit 1 if one fails. --collect also
+# collects the GPU tests (the dry run: it imports every test module, without a GPU).
+requirements() {
+    local tool
+    for tool in timeout date tail sed; do
+        if ! command -v "$tool" > /dev/null 2>&1; then
+            echo "  FAIL  $tool: not on PATH (coreutils)"; return 1
+        fi
+    done
+    if ! command -v "$py" > /dev/null 2>&1; then
+        echo "  FAIL  python: '$py' is not on PATH (set PYTHON=/path/to/python3)"; return 1
+    fi
+    (cd "$repo" && "$py" - "$repo" "$out" "$@" <<'EOF'
+import importlib.metadata, importlib.util, os, re, subprocess, sys
+
+repo, out, collect = sys.argv[1], sys.argv[2], "--collect" in sys.argv[3:]
+failed = []
+
+
+def say(status, name, detail):
+    print(f"  {status:5s} {name}: {detail}", flush=True)
+    if status == "FAIL":
+        failed.append(name)
+
+
+# The minimums, read from the source tree without importing the package (its import enforces them).
+spec = importlib.util.spec_from_file_location("_revtriton_versions", os.path.join(repo, "revtriton", "_versions.py"))
+versions = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(versions)
+fmt = lambda v: ".".join(map(str, v))  # noqa: E731
+
+py_ok = sys.version_info >= (3, 11)
+say("ok" if py_ok else "FAIL", "python", f"{sys.executable}, Python {sys.version.split()[0]} (needs >= 3.11)")
+try:
+    import torch
+    ok = not versions.too_old(torch.__version__, versions.MIN_TORCH)
+    say("ok" if ok else "FAIL", "torch", f"{torch.__version__} (needs >= {fmt(versions.MIN_TORCH)}), "
+        + (f"CUDA build {torch.version.cuda}" if torch.version.cuda else "a CPU-only build (the run needs CUDA)"))
+except Exception as e:  # noqa: BLE001
+    torch = None
+    say("FAIL", "torch", f"cannot import: {e!r}")
+try:
+    import triton
+    ok = not versions.too_old(triton.__version__, versions.MIN_TRITON)
+    say("ok" if ok else "FAIL", "triton", f"{triton.__version__} (needs >= {fmt(versions.MIN_TRITON)})")
+except Exception as e:  # noqa: BLE001
+    say("FAIL", "triton", f"cannot import: {e!r}")
+for name in ("pytest",):
+    try:
+        say("ok", name, importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        say("FAIL", name, "not installed")
+installed = "the source tree is used"
+try:  # metadata outside the tree (a repo-root egg-info from an editable install does not count)
+    dist = importlib.metadata.distribution("revtriton")
+    home = os.path.abspath(str(dist.locate_file("")))
+    if os.path.commonpath([home, repo]) != repo:
+        installed += f" (revtriton {dist.version} is also installed, in {home}: not used)"
+except importlib.metadata.PackageNotFoundError:
+    pass
+try:
+    import revtriton
+    import revtriton.kernels
+    import revtriton.ops.fused_attention  # noqa: F401
+    import revtriton.ops.fused_mlp  # noqa: F401
+    where = [os.path.dirname(m.__file__) for m in (revtriton, revtriton.kernels)]
+    inside = all(os.path.commonpath([w, repo]) == repo for w in where)
+    say("ok" if inside else "FAIL", "revtriton", f"imports from {', '.join(where)}; {installed}")
+except Exception as e:  # noqa: BLE001
+    say("FAIL", "revtriton", f"cannot import from the source tree {repo}: {e!r}")
+try:
+    import perf.autotune, perf.kernels, perf.sweep  # noqa: E401, F401
+    say("ok", "perf", "perf.autotune, perf.kernels, perf.sweep import")
+except Exception as e:  # noqa: BLE001
+    say("FAIL", "perf", f"cannot import the benchmark modules: {e!r}")
+optional = []
+for name in ("numpy", "transformers", "timm", "matplotlib", "tqdm"):
+    try:
+        optional.append(f"{name} {importlib.metadata.version(name)}")
+    except importlib.metadata.PackageNotFoundError:
+        optional.append(f"{name} absent")
+say("info", "optional", ", ".join(optional))
+say("ok", "network", "none used: HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1; nothing is installed")
+parent = os.path.abspath(out)
+while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+say("ok" if os.access(parent, os.W_OK) else "FAIL", "OUTDIR", f"{out} (created under {parent})")
+if collect:
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
+    last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+    ok = r.returncode in (0, 5) and not re.search(r"\berror", last)
+    say("ok" if ok else "FAIL", "gpu tests", f"collect: {last}" + ("" if ok else f" (exit {r.returncode})"))
+    for line in [] if ok else [x for x in r.stdout.splitlines() if x.startswith(("ERROR ", "E  "))][:10]:
+        print(f"        {line}")
+if torch is not None:
+    try:
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception as e:  # noqa: BLE001
+        gpu = None
+        print(f"        ({e!r})")
+    say("info", "CUDA device", gpu or "none visible (the real run needs one: it exits 2 without)")
+sys.exit(1 if failed else 0)
+EOF
+    )
+}
 
 # name | time cap (s) | command (run from the repository root; $OUT is the output folder, $TL the
 # sweep's own time limit: the step's cap less 30 s, so it writes its results before the cap)
@@ -46,9 +164,15 @@ steps=(
     "sweep|100|$py -m perf.sweep --suite short --time-limit \$TL --out \$OUT/sweep --tag short --no-progress"
     "kernels|80|$py -m perf.kernels --out \$OUT/kernels"
     "pareprop|100|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"
+    # issue 19: the dispatcher's measured choice per half (fused Triton vs cuBLAS + SDPA) and both
+    # paths re-timed; fails when a chosen path is < 0.98 x the faster. Last: it gets what time is left.
+    "dispatch|60|$py -m perf.kernels --dispatch-only --out \$OUT/dispatch"
 )
 
 if [ "$dry_run" = 1 ]; then
+    echo "gpu_check requirements (dry run, checked now):"
+    requirements --collect
+    req=$?
     echo "gpu_check plan (dry run): outputs under $out, total budget ${budget} s"
     echo "  0. probe: torch.cuda.is_available() within 60 s, else exit 2"
     i=1
@@ -59,10 +183,16 @@ if [ "$dry_run" = 1 ]; then
         i=$((i + 1))
     done
     echo "  then: summary table (step, status, seconds, log)"
+    if [ "$req" -ne 0 ]; then echo "gpu_check: a requirement above is not met (FAIL)" >&2; exit 1; fi
     exit 0
 fi
 
 start=$(date +%s)
+echo "gpu_check requirements:"
+if ! requirements; then
+    echo "gpu_check: a requirement above is not met (FAIL); 'perf/gpu_check.sh OUTDIR --dry-run' checks them" >&2
+    exit 2
+fi
 probe=$(timeout 60 "$py" -c '
 import sys, torch
 if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

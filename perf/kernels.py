@@ -14,8 +14,14 @@ median ms, TFLOP/s and GB/s (minimum traffic) next to two ceilings measured in t
 (device-to-device copy bandwidth and a large bf16 matmul), plus the issue's bars (fused forward
 >= 1.2 x eager; fused GEMMs >= 0.85 x cuBLAS).
 
-Results: ``perf/results/<device>-<date>-kernels.json`` and ``.csv``. Without a CUDA GPU there is
-nothing to measure: it says so and exits 0.
+``--dispatch`` adds, and ``--dispatch-only`` runs alone, the dispatcher's report (issue 19): for
+each transformer half and shape (:data:`DISPATCH_SHAPES`, bf16 autocast, exact streams) the
+candidate ``revtriton.ops.backend`` chose (measured now or read from its cache), the timings it
+chose on, both candidates timed again here (forward + backward) and the chosen one's speed as a
+fraction of the faster (bar: >= 0.98); ``--dispatch-only`` exits 1 when a bar is missed.
+
+Results: ``perf/results/<device>-<date>-kernels.json`` and ``.csv`` (``-dispatch.json`` for
+``--dispatch-only``). Without a CUDA GPU there is nothing to measure: it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -242,6 +248,79 @@ def run(case_names=None, dims=None, device="cuda") -> dict:
             "torch": torch.__version__, "ceilings": roof, "rows": rows, "bars": bars}
 
 
+# ---------------------------------------------------------------- the dispatcher's choice (issue 19)
+
+DISPATCH_SHAPES = ((4, 1024, 768),)  # (batch, tokens, dim)
+BAR_CHOICE_VS_FASTEST = 0.98
+_OP_OF_HALF = {"LayerNormMLP": "norm_mlp", "RMSNormSwiGLU": "swiglu_mlp", "LayerNormAttention": "norm_attention",
+               "RMSNormAttention": "norm_attention"}
+
+
+def dispatch_halves(dim: int) -> dict:
+    from revtriton import LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU
+
+    heads = max(1, dim // 64)
+    return {"layernorm_mlp": lambda: LayerNormMLP(dim, 4 * dim),
+            "rmsnorm_swiglu": lambda: RMSNormSwiGLU(dim, (int(8 * dim / 3) + 255) // 256 * 256),
+            "layernorm_attention": lambda: LayerNormAttention(dim, heads),
+            "rmsnorm_attention_gqa": lambda: RMSNormAttention(dim, heads, kv_heads=max(1, heads // 4))}
+
+
+def dispatch_report(shapes=DISPATCH_SHAPES, device="cuda", halves=None, exact: bool = True) -> list[dict]:
+    """One row per (half, shape): the dispatcher's choice and timings, both candidates re-timed
+    here (forward + backward of one couple under bf16 autocast) and chosen / fastest speed."""
+    from revtriton.ops import backend
+    from revtriton.ops.streams import to_fixed
+
+    device = torch.device(device)
+    rows = []
+    for batch, tokens, dim in shapes:
+        for name, make in dispatch_halves(dim).items():
+            if halves and name not in halves:
+                continue
+            torch.manual_seed(0)
+            half = make().to(device)
+            x = torch.randn(batch, tokens, dim, device=device)
+            k = 16 if exact else None
+            res = to_fixed(torch.randn_like(x), 16) if exact else torch.randn_like(x)
+            g = torch.randn_like(x)
+            params = list(half.parameters())
+            amp = torch.autocast(device.type, dtype=torch.bfloat16)
+
+            def step():
+                xx = x.detach().requires_grad_()
+                with amp:
+                    _, port = half.couple(res, xx, 1, k)
+                torch.autograd.grad(port, [xx, *params], g)
+
+            step()  # the first call chooses (measures, or reads the cache); pinned from here on
+            with amp:
+                args, options = half.operands(x)
+                decision = backend.decision(_OP_OF_HALF[type(half).__name__], res, x, 1, k, *args, **options) or {}
+            bench = {}
+            for cand in decision.get("times_ms") or {}:
+                with backend.use_backend(cand):
+                    bench[cand] = bench_ms(step)
+            ratio = min(bench.values()) / bench[decision["choice"]] if bench else None
+            rows.append({"half": name, "batch": batch, "tokens": tokens, "dim": dim,
+                         "op": decision.get("op"), "key": decision.get("key"), "choice": decision.get("choice"),
+                         "source": decision.get("source"), "dispatch_ms": decision.get("times_ms"),
+                         "excluded": decision.get("excluded"), "bench_ms": bench, "chosen_vs_fastest": ratio,
+                         "met": ratio is None or ratio >= BAR_CHOICE_VS_FASTEST})
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_dispatch(rows):
+    print(f"dispatch (bar: chosen >= {BAR_CHOICE_VS_FASTEST} x the faster, forward + backward):")
+    for r in rows:
+        timings = ", ".join(f"{c} {ms:.3f}" for c, ms in (r["bench_ms"] or {}).items()) or "-"
+        ratio = f"{r['chosen_vs_fastest']:.3f}" if r["chosen_vs_fastest"] is not None else "-"
+        print(f"  {r['half']:24s} {r['batch']}x{r['tokens']}x{r['dim']}: {r['choice']} ({r['source']}); "
+              f"dispatcher ms {r['dispatch_ms']}; re-timed ms {timings}; chosen/fastest {ratio} "
+              f"{'met' if r['met'] else 'NOT met'}")
+
+
 def write_results(result: dict, out_dir: Path = RESULTS_DIR) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     device = re.sub(r"[^A-Za-z0-9]+", "-", result["device"]).strip("-").lower()
@@ -270,6 +349,8 @@ def print_table(result: dict):
               f"{r['GBps']:7.0f} {ve:>8s} {vc:>9s}")
     for b in result["bars"]:
         print(f"bar {b['case']} d{b['dim']}: {b['bar']}: {b['value']:.2f} {'met' if b['met'] else 'NOT met'}")
+    if result.get("dispatch"):
+        print_dispatch(result["dispatch"])
 
 
 def main(argv=None) -> int:
@@ -277,12 +358,27 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
     parser.add_argument("--dims", nargs="*", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--dispatch", action="store_true", help="add the dispatcher's choices (issue 19)")
+    parser.add_argument("--dispatch-only", action="store_true",
+                        help="only the dispatcher's choices; exit 1 if a chosen path is < 0.98 x the faster")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("perf.kernels measures Triton kernels on a CUDA GPU; none is available here, so there is nothing to "
               "measure (exit 0). Run it on a GPU machine.")
         return 0
+    if args.dispatch_only:
+        rows = dispatch_report()
+        print_dispatch(rows)
+        args.out.mkdir(parents=True, exist_ok=True)
+        device = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+        path = args.out / f"{device}-{datetime.date.today().isoformat()}-dispatch.json"
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "rows": rows}, indent=1))
+        print(f"wrote {path}")
+        return 0 if all(r["met"] for r in rows) else 1
     result = run(args.cases, args.dims)
+    if args.dispatch:
+        result["dispatch"] = dispatch_report()
     print_table(result)
     paths = write_results(result, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -13,7 +13,10 @@ sequential and PaReprop backward; reference or fused halves) runs a training ste
   ``torch.cuda.max_memory_allocated``;
 * Triton launches per step (``revtriton.ops.dispatch.count_launches``);
 * on a GPU, the largest batch whose step fits a memory budget;
-* ratios against vanilla, checkpointing and the sequential schedule at the same point.
+* ratios against vanilla, checkpointing and the sequential schedule at the same point;
+* for ``fused`` halves (revtriton's halves as dispatched), which implementation each op got
+  (``revtriton.ops.backend``: fused Triton or the cuBLAS + SDPA library path, measured on first
+  use) and both timings: ``backend_choices`` in the JSON, printed after the table.
 
 Results go to ``<out>/<device>-<date>[-<suite>].json`` and ``.csv`` (schema: ``RESULTS_SCHEMA``
 below, checked by :func:`validate_results`), a Markdown table is printed (and saved as ``.md``),
@@ -158,6 +161,8 @@ RESULTS_SCHEMA = {
         "wall_s": {"type": "number", "minimum": 0},
         "rows": {"type": "array", "items": ROW_SCHEMA},
         "plots": {"type": "object", "additionalProperties": PLOT_SCHEMA},
+        "backend_choices": {"type": "array", "description": "ops.backend's choice per op and shape bucket: "
+                            "op, key, device, choice, source, times_ms, excluded"},
     },
 }
 
@@ -783,8 +788,22 @@ def make_document(rows, cfg, device, world_size, created, wall_s, plots, complet
         "torch_version": torch.__version__, "triton_version": triton_version(),
         "revtriton_version": revtriton.__version__, "python_version": platform.python_version(),
         "world_size": world_size, "config": dataclasses.asdict(cfg), "wall_s": round(wall_s, 3), "rows": rows,
-        "plots": plots,
+        "plots": plots, "backend_choices": backend_choices(),
     }
+
+
+def backend_choices() -> list[dict]:
+    """The dispatcher's choices made in this process (under DDP, rank 0's: every rank uses them)."""
+    from revtriton.ops import backend
+
+    return [{k: d.get(k) for k in ("op", "key", "device", "choice", "source", "times_ms", "excluded")}
+            for d in backend.decisions()]
+
+
+def print_backend_choices(choices) -> None:
+    for d in choices:
+        timings = ", ".join(f"{c} {ms:.3f} ms" for c, ms in (d["times_ms"] or {}).items()) or "not timed"
+        print(f"backend: {d['op']} [{d['key']}] on {d['device']}: {d['choice']} ({d['source']}; {timings})")
 
 
 def write_results(doc: dict, out_dir: Path, stem: str) -> dict:
@@ -971,6 +990,7 @@ def main(argv=None) -> int:
     doc = make_document(rows, cfg, info, ddp.world_size, created, time.monotonic() - begin, plots, True)
     paths = write_results(doc, out_dir, stem)
     print(markdown_table(rows))
+    print_backend_choices(doc["backend_choices"])
     if ddp.active:
         print("\nper-rank extremes:\n" + rank_summary(rows))
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}

@@ -1,11 +1,43 @@
 """revtriton: reversible transformer blocks for LLM and ViT training, with Triton kernels."""
-from .convert import revify
-from .engine import ReversibleBlock, ReversibleStack
-from .halves import (CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU,
-                     as_half)
-from .models import (GPTConfig, RevGPT, RevMViT, RevViT, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible,
-                     to_stored_activations)
-from .schedules import ScheduleTrace
+from . import _versions
+
+_versions.check()  # before anything else: an old torch / triton fails here, naming the minimum
+_versions.patch_interpreter()
+
+
+def _source_tree_kernels() -> None:
+    """In a source checkout, import ./kernels as ``revtriton.kernels``, as an installed package names it.
+
+    Installed, kernels/ sits inside the package; in a checkout (editable install or none, e.g. on a
+    GPU machine with the repository only) it sits beside revtriton/. Loading that sibling under the
+    installed name gives one copy of each kernel module (one autotune cache), whichever name imports it.
+    """
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sibling = os.path.join(os.path.dirname(here), "kernels")
+    if ("revtriton.kernels" in sys.modules or os.path.isdir(os.path.join(here, "kernels"))
+            or not os.path.isfile(os.path.join(sibling, "configs.py"))):
+        return
+    spec = importlib.util.spec_from_file_location("revtriton.kernels", os.path.join(sibling, "__init__.py"),
+                                                  submodule_search_locations=[sibling])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["revtriton.kernels"] = module
+    spec.loader.exec_module(module)
+    globals()["kernels"] = module
+
+
+_source_tree_kernels()
+
+from .convert import revify  # noqa: E402
+from .engine import ReversibleBlock, ReversibleStack  # noqa: E402
+from .halves import (  # noqa: E402
+    CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
+from .models import (  # noqa: E402
+    GPTConfig, RevGPT, RevMViT, RevViT, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible, to_stored_activations)
+from .schedules import ScheduleTrace  # noqa: E402
 
 __version__ = "0.1.0"
 

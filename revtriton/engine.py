@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .halves.base import as_half
+from .ops.dispatch import capture_state, replayed
 from .ops.streams import (STREAM_LIMIT_BITS, check_frac_bits, from_fixed, out_of_range, stream_grad_dtype,
                           to_fixed)
 from .schedules import SCHEDULES, BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
@@ -337,6 +338,7 @@ class SegmentRun:
     rng: RngTape | None = None
     rng_states: list = field(default_factory=list)  # per layer: (state_F, state_G) or None
     autocast: AutocastState | None = None
+    dispatch: tuple | None = None  # where ops ran in forward (ops.dispatch.capture_state), replayed in backward
     anchor_layers: list = field(default_factory=list)
     trace: ScheduleTrace | None = None
     checks: BackwardChecks | None = None
@@ -462,7 +464,7 @@ class _SegmentBackward:
                 # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
                 return PhaseResult((x1, x2, port_g, y1_value, port_f, x2_value)), y1_value
 
-            with torch.enable_grad(), run.autocast.restored():
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
                 token = torch.empty(0, device=y1.device, requires_grad=True)
                 x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token)
             recovered = Recovered(i, (x1.detach(), x2.detach()), kind="block",
@@ -470,7 +472,7 @@ class _SegmentBackward:
         else:
             with torch.no_grad():
                 x1, x2 = layer.inverse(y1, y2)
-            with torch.enable_grad(), run.autocast.restored():
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
                 v1 = fmt.value(x1).detach().requires_grad_()
                 v2 = fmt.value(x2).detach().requires_grad_()
                 o1, o2 = layer(v1, v2)
@@ -649,7 +651,7 @@ class ReversibleStack(nn.Module):
         fmt = self._format(x1.dtype)
         run = SegmentRun(layers, first_index, fmt, self.anchor_every, self.schedule, guards=guards,
                          rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
-                         checks=checks)
+                         checks=checks, dispatch=capture_state())
         params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
         if not needs_graph:

@@ -12,6 +12,12 @@ from twins import DropPath, grads_of, max_rel_error, mlp, plain_forward, rounded
 DIM = 16
 
 
+@pytest.fixture(autouse=True)
+def fresh_seed(seeded):
+    """Every test here draws its inputs and weights from a fresh seed (conftest's rule)."""
+    return seeded
+
+
 def make_stack(depth, dim=DIM, dtype=torch.float64, dropout=0.0, drop_path=0.0, **kwargs):
     blocks = [
         ReversibleBlock(DropPath(mlp(dim, dropout=dropout), drop_path), DropPath(mlp(dim, dropout=dropout), drop_path))
@@ -402,7 +408,6 @@ def test_quantize_rounds_half_to_even_and_saturates():
 
 def test_split_streams_match_the_plain_coupling():
     """streams="split": x = [x1 | x2] along the last dim, y = [y1 | y2] (float64, plain autograd)."""
-    torch.manual_seed(0)
     stack = ReversibleStack([ReversibleBlock(mlp(8), mlp(8)) for _ in range(3)], exact=False,
                             streams="split").double()
     x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)

@@ -10,9 +10,12 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
 def rel_err(actual, expected):
-    """max |a - e| / max |e|; the denominator is floored at 1 because some exact gradients are ~0
-    (one-token attention has dq = dk = 0) and every tensor here has O(1) entries."""
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1.0)).item()
+    """max |a - e| / max |e|. No floor under the denominator (a floor of 1 hid errors up to 1.75x
+    the stated bar where max |e| < 1). Tensors that are zero in exact arithmetic (one-token
+    attention has dq = dk = 0) are checked with an absolute bound where they occur instead."""
+    error = (actual.double() - expected.double()).abs().max()
+    scale = expected.double().abs().max()
+    return (error / scale).item() if scale > 0 else error.item()
 
 
 def packed_qkv(batch, tokens, heads, kv_heads, head_dim, dtype):
@@ -40,7 +43,11 @@ def test_attention_matches_reference_fp32_gqa(seeded, tokens, causal, rope):
     grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=tables)
     ref_grads = fa.attention_bwd_reference(q, k, v, do, causal=causal, rope=tables)
     for name, g, r in zip("qkv", grads, ref_grads):
-        assert rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
+        if tokens == 1 and name in "qk":  # one key: the softmax is constant, dq = dk = 0 exactly;
+            # both sides hold float rounding noise (~1e-7) next to O(1) inputs
+            assert g.abs().max() <= 1e-5 and r.abs().max() <= 1e-5, f"d{name}"
+        else:
+            assert rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
 
 
 @pytest.mark.parametrize("tokens,causal,heads,kv_heads,head_dim", [
@@ -219,7 +226,7 @@ def test_fused_half_exact_matches_reference(seeded, tokens, causal, heads, kv_he
     # Same value up to the rounding of last-bit differences in H (~1e-6 relative, i.e. ~0.1 grid
     # steps at 2^16): at most one grid step apart, and only for a few elements.
     assert (s - s_ref).abs().max().item() <= 1
-    assert (s != s_ref).float().mean().item() < 0.1
+    assert (s != s_ref).float().mean().item() < 0.05  # measured 0-2.3% over 18 draws (mean 0.8%)
     for got, want in zip(grads, grads_ref):
         assert rel_err(got, want) <= 1e-5
     # The exact inverse: subtracting the same half gives back res bitwise.
@@ -392,41 +399,3 @@ def test_stack_of_fused_blocks_reconstructs_bitwise_at_depth_12(seeded, kind):
         b1, b2 = stack.inverse(y1, y2)
     assert not torch.equal(y1, s1) and not torch.equal(y2, s2)
     assert torch.equal(b1, s1) and torch.equal(b2, s2)
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time compilation (sm_90, sm_80): every kernel variant x config of this half
-
-
-def test_aot_specs_cover_every_kernel_and_config():
-    import json
-    import os
-    import subprocess
-    import sys
-
-    # The spec list is built with TRITON_INTERPRET unset (the GPU config lists), in a subprocess.
-    code = ("import collections, json; from revtriton.ops.fused_attention import aot_specs; "
-            "print(json.dumps(collections.Counter(s.name.split('[')[0] + '@' + str(s.arch) for s in aot_specs())))")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, check=True)
-    counts = json.loads(out.stdout)
-    for arch in (80, 90):
-        for kernel in ("attention_fwd", "attention_bwd", "attention_bwd_delta", "qkv_gemm", "gemm",
-                       "attn_norm_bwd_nogamma"):
-            assert counts.get(f"{kernel}@{arch}", 0) > 0, (kernel, arch, counts)
-
-
-@pytest.mark.slow
-def test_aot_compiles_for_sm90_and_sm80_without_spills():
-    from revtriton import aot
-
-    results = aot.run_in_subprocess(r"^(attention|qkv|attn_|gemm\[attn_)")
-    print("\n" + aot.format_table(results))
-    assert len(results) >= 100
-    for r in results:
-        assert r.error is None, (r.label, r.error)
-        assert r.local == 0, f"{r.label} spills ({r.local} bytes of local memory)"
-        assert r.stack == 0, f"{r.label} uses {r.stack} bytes of stack at {r.registers} registers (spill)"
-        if (r.expect_wgmma or r.label.startswith(("attention_fwd", "qkv_gemm"))) and r.arch == 90:
-            assert r.has_wgmma, f"{r.label} does not use wgmma"

@@ -171,3 +171,67 @@ def test_cuda_peak_memory_is_flat_in_depth(schedule):
         peaks.append(peak_memory(lambda: stack(x).sum().backward(), device="cuda"))
     # Parameter grads already exist; what remains grows with neither depth nor schedule run-ahead.
     assert peaks[1] <= 1.10 * peaks[0], peaks
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_backward_schedule_makes_no_host_sync(schedule, monkeypatch):
+    """The per-block part of the backward (every rebuild and gradient step) never syncs with the
+    host: torch.cuda.set_sync_debug_mode("error") raises on any sync inside it. The backward's one
+    sync (the checksum flags) comes after the schedule. tests/test_host_sync.py counts the same on CPU."""
+    from revtriton import engine
+
+    stack = ReversibleStack([vit_block() for _ in range(4)], schedule=schedule).cuda().train()
+    x = torch.randn(2, 197, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = stack(x)
+    out.float().square().mean().backward()  # warm: first launches autotune, which syncs
+    real = engine.run_backward_schedule
+
+    def strict(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine, "run_backward_schedule", strict)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = stack(x)
+    out.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 19: the dispatcher's measured choice (fused Triton vs cuBLAS + SDPA) on this GPU
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(request, tmp_path, monkeypatch):
+    """The tests of this module check the Triton kernels, so they run on that backend (on a GPU the
+    dispatcher would otherwise measure and might take the library path); the dispatch test
+    measures, with a cache of its own and no choice pinned before it."""
+    from revtriton.ops import backend
+
+    if not request.node.name.startswith("test_dispatch_choice"):
+        with backend.use_backend("triton"):
+            yield
+        return
+    monkeypatch.setenv(backend.ENV_CACHE_DIR, str(tmp_path / "backend-cache"))
+    monkeypatch.delenv(backend.ENV_BACKEND, raising=False)
+    backend.reset()
+    yield
+    backend.reset()
+
+
+def test_dispatch_choice_is_at_least_098_of_the_faster_path():
+    """Every half: the candidate the dispatcher measured and pinned is >= 0.98 x the faster of the
+    two when both are timed again (forward + backward, bf16 autocast, exact streams)."""
+    from perf.kernels import BAR_CHOICE_VS_FASTEST, dispatch_report
+
+    rows = dispatch_report(shapes=((4, 512, 512),), device="cuda")
+    assert len(rows) == 4 and all(r["source"] == "measured" for r in rows), rows
+    for r in rows:  # both timed, unless the library path is not deterministic (then exact mode excludes it)
+        assert "triton" in r["bench_ms"], r
+        assert "torch" in r["bench_ms"] or "not deterministic" in r["excluded"].get("torch", ""), r
+    missed = [r for r in rows if r["chosen_vs_fastest"] < BAR_CHOICE_VS_FASTEST]
+    assert not missed, json.dumps(missed, indent=1)

@@ -1,8 +1,10 @@
 """Transformer coupling halves: norm + MLP (G) and norm + attention (F).
 
-Each is a :class:`CouplingHalf` whose ``couple`` calls the ops layer: fused Triton kernels on
-CUDA, the pure-torch reference elsewhere (same weights, same math). ``forward(x)`` is H(x) on
-the reference path (plain torch ops and autograd), for use outside a reversible stack.
+Each is a :class:`CouplingHalf` whose ``couple`` calls the ops layer's one dispatch point
+(``ops.dispatch.run_op``): on a GPU the implementation ``ops.backend`` measured fastest for the
+shape (fused Triton kernels, or the cuBLAS + SDPA library path), pinned for the process; on CPU
+the pure-torch reference (same weights, same math). ``forward(x)`` is H(x) on the reference path
+(plain torch ops and autograd), for use outside a reversible stack.
 
 Drop-path (stochastic depth) and layer scale are part of the half: drop-path becomes a
 per-row scale of H(x) (drawn from the global RNG, which the engine replays), layer scale is

@@ -1,11 +1,16 @@
-"""norm + attention coupling half: pure-torch references and the dispatching couple."""
+"""norm + attention coupling half: pure-torch references and the dispatching couple.
+
+``norm_attention_couple`` goes through ``dispatch.run_op``: candidates ``triton`` (the fused
+half of ops/fused_attention.py) and ``torch`` (the reference: F.linear GEMMs and SDPA).
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
-from .mlp import _scale_rows, normalize_reference
+from . import backend
+from .dispatch import run_op
+from .mlp import _scale_rows, normalize_reference, triton_dtypes, triton_runs_on
 from .streams import couple_output
 
 
@@ -69,13 +74,32 @@ def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv
     """``res + sign * norm_attention(x)`` as ``(stream, port)`` (see revtriton.halves.base)."""
     kv_heads = kv_heads or heads
     check_attention_shapes(x, w_proj.shape[0], heads, kv_heads)
-    if use_triton(x):
-        from .fused_attention import fused_norm_attention_couple
+    return run_op("norm_attention", res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj,
+                  heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
+                  row_scale=row_scale)
 
-        return fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
-                                           b_proj, heads=heads, kv_heads=kv_heads, causal=causal,
-                                           rope_theta=rope_theta, norm=norm, eps=eps, row_scale=row_scale)
-    h = norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, heads=heads,
-                                 kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
-                                 row_scale=row_scale)
-    return couple_output(res, h, sign, frac_bits)
+
+# --------------------------------------------------------------------------------------------
+# The candidates (ops.backend)
+
+
+def _norm_attention_triton(res, x, sign, frac_bits, *weights, **options):
+    from .fused_attention import fused_norm_attention_couple
+
+    return fused_norm_attention_couple(res, x, sign, frac_bits, *weights, **options)
+
+
+def _norm_attention_torch(res, x, sign, frac_bits, *weights, **options):
+    return couple_output(res, norm_attention_reference(x, *weights, **options), sign, frac_bits)
+
+
+def _triton_supports(args, options) -> bool:
+    from .fused_attention import SUPPORTED_HEAD_DIMS
+
+    return triton_dtypes(args, options) and args[1].shape[-1] // options["heads"] in SUPPORTED_HEAD_DIMS
+
+
+backend.register_op("norm_attention", lambda args, options: backend.couple_key(args, options, tokens=True))
+backend.register_candidate("norm_attention", "triton", _norm_attention_triton, available=triton_runs_on,
+                           supports=_triton_supports)
+backend.register_candidate("norm_attention", "torch", _norm_attention_torch)

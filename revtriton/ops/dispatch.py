@@ -1,5 +1,9 @@
 """Where an op runs (Triton or the pure-torch reference) and how many kernels it launched.
 
+:func:`run_op` is the one dispatch point of the halves' ops: it runs the implementation that
+``ops.backend`` chooses (an override, the measured and pinned choice on a GPU, or on CPU the rule
+below: Triton only under :func:`force_triton` with the interpreter).
+
 Every Triton launch in revtriton goes through :func:`launch`, so :func:`count_launches`
 sees all of them (tests and perf/ assert launch budgets with it).
 """
@@ -50,12 +54,55 @@ def force_triton(enabled: bool = True):
         _force_triton = previous
 
 
+def run_op(op: str, *args, **options):
+    """Run op ``op`` (registered in ``ops.backend``) on ``args`` with the chosen implementation."""
+    from . import backend
+
+    return backend.choose(op, args, options).run(*args, **options)
+
+
+def capture_state():
+    """Everything that decides where ops run (force_triton, backend override), for a replay."""
+    from . import backend
+
+    return _force_triton, backend.capture()
+
+
+@contextlib.contextmanager
+def replayed(state):
+    """Run the block inside with the dispatch state :func:`capture_state` returned (the engine's
+    recompute in backward must choose as its forward did)."""
+    global _force_triton
+    from . import backend
+
+    if state is None:
+        yield
+        return
+    previous, _force_triton = _force_triton, state[0]
+    try:
+        with backend.restored(state[1]):
+            yield
+    finally:
+        _force_triton = previous
+
+
 def launch(kernel, grid, *args, **meta):
     """Launch ``kernel[grid](*args, **meta)`` and count it under every active counter."""
     name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
     for counter in _counters:
         counter[name] += 1
     return kernel[grid](*args, **meta)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Launches inside are not counted (the backend's measuring runs)."""
+    saved = _counters[:]
+    _counters.clear()
+    try:
+        yield
+    finally:
+        _counters[:] = saved
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .dispatch import launch
+from . import dispatch, limits
 from .streams import check_frac_bits, couple_result, function_outputs
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
@@ -146,11 +146,13 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
         raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
     lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
     kernels = _attention_kernels()
+    limits.check_int32_offsets("attention_fwd", batch, q=q, k=k, v=v, out=out, lse=lse)
+    limits.check_grid("attention_fwd", (1, batch * heads), per_batch_y=heads)
     grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads)  # noqa: E731
-    launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse,
-           *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out),
-           heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
-           HEAD_DIM=head_dim, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse,
+                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out),
+                    heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
+                    HEAD_DIM=head_dim, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
     return out, lse
 
 
@@ -188,15 +190,19 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
         cos = sin = lse  # unused pointers
     kernels = _attention_kernels()
     delta = torch.empty_like(lse)
-    launch(kernels.attention_bwd_delta_kernel, lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads),
-           o, do, delta, *_strides_bth(o), *_strides_bth(do), heads, tokens, HEAD_DIM=head_dim)
+    limits.check_int32_offsets("attention_bwd", batch, q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
     dkdv_programs = batch * kv_heads
+    limits.check_grid("attention_bwd", (1, dkdv_programs + batch * heads), per_batch_y=kv_heads + heads)
+    delta_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    dispatch.launch(kernels.attention_bwd_delta_kernel, delta_grid,
+                    o, do, delta, *_strides_bth(o), *_strides_bth(do), heads, tokens, HEAD_DIM=head_dim)
     grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]), dkdv_programs + batch * heads)  # noqa: E731
-    launch(kernels.attention_bwd_kernel, grid, q, k, v, do, lse, delta, dq, dk, dv, cos, sin,
-           *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
-           *_strides_bth(dq), *_strides_bth(dk), *_strides_bth(dv),
-           heads, kv_heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, dkdv_programs,
-           HEAD_DIM=head_dim, CAUSAL=bool(causal), ROPE=rope is not None, DOT_PRECISION=_dot_precision(q.dtype))
+    dispatch.launch(kernels.attention_bwd_kernel, grid, q, k, v, do, lse, delta, dq, dk, dv, cos, sin,
+                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
+                    *_strides_bth(dq), *_strides_bth(dk), *_strides_bth(dv),
+                    heads, kv_heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, dkdv_programs,
+                    HEAD_DIM=head_dim, CAUSAL=bool(causal), ROPE=rope is not None,
+                    DOT_PRECISION=_dot_precision(q.dtype))
     return dq, dk, dv
 
 
@@ -295,13 +301,13 @@ def qkv_projection(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, norm, head
     cos, sin = rope if rope is not None else (mean, mean)
     dummy = out
     grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * triton_cdiv(N, head_dim),)  # noqa: E731
-    launch(kernels.qkv_norm_rope_gemm_kernel, grid, x, mean, rstd,
-           dummy if norm_weight is None else norm_weight, dummy if norm_bias is None else norm_bias, w_qkv,
-           dummy if b_qkv is None else b_qkv, out, cos, sin,
-           M, N, dim, tokens, heads + kv_heads, x.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
-           IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None,
-           HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
-           DOT_PRECISION=_dot_precision(dot_dtype))
+    dispatch.launch(kernels.qkv_norm_rope_gemm_kernel, grid, x, mean, rstd,
+                    dummy if norm_weight is None else norm_weight, dummy if norm_bias is None else norm_bias, w_qkv,
+                    dummy if b_qkv is None else b_qkv, out, cos, sin,
+                    M, N, dim, tokens, heads + kv_heads, x.stride(0), w_qkv.stride(0), w_qkv.stride(1),
+                    out.stride(0), IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None,
+                    HAS_BETA=norm_bias is not None, HAS_BIAS=b_qkv is not None, ROPE=rope is not None,
+                    HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(dot_dtype))
     return out
 
 
@@ -501,124 +507,3 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
                                          row_scale)
     return couple_result(out, frac_bits)
-
-
-# --------------------------------------------------------------------------------------------
-# Ahead-of-time specs (revtriton.aot collects them)
-
-AOT_HEAD_DIMS = (64, 128)
-
-
-def _aot_spec(name, kernel, config, arch, *, pointers, constexprs, floats=("sm_scale",), unit_strides=()):
-    """One AotSpec: pointers (name -> dtype) and strides are 16-divisible, ``unit_strides`` are the
-    strides that are 1 at every launch (the JIT specializes them to constants), other ints i32."""
-    from ..aot import AotSpec, _jit_function
-
-    fn = _jit_function(kernel)
-    constexprs = {**constexprs, **config.kwargs, **{s: 1 for s in unit_strides}}
-    signature, divisible = {}, []
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in pointers:
-            signature[arg] = "*" + pointers[arg]
-            divisible.append(arg)
-        elif arg in floats:
-            signature[arg] = "fp32"
-        else:
-            signature[arg] = "i32"
-            if arg.startswith("stride"):
-                divisible.append(arg)
-    tile = "x".join(str(v) for v in config.kwargs.values())
-    return AotSpec(name=f"{name}/{tile}w{config.num_warps}s{config.num_stages}", kernel=fn, signature=signature,
-                   constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages, arch=arch,
-                   divisible=tuple(divisible))
-
-
-def aot_specs():
-    """Every kernel variant the fused attention half launches x every config, for sm_90 and sm_80.
-
-    bf16 operands (the autocast setting), fp32 lse / delta / stats / RoPE tables, head dims 64 and
-    128. GEMM variants of ops.gemm that the MLP half's specs do not already cover are added here.
-    """
-    kernels, qkv_kernels = _attention_kernels(), _qkv_kernels()
-    from . import gemm
-
-    t, f32 = "bf16", "fp32"
-    specs = []
-    for arch in (90, 80):
-        for hd in AOT_HEAD_DIMS:
-            for causal in (False, True):
-                for config in kernels.fwd_configs(hd, arch):
-                    specs.append(_aot_spec(
-                        f"attention_fwd[d{hd},{'causal' if causal else 'full'}]", kernels.attention_fwd_kernel,
-                        config, arch, pointers=dict(Q=t, K=t, V=t, O=t, LSE=f32),
-                        constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, DOT_PRECISION="tf32")))
-            for causal, rope in ((False, False), (True, False), (True, True)):
-                for config in kernels.bwd_configs(hd, arch):
-                    specs.append(_aot_spec(
-                        f"attention_bwd[d{hd},{'causal' if causal else 'full'},{'rope' if rope else 'norope'}]",
-                        kernels.attention_bwd_kernel, config, arch,
-                        pointers=dict(Q=t, K=t, V=t, DO=t, LSE=f32, DELTA=f32, DQ=t, DK=t, DV=t, COS=f32, SIN=f32),
-                        constexprs=dict(HEAD_DIM=hd, CAUSAL=causal, ROPE=rope, DOT_PRECISION="tf32")))
-            for config in kernels.delta_configs(hd, arch):
-                specs.append(_aot_spec(f"attention_bwd_delta[d{hd}]", kernels.attention_bwd_delta_kernel, config,
-                                       arch, pointers=dict(O=t, DO=t, DELTA=f32), constexprs=dict(HEAD_DIM=hd)))
-            for norm, rope in (("layer", False), ("rms", True)):
-                rms = norm == "rms"
-                for config in qkv_kernels.qkv_configs(hd, arch):
-                    specs.append(_aot_spec(
-                        f"qkv_gemm[d{hd},{norm},{'rope' if rope else 'norope'}]",
-                        qkv_kernels.qkv_norm_rope_gemm_kernel, config, arch,
-                        pointers=dict(X=f32, MEAN=f32, RSTD=f32, GAMMA=f32, BETA=f32, W=t, BIAS=f32, OUT=t, COS=f32,
-                                      SIN=f32),
-                        constexprs=dict(IS_RMS=rms, HAS_GAMMA=True, HAS_BETA=not rms, HAS_BIAS=not rms, ROPE=rope,
-                                        HEAD_DIM=hd, DOT_PRECISION="tf32"),
-                        unit_strides=("stride_wk",)))
-    params = {"gamma_ptr": "fp32", "beta_ptr": "fp32", "bias_ptr": "fp32", "mean_ptr": "fp32", "rstd_ptr": "fp32",
-              "row_scale_ptr": "fp32", "k_scale_ptr": "fp32"}
-    params = {k: torch.float32 for k in params}
-    nt = ("stride_ak", "stride_bk", "stride_cn")
-    nn_ = ("stride_ak", "stride_bn", "stride_cn")
-    tn = ("stride_am", "stride_bn", "stride_cn")
-    bf16, fp32, i32 = torch.bfloat16, torch.float32, torch.int32
-    # out-projection + residual without bias / row scale (RMSNormAttention, eval mode)
-    specs += gemm.gemm_aot_specs("attn_couple_float_nobias", flags=dict(RESIDUAL=1), unit_strides=nt, c_dtype=fp32,
-                                 ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": fp32})
-    specs += gemm.gemm_aot_specs("attn_couple_exact_nobias", flags=dict(RESIDUAL=2), unit_strides=nt, c_dtype=i32,
-                                 ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": bf16, "res_ptr": i32})
-    # dO = sign * row_scale * (g @ W_proj)
-    specs += gemm.gemm_aot_specs("attn_bwd_do", flags=dict(HAS_ROW_SCALE=True), unit_strides=nn_, c_dtype=bf16,
-                                 ptr_dtypes={**params, "a_ptr": fp32})
-    # dW_proj, db_proj
-    specs += gemm.gemm_aot_specs("attn_bwd_dwproj", flags=dict(A_SCALE_K=True, A_SUM=True), unit_strides=tn,
-                                 c_dtype=fp32, ptr_dtypes={**params, "a_ptr": fp32, "b_ptr": bf16})
-    # dW' = dqkv^T @ xhat (no gamma / beta in the prologue), db_qkv
-    for norm, code in (("layernorm", 1), ("rmsnorm", 2)):
-        specs += gemm.gemm_aot_specs(f"attn_bwd_dwqkv_{norm}", flags=dict(B_NORM=code, A_SUM=True), unit_strides=tn,
-                                     c_dtype=fp32, ptr_dtypes={**params, "a_ptr": bf16, "b_ptr": fp32})
-    # norm backward without gamma (folded into W) and without partial sums
-    from ..aot import AotSpec
-
-    for arch in (90, 80):
-        for dim in (768, 4096):
-            block_n = triton_next_power_of_2(dim)
-            warps = gemm.norm_num_warps(block_n)
-            for norm in ("layer", "rms"):
-                sig = {"dn_ptr": f32, "x_ptr": f32, "mean_ptr": f32, "rstd_ptr": f32, "gamma_ptr": f32,
-                       "dres_ptr": f32, "dx_ptr": f32, "part_dgamma_ptr": f32, "part_dbeta_ptr": f32}
-                sig = {k: "*" + v for k, v in sig.items()}
-                sig.update({k: "i32" for k in ("M", "N", "rows_per_program", "stride_dnm", "stride_xm",
-                                               "stride_dresm", "stride_dxm")})
-                flags = {"IS_RMS": norm == "rms", "HAS_GAMMA": False, "HAS_BETA": False, "HAS_DRES": False,
-                         "BLOCK_N": block_n}
-                sig.update({k: "constexpr" for k in flags})
-                specs.append(AotSpec(
-                    name=f"attn_norm_bwd_nogamma[{norm},d{dim}]", kernel=gemm.norm_kernels.norm_bwd_kernel,
-                    signature=sig, constexprs=flags, num_warps=warps, num_stages=1, arch=arch,
-                    divisible=tuple(k for k in sig if k.endswith("_ptr") or k.startswith("stride"))))
-    return specs
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -51,9 +51,9 @@ References: ``*_reference`` beside each launcher, same arguments, pure torch.
 Kernels: one JIT GEMM (kernels/gemm.py) autotuned through two wrappers with their own config
 lists (``fused_gemm_kernel``; ``fused_gemm_dual_kernel`` for SwiGLU's dual accumulator and its
 gradient), keyed on N, K and the variant flags, never on M. Whether the pre-activation is saved
-is a runtime flag, so a no-grad forward and its with-grad recompute get the same config and
-agree bitwise. AOT specs for a launch variant: :func:`gemm_aot_specs` (used by the fused ops
-modules' ``aot_specs()``), :func:`norm_aot_specs`.
+is a runtime flag (not specialised by the JIT), so a no-grad forward and its with-grad recompute
+run the same compiled kernel with the same config and agree bitwise. The static model
+(revtriton/aot.py, perf/static.py) compiles these launches ahead of time at production shapes.
 """
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ from .streams import check_frac_bits, quantize_reference
 try:  # installed: kernels/ ships as revtriton.kernels
     from revtriton.kernels import gemm as gemm_kernels
     from revtriton.kernels import norm as norm_kernels
-    from revtriton.kernels.configs import configs_for_arch, norm_num_warps
+    from revtriton.kernels.configs import norm_num_warps
 except ImportError:  # source checkout: kernels/ sits beside revtriton/
     from kernels import gemm as gemm_kernels
     from kernels import norm as norm_kernels
-    from kernels.configs import configs_for_arch, norm_num_warps
+    from kernels.configs import norm_num_warps
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -556,96 +556,3 @@ def norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=
                         out_second if out_second is not None else out_first, programs, D,
                         HAS_B=second is not None, BLOCK_N=block, num_warps=norm_num_warps(block))
     return dx, dgamma, dbeta
-
-
-# ---------------------------------------------------------------- ahead-of-time specs
-
-GEMM_FLAG_DEFAULTS = {"A_NORM": 0, "B_NORM": 0, "HAS_GAMMA": False, "HAS_BETA": False, "A_SCALE_K": False,
-                      "B_ACT": 0, "DUAL_B": False, "SECOND_K": False, "A_SUM": False, "HAS_BIAS": False, "ACT": 0,
-                      "ACT_BWD": 0, "HAS_ROW_SCALE": False, "RESIDUAL": 0}
-_TL_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
-
-
-def gemm_aot_specs(name, *, flags, unit_strides, dot_dtype=torch.bfloat16, c_dtype=None, ptr_dtypes=None):
-    """AotSpecs of fused_gemm_kernel for one launch variant: every config of both arch lists.
-
-    flags: the constexpr switches (see kernels/gemm.py) by name; unit_strides: the stride
-    arguments that are 1 for this launch (the JIT specializes them); ptr_dtypes: pointer
-    argument -> torch dtype (default: ``c_dtype``, i.e. the launcher's dummy choice).
-    """
-    from ..aot import AotSpec
-
-    flags = {**GEMM_FLAG_DEFAULTS, **flags}
-    kind = "dual" if flags["DUAL_B"] or flags["ACT_BWD"] == gemm_kernels.ACT_SWIGLU else "regular"
-    unknown = set(flags) - set(GEMM_FLAG_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown GEMM flags {unknown}")
-    c_dtype = dot_dtype if c_dtype is None else c_dtype
-    ptr_dtypes = {"a_ptr": dot_dtype, "b_ptr": dot_dtype, "c_ptr": c_dtype, **(ptr_dtypes or {})}
-    fn = gemm_kernels.fused_gemm_jit
-    specs = []
-    for arch in (90, 80):
-        for config in configs_for_arch(kind, arch):
-            constexprs = {**flags, "DOT_DTYPE": TL_DTYPES[dot_dtype],
-                          "INPUT_PRECISION": "ieee" if dot_dtype == torch.float32 else "tf32", **config.kwargs}
-            signature, divisible = {}, []
-            for arg in fn.arg_names:
-                if arg in constexprs:
-                    signature[arg] = "constexpr"
-                elif arg in unit_strides:
-                    signature[arg] = "constexpr"
-                    constexprs[arg] = 1
-                elif arg.endswith("_ptr"):
-                    signature[arg] = "*" + _TL_NAMES[ptr_dtypes.get(arg, c_dtype)]
-                    divisible.append(arg)
-                elif arg in ("alpha", "frac_scale"):
-                    signature[arg] = "fp32"
-                else:
-                    signature[arg] = "i32"
-                    if arg.startswith("stride"):
-                        divisible.append(arg)
-            tile = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-            specs.append(AotSpec(name=f"gemm[{name}]/{tile}w{config.num_warps}s{config.num_stages}",
-                                 kernel=fn, signature=signature, constexprs=constexprs,
-                                 num_warps=config.num_warps, num_stages=config.num_stages,
-                                 expect_wgmma=arch == 90 and dot_dtype != torch.float32, arch=arch,
-                                 divisible=tuple(divisible)))
-    return specs
-
-
-def norm_aot_specs(dims=(768, 4096), dtype=torch.bfloat16):
-    """AotSpecs of the row kernels at the given model dims, for both archs (no configs: one per dim)."""
-    from ..aot import AotSpec
-
-    t, f32 = "*" + _TL_NAMES[dtype], "*fp32"
-    specs = []
-    for arch in (90, 80):
-        for dim in dims:
-            block_n = triton.next_power_of_2(dim)
-            warps = norm_num_warps(block_n)
-            for norm in ("layer", "rms"):
-                rms = norm == "rms"
-                specs.append(AotSpec(
-                    name=f"row_stats[{norm},d{dim}]", kernel=norm_kernels.row_stats_kernel,
-                    signature={"x_ptr": t, "mean_ptr": f32, "rstd_ptr": f32, "M": "i32", "N": "i32",
-                               "stride_xm": "i32", "eps": "fp32", "IS_RMS": "constexpr", "BLOCK_N": "constexpr"},
-                    constexprs={"IS_RMS": rms, "BLOCK_N": block_n}, num_warps=warps, num_stages=1, arch=arch,
-                    divisible=("x_ptr", "mean_ptr", "rstd_ptr", "stride_xm")))
-                sig = {"dn_ptr": f32, "x_ptr": t, "mean_ptr": f32, "rstd_ptr": f32, "gamma_ptr": t, "dres_ptr": t,
-                       "dx_ptr": t, "part_dgamma_ptr": f32, "part_dbeta_ptr": f32}
-                sig.update({k: "i32" for k in ("M", "N", "rows_per_program", "stride_dnm", "stride_xm",
-                                               "stride_dresm", "stride_dxm")})
-                flags = {"IS_RMS": rms, "HAS_GAMMA": True, "HAS_BETA": not rms, "HAS_DRES": True, "BLOCK_N": block_n}
-                sig.update({k: "constexpr" for k in flags})
-                specs.append(AotSpec(
-                    name=f"norm_bwd[{norm},d{dim}]", kernel=norm_kernels.norm_bwd_kernel, signature=sig,
-                    constexprs=flags, num_warps=warps, num_stages=1, arch=arch,
-                    divisible=tuple(k for k in sig if k.endswith("_ptr") or k.startswith("stride"))))
-            block = min(block_n, 1024)
-            sig = {"part_a_ptr": f32, "part_b_ptr": f32, "out_a_ptr": t, "out_b_ptr": t, "P": "i32", "N": "i32",
-                   "HAS_B": "constexpr", "BLOCK_N": "constexpr"}
-            specs.append(AotSpec(name=f"sum_partials[d{dim}]", kernel=norm_kernels.sum_partials_kernel, signature=sig,
-                                 constexprs={"HAS_B": True, "BLOCK_N": block}, num_warps=norm_num_warps(block),
-                                 num_stages=1, arch=arch,
-                                 divisible=("part_a_ptr", "part_b_ptr", "out_a_ptr", "out_b_ptr")))
-    return specs

@@ -1,15 +1,18 @@
 """norm + MLP coupling half: pure-torch references and the dispatching couple.
 
-The fused Triton path (launchers and the autograd Function) plugs in through
-``norm_mlp_couple`` / ``swiglu_mlp_couple``: CUDA tensors (or CPU tensors under
-``force_triton`` with the interpreter) take the fused kernels, everything else the reference.
+``norm_mlp_couple`` / ``swiglu_mlp_couple`` go through the one dispatch point
+(``dispatch.run_op``), which picks one of the candidates registered below (``ops.backend``):
+``triton`` (the fused kernels of ops/fused_mlp.py) or ``torch`` (the reference: cuBLAS GEMMs via
+F.linear, the exact epilogue in torch ops). On CPU: the reference, or Triton under
+``force_triton`` with the interpreter.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from . import backend
+from .dispatch import run_op, use_triton
 from .streams import couple_output
 
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu")
@@ -60,22 +63,49 @@ def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, *, eps=1e-6, row_
 def norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
                     activation="gelu_tanh", eps=1e-6, row_scale=None):
     """``res + sign * norm_mlp(x)`` as ``(stream, port)`` (see revtriton.halves.base)."""
-    if use_triton(x):
-        from .fused_mlp import fused_norm_mlp_couple
-
-        return fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm=norm,
-                                     activation=activation, eps=eps, row_scale=row_scale)
-    h = norm_mlp_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, norm=norm, activation=activation, eps=eps,
-                           row_scale=row_scale)
-    return couple_output(res, h, sign, frac_bits)
+    return run_op("norm_mlp", res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm=norm,
+                  activation=activation, eps=eps, row_scale=row_scale)
 
 
 def swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6, row_scale=None):
     """``res + sign * swiglu_mlp(x)`` as ``(stream, port)``."""
-    if use_triton(x):
-        from .fused_mlp import fused_swiglu_mlp_couple
+    return run_op("swiglu_mlp", res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps=eps,
+                  row_scale=row_scale)
 
-        return fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps=eps,
-                                       row_scale=row_scale)
-    h = swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=eps, row_scale=row_scale)
-    return couple_output(res, h, sign, frac_bits)
+
+# ---------------------------------------------------------------- the candidates (ops.backend)
+
+def triton_runs_on(args, options) -> bool:
+    """The fused kernels run on CUDA tensors, and on CPU tensors under force_triton (interpreter)."""
+    return use_triton(args[1])
+
+
+def triton_dtypes(args, options) -> bool:
+    return args[1].dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _norm_mlp_triton(res, x, sign, frac_bits, *weights, **options):
+    from .fused_mlp import fused_norm_mlp_couple
+
+    return fused_norm_mlp_couple(res, x, sign, frac_bits, *weights, **options)
+
+
+def _norm_mlp_torch(res, x, sign, frac_bits, *weights, **options):
+    return couple_output(res, norm_mlp_reference(x, *weights, **options), sign, frac_bits)
+
+
+def _swiglu_mlp_triton(res, x, sign, frac_bits, *weights, **options):
+    from .fused_mlp import fused_swiglu_mlp_couple
+
+    return fused_swiglu_mlp_couple(res, x, sign, frac_bits, *weights, **options)
+
+
+def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, **options):
+    return couple_output(res, swiglu_mlp_reference(x, *weights, **options), sign, frac_bits)
+
+
+for _op, _triton, _torch in (("norm_mlp", _norm_mlp_triton, _norm_mlp_torch),
+                             ("swiglu_mlp", _swiglu_mlp_triton, _swiglu_mlp_torch)):
+    backend.register_op(_op, backend.couple_key)
+    backend.register_candidate(_op, "triton", _triton, available=triton_runs_on, supports=triton_dtypes)
+    backend.register_candidate(_op, "torch", _torch)

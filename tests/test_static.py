@@ -1,0 +1,161 @@
+"""Static GPU performance model gates (perf/static.py), compiled for sm_90 / sm_80 on the CPU.
+
+Every launch the fused halves make at the production shapes (perf/workloads.py) is compiled the
+way a real launch would specialise it, for every autotune config of each arch, and judged by the
+rules in perf/static.py (RULES). One subprocess compiles everything on all cores; results are
+cached per compiled specialisation (~/.cache/revtriton/static), so a rerun only reads JSON.
+
+Two kinds of gate test per rule:
+- ``test_gate[rule]``: no kernel variant breaks the rule. A rule that today's kernels break (per
+  the committed perf/results/static-<triton>.json) is marked xfail(strict) naming the issue that
+  rebuilds them: it fails now (``--runxfail`` prints every variant with its number) and turns
+  into a failure the day it passes, so the mark goes with the fix.
+- ``test_failures_match_the_committed_results[rule]``: the variants breaking the rule are exactly
+  the committed ones: a regression fails with the variant's name, config and number, and a fix
+  fails until the results are rewritten.
+"""
+import json
+import os
+import re
+
+import pytest
+
+from perf.static import RULES, owner
+from revtriton import aot
+
+
+@pytest.fixture(scope="session")
+def report():
+    return aot.analyze_in_subprocess("perf.static")
+
+
+def _baseline(triton_version):
+    """perf/results/static-<triton>.json as committed: the failures the kernels are known to have."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "perf", "results",
+                        f"static-{triton_version}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _known_failures():
+    """{rule: failures} of the committed results of the installed triton (collection time: no compile)."""
+    import triton
+
+    baseline = _baseline(triton.__version__)
+    return baseline["failures"] if baseline else {}
+
+
+def _variants(report):
+    out = {}
+    for row in report["launches"]:
+        if row["model"] != "anchor":
+            out.setdefault(row["label"], row["key"])
+    return out
+
+
+def _failures(report, rule):
+    return {label: report["gates"][key][rule] for label, key in _variants(report).items()
+            if report["gates"][key][rule] is not None}
+
+
+def _format(failures, limit=40):
+    lines = [f"  {label}: {why}" for label, why in sorted(failures.items())]
+    return "\n".join(lines[:limit] + ([f"  ... and {len(lines) - limit} more"] if len(lines) > limit else []))
+
+
+def _gate_params():
+    known = _known_failures()
+    for rule in RULES:
+        broken = known.get(rule)
+        marks = []
+        if broken:
+            owners = sorted({owner(label) for label in broken})
+            marks = [pytest.mark.xfail(strict=True, reason=f"{len(broken)} variants break {rule} today: "
+                                                           + ", ".join(owners))]
+        yield pytest.param(rule, marks=marks, id=rule)
+
+
+@pytest.mark.parametrize("rule", list(_gate_params()))
+def test_gate(report, rule):
+    failures = _failures(report, rule)
+    assert not failures, f"{len(failures)} kernel variants break {rule}:\n{_format(failures)}"
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_failures_match_the_committed_results(report, rule):
+    """A variant that breaks a rule it held (per perf/results/static-<triton>.json) fails with its
+    name, config and number; one that was fixed fails too until the results are rewritten
+    (``python -m perf.static --write``), so the committed tables always describe the code."""
+    baseline = _baseline(report["triton"])
+    if baseline is None:
+        pytest.fail(f"no perf/results/static-{report['triton']}.json: run python -m perf.static --write")
+    failures, known = _failures(report, rule), baseline["failures"][rule]
+    new = {label: why for label, why in failures.items() if label not in known}
+    assert not new, f"{len(new)} kernel variants newly break {rule}:\n{_format(new)}"
+    fixed = sorted(set(known) - set(failures))
+    assert not fixed, f"{len(fixed)} variants no longer break {rule}: rewrite perf/results ({fixed[:5]} ...)"
+
+
+def test_every_kernel_and_config_is_compiled(report):
+    """Every kernel the halves launch, with every config of each arch's autotune list."""
+    rows = [r for r in report["launches"] if r["model"] != "anchor"]
+    assert {r["kernel"] for r in rows} == {
+        "fused_gemm_kernel", "row_stats_kernel", "norm_bwd_kernel", "sum_partials_kernel",
+        "qkv_norm_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_delta_kernel", "attention_bwd_kernel"}
+    from revtriton.kernels import configs
+
+    for arch in (90, 80):
+        tiles = {re.search(r"/(\d+x\d+x\d+w\d+s\d+)@", r["label"]).group(1)
+                 for r in rows if r["kernel"] == "fused_gemm_kernel" and r["arch"] == arch}
+        expected = {f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}w{c.num_warps}s{c.num_stages}"
+                    for kind in ("regular", "dual") for c in configs.configs_for_arch(kind, arch)}
+        assert tiles == expected, arch
+    assert all(report["results"][r["key"]] for r in rows)
+
+
+def test_specialisation_follows_the_shapes(report):
+    """ViT's 41 x 197 = 8077 tokens is not a multiple of 16, GPT-2's 8192 is: the compiled couple
+    GEMM differs exactly there (a hand-written spec marking only pointers would not see it)."""
+    couple = {(r["model"], r["arch"]): r["label"] for r in report["launches"]
+              if r["model"] != "anchor" and r["caller"] == "linear_couple" and r["half"] == "mlp"
+              and r["mode"] == "exact"}
+    assert "{M}" in couple[("vit_b", 90)]
+    assert "{" not in couple[("gpt2", 90)].split("/")[0]
+    # the weight-gradient GEMMs reduce over the tokens: K is the token count there
+    dw = [r["label"] for r in report["launches"] if r["model"] == "vit_b" and r["caller"] == "linear_weight_grad"
+          and r["half"] == "mlp"]
+    assert dw and all("{K}" in label for label in dw)
+
+
+def test_forward_and_rebuild_compile_the_same_kernel(report):
+    """Exact streams need the engine's rebuild (sign -1, saving the pre-activation) to run the very
+    kernel the forward ran (sign +1, no aux): same compiled specialisation for every launch and config."""
+    by_phase = {}
+    for r in report["launches"]:
+        if r["model"] != "anchor" and r["phase"] in ("forward", "recompute"):
+            by_phase.setdefault((r["model"], r["half"], r["mode"], r["index"], r["arch"], r["label"].split("/")[-1]),
+                                {})[r["phase"]] = r["key"]
+    assert by_phase
+    differ = [k for k, v in by_phase.items() if v.get("forward") != v.get("recompute")]
+    assert not differ, differ[:5]
+
+
+def test_model_ranks_the_public_anchors(report):
+    """Calibration (DESIGN.md section 7): tutorial-03-class matmul 0.24-0.44 with 64-deep K tiles,
+    tutorial-06 TMA attention forward 0.52 at head dim 128 and about 1.03 at 64."""
+    ratio = {}
+    for r in report["launches"]:
+        if r["model"] == "anchor":
+            loops = report["results"][r["key"]]["loops"]
+            ratios = [loop["ratio"] for loop in loops]
+            ratio[r["anchor"]] = min(ratios) if "attention" in r["anchor"] else max(ratios)
+    deep = [v for k, v in ratio.items() if k.startswith("tutorial03") and "x64w" in k]
+    assert deep and all(0.2 <= v <= 0.45 for v in deep), ratio
+    assert 0.45 <= ratio["tutorial06_attention_fwd/d128/128x128w8s3"] <= 0.6, ratio
+    assert 0.9 <= ratio["tutorial06_attention_fwd/d64/128x128w8s3"] <= 1.15, ratio
+    # the model separates them from today's library GEMM main loops
+    gemm = [min(loop["ratio"] for loop in res["loops"]) for res in report["results"].values()
+            if res.get("kernel") == "fused_gemm_kernel" and res["arch"] == 90 and res.get("loops")]
+    assert min(deep) < min(gemm)

@@ -1,0 +1,230 @@
+"""Every tile shape the GPU config tables can pick, run under the interpreter (issue 21).
+
+Under ``TRITON_INTERPRET=1`` the kernels are decorated with one interpreter config (32 x 32
+attention tiles, 64 x 64 x 64 GEMM tiles), so bugs that only show when BLOCK_FIXED !=
+BLOCK_STREAM, BLOCK_M != BLOCK_N or with 128-row tiles would never run. Here each distinct
+shape of kernels/attention.py FWD_CONFIGS / BWD_CONFIGS, kernels/attention_qkv.py QKV_CONFIGS
+and the kernels/configs.py GEMM lists is pinned on its autotuner (``configs = [that config]``,
+the single-config path Triton takes without benchmarking) and checked against the pure-torch
+references, causal and not. The shape lists are read from the tables at collection time, so a
+new shape is tested as soon as it is added. Also here: the row kernels on constant, zero and
+large-magnitude rows.
+"""
+import pytest
+import torch
+
+from revtriton.ops import dispatch, gemm
+from revtriton.ops import fused_attention as fa
+
+pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
+
+ka = fa._attention_kernels()
+kq = fa._qkv_kernels()
+kg = gemm.gemm_kernels
+from revtriton.kernels import configs as kc  # noqa: E402  (the package the launchers import)
+
+
+def shapes(table, names):
+    """{tile shape: first config with it} over every list of a table (dict of lists, or lists)."""
+    lists = table.values() if isinstance(table, dict) else table
+    found = {}
+    for configs in lists:
+        for c in configs:
+            found.setdefault(tuple(c.kwargs[n] for n in names), c)
+    return found
+
+
+FWD = shapes(ka.FWD_CONFIGS, ("BLOCK_M", "BLOCK_N"))
+BWD = shapes(ka.BWD_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM"))
+QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K"))
+GEMM = shapes([kc.GEMM_CONFIGS_SM90, kc.GEMM_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+GEMM_DUAL = shapes([kc.GEMM_DUAL_CONFIGS_SM90, kc.GEMM_DUAL_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+
+
+def ids(shape):
+    return "x".join(map(str, shape))
+
+
+def rel_err(actual, expected):
+    """max |a - e| / max |e|, with no floor under the denominator; an all-zero expected tensor
+    must come out exactly zero."""
+    expected = expected.double()
+    scale = expected.abs().max()
+    error = (actual.double() - expected).abs().max()
+    return (error / scale).item() if scale > 0 else (0.0 if error == 0 else float("inf"))
+
+
+@pytest.fixture
+def pin(monkeypatch):
+    """pin(autotuned_kernel, config): the kernel runs with exactly that config."""
+
+    def pin_config(kernel, config):
+        monkeypatch.setattr(kernel, "configs", [config])
+
+    return pin_config
+
+
+def test_tables_have_the_shapes_the_tests_expect():
+    # If a table is emptied or renamed this file would silently test nothing.
+    assert len(FWD) >= 3 and len(BWD) >= 5 and len(QKV) >= 4 and len(GEMM) >= 7 and len(GEMM_DUAL) >= 4
+    assert any(f != s for f, s in BWD) and any(m != n for m, n in FWD)
+
+
+# --------------------------------------------------------------------------------------------
+# Flash attention
+
+TOKENS = 136  # not a multiple of any tile, and more than one 128-row tile
+
+
+def attention_inputs(tokens=TOKENS, heads=4, kv_heads=2, head_dim=16):
+    qkv = torch.randn(1, tokens, heads + 2 * kv_heads, head_dim)
+    return qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", list(FWD), ids=ids)
+def test_attention_forward_at_every_table_tile(seeded, pin, shape, causal):
+    pin(ka.attention_fwd_kernel, FWD[shape])
+    q, k, v = attention_inputs()
+    o, lse = fa.attention_fwd(q, k, v, causal=causal)
+    ref_o, ref_lse = fa.attention_fwd_reference(q, k, v, causal=causal)
+    assert rel_err(o, ref_o) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+
+
+@pytest.mark.parametrize("causal,rope", [(False, False), (True, True)], ids=["full", "causal-rope"])
+@pytest.mark.parametrize("shape", list(BWD), ids=ids)
+def test_attention_backward_at_every_table_tile(seeded, pin, shape, causal, rope):
+    pin(ka.attention_bwd_kernel, BWD[shape])
+    q, k, v = attention_inputs()
+    o, lse = fa.attention_fwd_reference(q, k, v, causal=causal)
+    do = torch.randn_like(o)
+    tables = fa.rope_tables(TOKENS, 16, 10000.0, q.device) if rope else None
+    grads = fa.attention_bwd(q, k, v, o.contiguous(), lse.contiguous(), do, causal=causal, rope=tables)
+    ref = fa.attention_bwd_reference(q, k, v, do, causal=causal, rope=tables)
+    for name, g, r in zip("qkv", grads, ref):
+        assert rel_err(g, r) <= 1e-5, f"d{name} at {shape}: {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize("shape", list(QKV), ids=ids)
+def test_qkv_projection_at_every_table_tile(seeded, pin, shape):
+    pin(kq.qkv_norm_rope_gemm_kernel, QKV[shape])
+    batch, tokens, heads, kv_heads, head_dim = 2, 70, 4, 2, 16
+    dim = heads * head_dim
+    x = torch.randn(batch * tokens, dim) * 2 + 0.5
+    stats = gemm.row_stats_reference(x, norm="layer")
+    gamma, beta = 1 + 0.2 * torch.randn(dim), 0.2 * torch.randn(dim)
+    w = torch.randn((heads + 2 * kv_heads) * head_dim, dim) / dim**0.5
+    b = 0.2 * torch.randn(w.shape[0])
+    kwargs = dict(norm="layer", heads=heads, kv_heads=kv_heads, tokens=tokens,
+                  rope=fa.rope_tables(tokens, head_dim, 500.0, x.device))
+    got = fa.qkv_projection(x, stats, gamma, beta, w, b, **kwargs)
+    assert rel_err(got, fa.qkv_projection_reference(x, stats, gamma, beta, w, b, **kwargs)) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# The fused GEMM (regular and dual-accumulator lists)
+
+ROWS, DIM, HIDDEN = 136, 96, 136  # ragged for every tile; several row and column tiles
+
+
+@pytest.mark.parametrize("shape", list(GEMM), ids=ids)
+def test_gemm_variants_at_every_table_tile(seeded, pin, shape):
+    pin(kg.fused_gemm_kernel, GEMM[shape])
+    x = torch.randn(ROWS, DIM) + 0.5
+    stats = gemm.row_stats_reference(x, norm="layer")
+    gamma, beta = torch.randn(DIM) + 1, torch.randn(DIM)
+    w1, b1 = torch.randn(HIDDEN, DIM) / DIM**0.5, torch.randn(HIDDEN)
+    w2, b2 = torch.randn(DIM, HIDDEN) / HIDDEN**0.5, torch.randn(DIM)
+    kw = dict(activation="gelu_tanh", norm="layer", stats=stats, norm_weight=gamma, norm_bias=beta, save_preact=True)
+    for got, want in zip(gemm.linear(x, w1, b1, **kw), gemm.linear_reference(x, w1, b1, **kw)):
+        assert rel_err(got, want) <= 1e-5
+    a, res, row_scale = torch.randn(ROWS, HIDDEN), torch.randn(ROWS, DIM), torch.rand(ROWS) + 0.5
+    got = gemm.linear_couple(a, w2, b2, res, -1, row_scale=row_scale)
+    want = gemm.linear_couple_reference(a, w2, b2, res, -1, row_scale=row_scale)
+    assert rel_err(got - res, want - res) <= 1e-5
+    dz = torch.randn(ROWS, HIDDEN)
+    kw = dict(norm="layer", stats=stats, norm_weight=gamma, norm_bias=beta, bias_grad=True)
+    for got, want in zip(gemm.linear_weight_grad(dz, x, **kw), gemm.linear_weight_grad_reference(dz, x, **kw)):
+        assert rel_err(got, want) <= 1e-5
+    pre, g = torch.randn(ROWS, HIDDEN), torch.randn(ROWS, DIM)
+    kw = dict(activation="gelu", alpha=-1.0, row_scale=row_scale)
+    assert rel_err(gemm.linear_act_bwd(g, w2, pre, **kw), gemm.linear_act_bwd_reference(g, w2, pre, **kw)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", list(GEMM_DUAL), ids=ids)
+def test_dual_gemm_variants_at_every_table_tile(seeded, pin, shape):
+    pin(kg.fused_gemm_dual_kernel, GEMM_DUAL[shape])
+    x = torch.randn(ROWS, DIM)
+    stats = gemm.row_stats_reference(x, norm="rms")
+    gamma = torch.randn(DIM) + 1
+    w_gate, w_up = torch.randn(HIDDEN, DIM) / DIM**0.5, torch.randn(HIDDEN, DIM) / DIM**0.5
+    kw = dict(activation="swiglu", weight_up=w_up, norm="rms", stats=stats, norm_weight=gamma, save_preact=True)
+    for got, want in zip(gemm.linear(x, w_gate, None, **kw), gemm.linear_reference(x, w_gate, None, **kw)):
+        assert rel_err(got, want) <= 1e-5
+    w_down = torch.randn(DIM, HIDDEN) / HIDDEN**0.5
+    g, pre = torch.randn(ROWS, DIM), torch.randn(ROWS, 2 * HIDDEN)
+    kw = dict(activation="swiglu", alpha=-1.0, row_scale=torch.rand(ROWS) + 0.5)
+    assert rel_err(gemm.linear_act_bwd(g, w_down, pre, **kw), gemm.linear_act_bwd_reference(g, w_down, pre, **kw)) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Row kernels on rows with zero variance or large values
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_row_kernels_on_constant_zero_and_large_rows(seeded, norm):
+    """A constant row has variance 0 and an all-zero row has mean square 0: only eps keeps rstd
+    finite (1/sqrt(eps)). Rows of +-3000 check the sums of squares stay accurate. dim 96 is not a
+    power of two: the row is padded to 128 in registers, and the means must divide by 96."""
+    dim, eps = 96, 1e-6
+    x = torch.randn(9, dim)
+    x[0] = 0.0
+    x[1] = 1.5
+    x[2] = -3.25
+    x[3] = 3000.0 * torch.randn(dim).sign()
+    x[4] = 3000.0 + torch.randn(dim)  # large mean, small spread
+    mean, rstd = gemm.row_stats(x, norm=norm, eps=eps)
+    ref_mean, ref_rstd = gemm.row_stats_reference(x, norm=norm, eps=eps)
+    assert torch.isfinite(mean).all() and torch.isfinite(rstd).all()
+    assert rel_err(mean, ref_mean) <= 1e-5 and rel_err(rstd, ref_rstd) <= 1e-5
+    zero_var = [0, 1, 2] if norm == "layer" else [0]
+    assert torch.allclose(rstd[zero_var], torch.full((len(zero_var),), eps**-0.5), rtol=1e-5)
+    gamma = torch.randn(dim) + 1
+    dn, dres = torch.randn(9, dim), torch.randn(9, dim)
+    stats = (mean, rstd)
+    got = gemm.norm_bwd(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+    want = gemm.norm_bwd_reference(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+    for g, w in zip(got, want):
+        if w is not None:
+            assert torch.isfinite(g).all() and rel_err(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["layer", "swiglu"])
+def test_fused_mlp_half_on_constant_and_zero_rows(seeded, kind):
+    """The fused norm+MLP couple (forward and gradients) on tokens that are constant or zero."""
+    from revtriton.ops import mlp
+
+    dim, hidden = 64, 96
+    x = torch.randn(2, 5, dim)
+    x[0, 0], x[0, 3], x[1] = 0.0, 2.5, -1.0
+    x.requires_grad_(True)
+    if kind == "layer":
+        params = [torch.randn(dim) + 1, torch.randn(dim), torch.randn(hidden, dim) / 8, torch.randn(hidden),
+                  torch.randn(dim, hidden) / 10, torch.randn(dim)]
+        fn = lambda xx, ps: mlp.norm_mlp_couple(res, xx, 1, None, *ps, norm="layer", activation="gelu_tanh")  # noqa
+    else:
+        params = [torch.randn(dim) + 1, torch.randn(hidden, dim) / 8, torch.randn(hidden, dim) / 8,
+                  torch.randn(dim, hidden) / 10]
+        fn = lambda xx, ps: mlp.swiglu_mlp_couple(res, xx, 1, None, *ps)  # noqa: E731
+    params = [p.requires_grad_(True) for p in params]
+    res, g = torch.randn(2, 5, dim), torch.randn(2, 5, dim)
+    results = []
+    for triton_path in (True, False):
+        with dispatch.force_triton(triton_path):
+            stream, port = fn(x, params)
+            grads = torch.autograd.grad(port, [x] + params, g)
+        results.append((stream, grads))
+    (s, grads), (s_ref, grads_ref) = results
+    assert torch.isfinite(s).all() and rel_err(s - res, s_ref - res) <= 1e-5
+    for a, b in zip(grads, grads_ref):
+        assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-5

@@ -1,0 +1,322 @@
+#!/usr/bin/env python
+"""Mutation check: plant known bugs one at a time in a copy of the repository and report which
+ones the tests let through (issue 21).
+
+    python tools/mutate.py                 # every mutant; exit status 1 if any survives
+    python tools/mutate.py --list          # the mutants and the tests that must catch them
+    python tools/mutate.py --only NAME ... # some of them
+    python tools/mutate.py --no-baseline   # skip the check that the unmutated copy passes
+
+CPU only (the kernels run on the Triton interpreter, as in the default test run). The working
+tree is copied once to a temporary directory (without .git and caches); for each mutant one
+textual replacement is applied to one file (it must match exactly once, else the mutant is
+reported as stale: update it), the mutant's test files are run there with ``pytest -x -q``,
+and the file is restored. A mutant is *killed* when pytest fails; a *survivor* is a bug the
+tests cannot see. Before the mutants, each distinct test selection runs once on the unmutated
+copy and must pass (else a kill would mean nothing).
+
+Keep the list growing: when a bug is fixed or a review plants one that survives, add it here
+with the test that now catches it. Run it before resolving kernel or engine issues.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple  # pytest arguments: test files, node ids, "-k" expressions
+    what: str
+
+
+MUTANTS = [
+    # ---- the six bugs that survived the suite in issue 21
+    Mutant("pareprop-final-wait-removed", "revtriton/schedules.py",
+           "    for lane in lanes:\n        main.wait_stream(lane)\n", "",
+           ("tests/test_pareprop.py", "-k", "exactly_the_waits"),
+           "the caller's stream stops waiting for the lanes: gradients read while still being written (GPU race)"),
+    Mutant("dkdv-causal-split-one-block", "kernels/attention.py",
+           "split = lo + tl.cdiv((pid_n + 1) * BLOCK_FIXED - lo, BLOCK_STREAM) * BLOCK_STREAM",
+           "split = lo + BLOCK_STREAM",
+           ("tests/test_tiles.py", "-k", "attention_backward"),
+           "dk/dv skip the causal mask after one BLOCK_STREAM: wrong only when BLOCK_FIXED != BLOCK_STREAM"),
+    Mutant("norm-eps-dropped", "kernels/norm.py",
+           "1.0 / tl.sqrt(var + eps)", "1.0 / tl.sqrt(var)",
+           ("tests/test_tiles.py", "-k", "row_kernels or constant_and_zero"),
+           "rstd without eps: NaN on constant or zero rows"),
+    Mutant("g-overflow-guard-removed", "revtriton/engine.py",
+           '                run.guards.add(("overflow", index, "G"), out_of_range(y2))\n', "",
+           ("tests/test_exact_oracle.py", "-k", "overflow_and_nan"),
+           "int32 overflow in a G half wraps silently"),
+    Mutant("stream-grad-dtype-is-model-dtype", "revtriton/ops/streams.py",
+           "return torch.promote_types(torch.float32, value_dtype)", "return value_dtype",
+           ("tests/test_exact_oracle.py", "-k", "bitwise or ports"),
+           "bf16 / fp16 models carry stream gradients in bf16 / fp16 instead of fp32"),
+    Mutant("host-sync-per-block", "revtriton/engine.py",
+           "            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[i]).any()\n",
+           "            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[i]).any()\n"
+           "            if bool(recovered.mismatch):\n"
+           "                raise RuntimeError('checksum mismatch')\n",
+           ("tests/test_host_sync.py",),
+           "a bool() on a device flag per block: one GPU stall per block instead of one per backward"),
+    # ---- more: schedules
+    Mutant("pareprop-first-wait-removed", "revtriton/schedules.py",
+           "lane.wait_stream(main)", "pass",
+           ("tests/test_pareprop.py", "-k", "exactly_the_waits"),
+           "the lanes start before the caller's stream made the outputs and dy (GPU race)"),
+    Mutant("pareprop-grads-wait-skipped", "revtriton/schedules.py",
+           "lane.wait_event(grads_done[i + 1])", "pass",
+           ("tests/test_pareprop.py", "-k", "exactly_the_waits or really_waits"),
+           "grads(i) reads dy before grads(i+1) on the other lane wrote it (GPU race)"),
+    Mutant("pareprop-rebuild-on-wrong-lane", "revtriton/schedules.py",
+           "lane, waits = lanes[i % 2], []", "lane, waits = lanes[(i + 1) % 2], []",
+           ("tests/test_pareprop.py", "-k", "exactly_the_waits"),
+           "rebuild(i) on the other lane than grads(i): autograd runs grads(i) on the rebuild's stream, no overlap"),
+    # ---- more: exact streams and guards
+    Mutant("range-check-high-off-by-one", "revtriton/ops/streams.py",
+           "(high >= 2**STREAM_LIMIT_BITS)", "(high > 2**STREAM_LIMIT_BITS)",
+           ("tests/test_exact_oracle.py", "-k", "range_bound"),
+           "X = 2**29 passes the range check (the headroom argument needs |X| < 2**29)"),
+    Mutant("range-check-low-off-by-one", "revtriton/ops/streams.py",
+           "(low <= -(2**STREAM_LIMIT_BITS))", "(low < -(2**STREAM_LIMIT_BITS))",
+           ("tests/test_exact_oracle.py", "-k", "range_bound"),
+           "X = -2**29 passes the range check"),
+    Mutant("nan-half-not-saturated", "revtriton/ops/streams.py",
+           "nan_to_num_(nan=SATURATION)", "nan_to_num_(nan=0.0)",
+           ("tests/test_exact_oracle.py", "-k", "overflow_and_nan"),
+           "a NaN half output rounds to 0: silently dropped instead of caught"),
+    Mutant("guard-reports-last-failure", "revtriton/engine.py",
+           "self.labels[int(failed[0, 0])]", "self.labels[int(failed[-1, 0])]",
+           ("tests/test_exact_oracle.py", "-k", "overflow_and_nan"),
+           "the overflow error names a later block than the one that overflowed"),
+    Mutant("halves-see-fp32-not-model-dtype", "revtriton/engine.py",
+           "return from_fixed(stream, self.frac_bits, self.value_dtype) if self.exact else stream",
+           "return from_fixed(stream, self.frac_bits) if self.exact else stream",
+           ("tests/test_exact_oracle.py", "-k", "bitwise"),
+           "halves of a bf16 / fp16 / fp64 model see fp32 stream values"),
+    Mutant("fp64-values-through-fp32", "revtriton/ops/streams.py",
+           "return stream.double() * (2.0**-frac_bits)", "return (stream * (2.0**-frac_bits)).double()",
+           ("tests/test_exact_oracle.py", "-k", "float64"),
+           "an fp64 model's stream values lose 7 bits (float32 holds 24 of the stream's 31)"),
+    Mutant("dx2-drops-f-input-grad", "revtriton/engine.py",
+           "dx2 = dy2 if x2_value.grad is None else dy2 + x2_value.grad", "dx2 = dy2",
+           ("tests/test_exact_oracle.py", "-k", "bitwise"),
+           "the gradient through F's input is dropped"),
+    # ---- more: kernels at the GPU tile sizes and on edge rows
+    Mutant("fwd-causal-end-one-key-block", "kernels/attention.py",
+           "hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)", "hi = tl.minimum(pid_m * BLOCK_M + BLOCK_N, seq_len)",
+           ("tests/test_tiles.py", "-k", "attention_forward"),
+           "causal forward stops one key block after the diagonal's start: wrong when BLOCK_M > BLOCK_N"),
+    Mutant("dq-causal-split-unaligned", "kernels/attention.py",
+           "split = (pid_m * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM", "split = pid_m * BLOCK_FIXED",
+           ("tests/test_tiles.py", "-k", "attention_backward"),
+           "dq's unmasked loop runs into the diagonal block: wrong when BLOCK_STREAM > BLOCK_FIXED"),
+    Mutant("gemm-group-size-not-clamped", "kernels/gemm.py",
+           "group_size_m = min(num_pid_m - first_pid_m, GROUP_M)", "group_size_m = GROUP_M",
+           ("tests/test_tiles.py", "-k", "gemm"),
+           "grouped tile order skips tiles when fewer than GROUP_M row tiles remain (GPU configs use 8)"),
+    Mutant("rms-mean-over-padded-row", "kernels/norm.py",
+           "var = tl.sum(x * x, axis=0) / N", "var = tl.sum(x * x, axis=0) / BLOCK_N",
+           ("tests/test_tiles.py", "-k", "row_kernels"),
+           "RMSNorm divides by the padded row length"),
+    Mutant("exact-epilogue-ties-away", "kernels/gemm.py",
+           "up = (diff > 0.5) | ((diff == 0.5) & odd)", "up = diff >= 0.5",
+           ("tests/test_fused_mlp.py", "-k", "exact_epilogue"),
+           "the fused exact epilogue rounds ties away from zero, not to even"),
+    Mutant("qkv-group-rows-not-clamped", "kernels/attention_qkv.py",
+           "group_rows = tl.minimum(tiles_m - first_m, GROUP_M)", "group_rows = GROUP_M",
+           ("tests/test_tiles.py", "-k", "qkv"),
+           "the QKV GEMM's grouped tile order skips row tiles when fewer than GROUP_M remain"),
+    Mutant("trace-omits-run-ahead-bound", "revtriton/schedules.py",
+           'waits.append(("grads", i + 2))', "pass",
+           ("tests/test_pareprop.py", "-k", "hand_written"),
+           "the trace no longer records that rebuild(i) runs after grads(i+2) on its lane"),
+    Mutant("recompute-without-autocast", "revtriton/engine.py",
+           "with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):\n"
+           "                token = ",
+           "with torch.enable_grad(), replayed(run.dispatch):\n"
+           "                token = ",
+           ("tests/test_engine.py", "-k", "gradients_equal_rounded_model_bitwise"),
+           "the backward's recompute ignores the forward's autocast state"),
+    # ---- the static performance model and launch limits (issue 17)
+    Mutant("attention-bwd-grid-check-removed", "revtriton/ops/fused_attention.py",
+           'limits.check_grid("attention_bwd", (1, dkdv_programs + batch * heads), per_batch_y=kv_heads + heads)',
+           "pass",
+           ("tests/test_limits.py",),
+           "a backward grid with more than 65535 rows is launched (it fails to launch on a GPU)"),
+    Mutant("attention-fwd-int32-check-removed", "revtriton/ops/fused_attention.py",
+           'limits.check_int32_offsets("attention_fwd", batch, q=q, k=k, v=v, out=out, lse=lse)', "pass",
+           ("tests/test_limits.py",),
+           "packed qkv past 2^31 elements reaches the int32 offsets of the attention forward: wrong memory"),
+    Mutant("sass-unpredicated-branch-is-a-loop", "revtriton/sass.py",
+           'if ins.mnemonic != "BRA" or ins.predicate is None:', 'if ins.mnemonic != "BRA":',
+           ("tests/test_sass.py",),
+           "barrier-wait stubs (unconditional backward branches) are counted as main loops"),
+    Mutant("sass-hmma-shape-misread", "revtriton/sass.py",
+           '_HMMA_SHAPE = re.compile(r"^HMMA\\.(16)(8)(\\d+)")', '_HMMA_SHAPE = re.compile(r"^HMMA\\.(\\d)(\\d)(\\d+)")',
+           ("tests/test_sass.py",),
+           "sm_80 HMMA.16816 read as 1x6x816: tensor cycles wrong by 2x"),
+    Mutant("ttgir-replication-rule-loosened", "revtriton/sass.py",
+           "self.warps_m * 16 > self.rows", "self.warps_m * 8 > self.rows",
+           ("tests/test_sass.py",),
+           "8 warps over a 64-row wgmma tile (two warpgroups on the same rows) not flagged"),
+]
+
+
+def copy_tree(dst):
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info", "results",
+                                    "build", "dist", ".mypy_cache", ".ruff_cache")
+    shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
+    # The package maps revtriton.kernels to kernels/ (pyproject's package-dir); an editable install
+    # would resolve it to the original tree, so the copy gets its own revtriton/kernels.
+    link = os.path.join(dst, "revtriton", "kernels")
+    if not os.path.exists(link):
+        os.symlink(os.path.join("..", "kernels"), link)
+
+
+def environment(copy):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = copy + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutated file never meets a stale .pyc
+    env["TRITON_INTERPRET"] = "1"
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports_from(copy, env):
+    code = ("import revtriton, revtriton.kernels.attention as a, revtriton.ops.streams as s; "
+            "print(revtriton.__file__); print(a.__file__); print(s.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True)
+    paths = out.stdout.split()
+    if out.returncode or len(paths) != 3 or not all(os.path.realpath(p).startswith(os.path.realpath(copy))
+                                                    for p in paths):
+        sys.exit(f"the copy does not import its own revtriton:\n{out.stdout}\n{out.stderr}")
+
+
+def run_pytest(copy, env, tests, timeout):
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *tests]
+    start = time.time()
+    try:
+        out = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.time() - start, ""
+    return out.returncode, time.time() - start, out.stdout + out.stderr
+
+
+def baseline_selection(mutants):
+    """One pytest run covering every mutant's selection: all their files, and a -k that ORs
+    "module and (its -k expression)" per selection (-k matches module names too)."""
+    files, keys = [], []
+    for m in mutants:
+        tests = list(m.tests)
+        expr = None
+        if "-k" in tests:
+            i = tests.index("-k")
+            expr = tests[i + 1]
+            del tests[i:i + 2]
+        files += [t for t in tests if t not in files]
+        for t in tests:
+            module = os.path.splitext(os.path.basename(t.split("::")[0]))[0]
+            key = f"({module} and ({expr}))" if expr else f"({module})"
+            if key not in keys:
+                keys.append(key)
+    return [*files, "-k", " or ".join(keys)]
+
+
+def summary_line(output):
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    args = parser.parse_args()
+
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            sys.exit(f"unknown mutants: {sorted(unknown)}")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:36s} {m.path:28s} {' '.join(m.tests)}\n{'':36s} {m.what}")
+        return 0
+
+    tmp = tempfile.mkdtemp(prefix="revtriton-mutate-")
+    copy = os.path.join(tmp, "repo")
+    copy_tree(copy)
+    env = environment(copy)
+    check_imports_from(copy, env)
+    print(f"copy: {copy} ({len(mutants)} mutants)", flush=True)
+    start = time.time()
+    try:
+        if not args.no_baseline:
+            rc, seconds, output = run_pytest(copy, env, baseline_selection(mutants), args.timeout)
+            print(f"baseline (every selection, unmutated): {'ok' if rc == 0 else 'FAILED'} ({seconds:.0f} s)", flush=True)
+            if rc != 0:
+                print(output[-3000:])
+                sys.exit("the unmutated copy fails the mutants' tests: fix that first")
+        results = []
+        for m in mutants:
+            path = os.path.join(copy, m.path)
+            with open(path) as fh:
+                original = fh.read()
+            count = original.count(m.old)
+            if count != 1:
+                results.append((m, f"STALE (matches {count}x)", 0.0, ""))
+                print(f"{m.name:36s} STALE: the text to replace occurs {count} times in {m.path}", flush=True)
+                continue
+            with open(path, "w") as fh:
+                fh.write(original.replace(m.old, m.new))
+            try:
+                rc, seconds, output = run_pytest(copy, env, m.tests, args.timeout)
+            finally:
+                with open(path, "w") as fh:
+                    fh.write(original)
+            if rc == 0:
+                verdict = "SURVIVED"
+            elif rc == 1:
+                verdict = "killed"
+            elif rc == "timeout":
+                verdict = "killed (timeout)"
+            elif rc == 5:
+                verdict = "NO TESTS RAN"
+            else:
+                verdict = f"killed (pytest exit {rc})"
+            results.append((m, verdict, seconds, output))
+            print(f"{m.name:36s} {verdict:18s} {seconds:5.0f} s  {summary_line(output)[:70]}", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {copy}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    bad = [(m, v) for m, v, _, _ in results if not v.startswith("killed")]
+    print(f"\n{len(results)} mutants, {len(results) - len(bad)} killed, {len(bad)} not killed "
+          f"({time.time() - start:.0f} s)")
+    for m, verdict in bad:
+        print(f"  {verdict}: {m.name} ({m.path}): {m.what}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
