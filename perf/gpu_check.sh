@@ -114,7 +114,7 @@ try:
     import revtriton.kernels
     import revtriton.ops.fused_attention  # noqa: F401
     import revtriton.ops.fused_mlp  # noqa: F401
-    where = [os.path.dirname(m.__file__) for m in (revtriton, revtriton.kernels)]
+    where = [os.path.dirname(revtriton.__file__), list(revtriton.kernels.__path__)[0]]  # kernels/: no __init__.py
     inside = all(os.path.commonpath([w, repo]) == repo for w in where)
     say("ok" if inside else "FAIL", "revtriton", f"imports from {', '.join(where)}; {installed}")
 except Exception as e:  # noqa: BLE001

@@ -446,6 +446,9 @@ def to_markdown(report: dict) -> str:
         "## Calibration anchors (sm_90 issue-model ratio)\n\n```\n" + format_anchors(report) + "\n```",
         "## Predicted time per half and phase (sum of launches, best config each)\n\n```\n" + format_halves(report)
         + "\n```",
+        "## Roofline per half and phase (perf.roofline: FLOPs, minimum bytes, bound and estimate; exact "
+        "streams; the production shapes)\n\n"
+        + roofline.markdown(roofline.table([roofline_shape(m) for m in workloads.PRODUCTION])),
         "## Launches at the production shapes (H100, exact streams, the config the model ranks fastest)\n\n"
         "```\n" + format_launches(report) + "\n```",
         "## Every compiled kernel variant\n\n```\n" + format_kernels(report) + "\n```",

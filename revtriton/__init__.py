@@ -6,12 +6,16 @@ _versions.patch_interpreter()
 
 
 def _source_tree_kernels() -> None:
-    """In a source checkout, import ./kernels as ``revtriton.kernels``, as an installed package names it.
+    """In a source checkout, make ./kernels importable as ``revtriton.kernels``, its installed name.
 
     Installed, kernels/ sits inside the package; in a checkout (editable install or none, e.g. on a
-    GPU machine with the repository only) it sits beside revtriton/. Loading that sibling under the
-    installed name gives one copy of each kernel module (one autotune cache), whichever name imports it.
+    GPU machine with the repository only) it sits beside revtriton/. kernels/ has no __init__.py on
+    purpose: a checkout's root is on sys.path under ``python -m``, and a regular package named
+    ``kernels`` there would shadow PyPI's ``kernels`` (which transformers imports); a directory
+    without __init__.py never shadows an installed package. So it is registered here as a package
+    whose modules load from that directory: one copy of each kernel module, one autotune cache.
     """
+    import importlib.machinery
     import importlib.util
     import os
     import sys
@@ -21,11 +25,11 @@ def _source_tree_kernels() -> None:
     if ("revtriton.kernels" in sys.modules or os.path.isdir(os.path.join(here, "kernels"))
             or not os.path.isfile(os.path.join(sibling, "configs.py"))):
         return
-    spec = importlib.util.spec_from_file_location("revtriton.kernels", os.path.join(sibling, "__init__.py"),
-                                                  submodule_search_locations=[sibling])
+    spec = importlib.machinery.ModuleSpec("revtriton.kernels", None, is_package=True)
+    spec.submodule_search_locations = [sibling]
     module = importlib.util.module_from_spec(spec)
+    module.__doc__ = "Triton device code and autotune configs only (kernels/ of the source tree)."
     sys.modules["revtriton.kernels"] = module
-    spec.loader.exec_module(module)
     globals()["kernels"] = module
 
 

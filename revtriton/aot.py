@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -75,14 +76,12 @@ def _innermost(kernel):
 
 
 def jit_function(kernel):
-    """The JITFunction under autotune / heuristics wrappers."""
+    """The JITFunction under autotune / heuristics wrappers (the compiled world, not the interpreter)."""
     from triton.runtime.jit import JITFunction
 
-    fn = kernel
-    while not isinstance(fn, JITFunction):
-        if not hasattr(fn, "fn"):
-            raise TypeError(f"{kernel!r} is not a @triton.jit kernel (is TRITON_INTERPRET set?)")
-        fn = fn.fn
+    fn = _innermost(kernel)
+    if not isinstance(fn, JITFunction):
+        raise TypeError(f"{kernel!r} is not a @triton.jit kernel (is TRITON_INTERPRET set?)")
     return fn
 
 
@@ -90,16 +89,14 @@ def jit_function(kernel):
 def recording_launches(autocast_dtype: torch.dtype | None = torch.bfloat16):
     """Record every ``dispatch.launch`` instead of running it; ``meta`` tensors act as if under
     ``autocast(dtype=autocast_dtype)`` (meta has no autocast of its own). Yields the list."""
-    import inspect
-
     launches: list[Launch] = []
     real_enabled, real_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def record(kernel, grid, *args, **meta):
-        caller = inspect.stack()[1].function
-        if caller.startswith("_launch"):
-            caller = inspect.stack()[2].function
-        launches.append(Launch(kernel, grid, args, meta, caller))
+        frame = sys._getframe(1)  # the launcher (inspect.stack() reads source files: slow)
+        if frame.f_code.co_name.startswith("_launch"):
+            frame = frame.f_back
+        launches.append(Launch(kernel, grid, args, meta, frame.f_code.co_name))
 
     def enabled(device_type=None):
         if device_type == "meta":
@@ -161,6 +158,7 @@ class CompileJob:
     key: str         # hash of the specialisation: one compile per key
 
 
+@functools.lru_cache(maxsize=None)
 def _backend(arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -181,10 +179,14 @@ def compile_job(launch: Launch, config, arch: int) -> CompileJob:
     option_kwargs = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
     options, signature, constexprs, attrs = fn._pack_args(backend, option_kwargs, bound_args, specialization, options)
     options = {k: v for k, v in options.__dict__.items()}
+    # The key leaves out where triton is installed (extern_libs holds libdevice's path), so every
+    # environment with the same triton shares the cached analyses.
+    portable = {k: (tuple((lib, os.path.basename(path)) for lib, path in v) if k == "extern_libs" else v)
+                for k, v in options.items()}
     key_text = repr((fn.cache_key, sorted(signature.items()),
                      sorted((str(k), str(v)) for k, v in constexprs.items()),
                      sorted((str(k), str(v)) for k, v in attrs.items()),
-                     sorted((k, str(v)) for k, v in options.items()), arch))
+                     sorted((k, str(v)) for k, v in portable.items()), arch))
     config_desc = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     return CompileJob(fn.__name__, arch, signature, constexprs, attrs, options, config_desc,
                       hashlib.sha256(key_text.encode()).hexdigest()[:20])

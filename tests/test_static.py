@@ -159,3 +159,8 @@ def test_model_ranks_the_public_anchors(report):
     gemm = [min(loop["ratio"] for loop in res["loops"]) for res in report["results"].values()
             if res.get("kernel") == "fused_gemm_kernel" and res["arch"] == 90 and res.get("loops")]
     assert min(deep) < min(gemm)
+    attention_d128 = [res["loops"] for r in report["launches"] if r["model"] == "llama7b"
+                      and r["kernel"] == "attention_fwd_kernel" and r["arch"] == 90
+                      for res in [report["results"][r["key"]]]]
+    assert attention_d128 and ratio["tutorial06_attention_fwd/d128/128x128w8s3"] < min(
+        min(loop["ratio"] for loop in loops) for loops in attention_d128)

@@ -18,10 +18,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
 
 
 def _attention_kernels():
-    try:
-        from revtriton.kernels import attention
-    except ImportError:  # source checkout: kernels/ is the top-level package next to revtriton/
-        from kernels import attention
+    from revtriton.kernels import attention
+
     return attention
 
 
@@ -215,10 +213,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _qkv_kernels():
-    try:
-        from revtriton.kernels import attention_qkv
-    except ImportError:  # source checkout
-        from kernels import attention_qkv
+    from revtriton.kernels import attention_qkv
+
     return attention_qkv
 
 

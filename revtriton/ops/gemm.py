@@ -68,14 +68,9 @@ from . import dispatch
 from .mlp import activation_reference
 from .streams import check_frac_bits, quantize_reference
 
-try:  # installed: kernels/ ships as revtriton.kernels
-    from revtriton.kernels import gemm as gemm_kernels
-    from revtriton.kernels import norm as norm_kernels
-    from revtriton.kernels.configs import norm_num_warps
-except ImportError:  # source checkout: kernels/ sits beside revtriton/
-    from kernels import gemm as gemm_kernels
-    from kernels import norm as norm_kernels
-    from kernels.configs import norm_num_warps
+from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
+from revtriton.kernels import norm as norm_kernels
+from revtriton.kernels.configs import norm_num_warps
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
