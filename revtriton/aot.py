@@ -334,7 +334,7 @@ def analyze_all(collect, workers: int | None = None) -> dict:
     return {**cached, **fresh}
 
 
-def analyze_in_subprocess(module: str, args=(), timeout: float = 1800) -> dict:
+def analyze_in_subprocess(module: str, args=(), timeout: float = 3600) -> dict:
     """``python -m <module> --json <args>`` with TRITON_INTERPRET=0 and the JSON it prints (for
     tests running under the interpreter)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
