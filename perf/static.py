@@ -14,12 +14,14 @@ and sm_80 (revtriton/aot.py), read it (revtriton/sass.py), and judge it:
     no_mma_sync          sm_90: every dot is a wgmma (no fallback to mma.sync)
     no_warp_replication  warps along M x 16 <= the rows of each dot's tile
     issue_ratio          sm_90: issue-model ratio <= 0.8 (GEMMs: every main loop; attention: the
-                         steady-state loop, i.e. the cheapest of its main loops)
+                         steady-state loop, i.e. the cheapest of its main loops; the attention
+                         forward against the tutorial-06 anchor at its head dim instead)
 
-Each result also gets a predicted time per launch on H100 / H200: tensor time of the launch's
-FLOPs at dense peak, stretched by the loop's ratio when it is above 1 and by wave quantisation
-(tiles / SMs), against its bytes at HBM bandwidth, plus a fixed launch cost; the config the model
-ranks fastest is the one the autotuner is assumed to keep. Output: a table on stdout; with
+Each result also gets a predicted time per launch on H100 / H200 (:func:`kernel_efficiency`): the
+launch's FLOPs at the efficiency perf.roofline assumes for cuBLAS / FlashAttention-2, lowered by
+the ratio above its bar, by un-pipelined loads and by wave quantisation, against its bytes at HBM
+bandwidth, plus the launch cost; the config the model ranks fastest is the one the autotuner is
+assumed to keep. Output: a table on stdout; with
 ``--write``, perf/results/static-<triton version>.md and .json. ``--json`` prints everything as
 JSON (tests read it). It is a model: a GPU measurement, when one is lent, replaces it.
 """
@@ -144,12 +146,10 @@ def launch_bytes(launch: aot.Launch) -> float:
     import torch
 
     seen, total = set(), 0
-    for arg in launch.args:
-        if isinstance(arg, torch.Tensor) and arg.numel() > 1:
-            key = (arg.data_ptr(), arg.untyped_storage().nbytes() if arg.device.type != "meta" else id(arg), arg.shape)
-            if key not in seen:
-                seen.add(key)
-                total += arg.numel() * arg.element_size()
+    for arg in launch.args:  # a tensor passed twice (an unused-pointer placeholder) counts once
+        if isinstance(arg, torch.Tensor) and arg.numel() > 1 and id(arg) not in seen:
+            seen.add(id(arg))
+            total += arg.numel() * arg.element_size()
     return float(total)
 
 

@@ -315,15 +315,8 @@ def analyze_all(collect, workers: int | None = None) -> dict:
     jobs = {}
     for job, fn in collect():
         jobs.setdefault(job.key, (job, fn))
-    cached = {}
-    for key in jobs:
-        path = os.path.join(cache_dir(), key + ".json")
-        if os.path.exists(path):
-            try:
-                with open(path) as f:
-                    cached[key] = json.load(f)
-            except (OSError, ValueError):
-                pass
+    # analyze() reads a cached result itself; only the rest goes to the worker processes.
+    cached = {k: analyze(*jobs[k]) for k in jobs if os.path.exists(os.path.join(cache_dir(), k + ".json"))}
     todo = [k for k in jobs if k not in cached]
     workers = max(1, min(len(todo), workers or os.cpu_count() or 1))
     if workers == 1 or len(todo) <= 1:
