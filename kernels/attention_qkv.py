@@ -1,8 +1,9 @@
-"""QKV projection GEMM of the norm+attention half: norm prologue, bias + RoPE epilogue.
+"""QKV projection GEMM of the norm+attention half: raw operands, bias + RoPE epilogue.
 
-    qkv[m, n] = sum_k norm(x)[m, k] * W[n, k] + b[n]     norm(x) = (x - mean) * rstd * gamma + beta
+    qkv[m, n] = sum_k n[m, k] * W[n, k] + b[n]     n = norm(x) * gamma + beta
 
-The row statistics (mean, rstd; mean = 0 for RMSNorm) come from the row-stats kernel. The output
+The normalized rows n come from kernels/norm.py's normalize pass (the norm runs once per row,
+in the GEMM operand dtype), so the main loop only loads and multiplies. The output
 is the packed [M, (H + 2 KV) * D] buffer the attention kernel reads through strides. A column
 tile is exactly one head (BLOCK_N = D), so the RoPE epilogue rotates the tiles of the q and k
 heads in registers (token index = row % tokens) and leaves the v heads alone.
@@ -40,16 +41,15 @@ def qkv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
     return _union(QKV_CONFIGS) if arch is None else QKV_CONFIGS[_table_key(head_dim, arch)]
 
 
-@triton.autotune(configs=qkv_configs(), key=["N", "K", "HEAD_DIM", "ROPE", "IS_RMS"],
+@triton.autotune(configs=qkv_configs(), key=["M_BUCKET", "N", "K", "HEAD_DIM", "ROPE"],
                  prune_configs_by={"early_config_prune": prune_by_table(qkv_configs)}, cache_results=True)
-@triton.jit
-def qkv_norm_rope_gemm_kernel(X, MEAN, RSTD, GAMMA, BETA, W, BIAS, OUT, COS, SIN,
-                              M, N, K, tokens, rope_tiles,
-                              stride_xm, stride_wn, stride_wk, stride_om,
-                              IS_RMS: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
+                         M, N, K, tokens, rope_tiles, M_BUCKET,
+                         stride_xm, stride_wn, stride_wk, stride_om,
+                         HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     BLOCK_N: tl.constexpr = HEAD_DIM
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -66,28 +66,24 @@ def qkv_norm_rope_gemm_kernel(X, MEAN, RSTD, GAMMA, BETA, W, BIAS, OUT, COS, SIN
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
     col_ok = offs_n < N
-    rows64 = offs_m.to(tl.int64)
-    if not IS_RMS:
-        mean = tl.load(MEAN + offs_m, mask=row_ok, other=0.0)
-    rstd = tl.load(RSTD + offs_m, mask=row_ok, other=0.0)
+    # Raw operands (the rows were normalized once, in the GEMM operand dtype): the main loop only
+    # loads and multiplies. 64-bit scalar bases, 32-bit tile offsets; rows / columns past the edge
+    # are clamped (valid addresses, never stored), so only K is masked.
+    row0 = (pid_m * BLOCK_M).to(tl.int64)
+    col0 = (pid_n * BLOCK_N).to(tl.int64)
+    load_m = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
+    load_n = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
+    x_ptrs = X + row0 * stride_xm + (load_m[:, None] * stride_xm + offs_k[None, :])
+    w_ptrs = W + col0 * stride_wn + (load_n[None, :] * stride_wn + offs_k[:, None] * stride_wk)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < K
-        x = tl.load(X + rows64[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if not IS_RMS:
-            x = x - mean[:, None]
-        a = x * rstd[:, None]
-        if HAS_GAMMA:
-            a = a * tl.load(GAMMA + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_BETA:
-            a = a + tl.load(BETA + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(W + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        a = tl.where(k_ok[None, :], a, 0.0).to(w.dtype)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -98,5 +94,6 @@ def qkv_norm_rope_gemm_kernel(X, MEAN, RSTD, GAMMA, BETA, W, BIAS, OUT, COS, SIN
             cos = tl.load(COS + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
             sin = tl.load(SIN + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
             acc = rope_rotate(acc, cos, sin, BLOCK_M, HEAD_DIM // 2)
-    tl.store(OUT + rows64[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    out_ptrs = OUT + row0 * stride_om + col0 + (tl.arange(0, BLOCK_M)[:, None] * stride_om +
+                                                tl.arange(0, BLOCK_N)[None, :])
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -1,6 +1,6 @@
 """Autotune configs per architecture for the fused GEMM and norm kernels.
 
-The GEMM kernel is tuned on (N, K, variant flags, dtypes), never on the token count M, with
+The GEMM kernel is tuned on (a power-of-two bucket of M, N, K, variant flags, dtypes), with
 ``cache_results=True`` so a shape tunes once per machine. Its config list is the union of the
 sm_90 and sm_80 lists; :func:`prune_for_device` keeps the running device's list at tuning time.
 Under the interpreter (``TRITON_INTERPRET=1``) there is a single config: multi-config autotune
@@ -26,28 +26,40 @@ def _gemm(bm, bn, bk, warps, stages, group_m=8):
 
 
 # Every config below compiles for its arch without spilling for every launch variant of its list
-# (ahead of time, tests/test_static.py). The epilogues load extra tiles (residual, pre-activation,
-# row scale) next to the fp32 accumulator, so big tiles use 8 warps: 128x128x64 with 8 warps
-# or 128x64x32 with 4 warps spilled in the fused variants; see revtriton/aot.py for the rule.
+# (ahead of time, tests/test_static.py). With raw operands the main loop is the tutorial-03 /
+# tutorial-09 matmul, so the Hopper list is that family (128-wide M tiles, 64-deep K, 3-4
+# stages); the epilogues load extra tiles (residual, pre-activation) next to the fp32
+# accumulator, which caps the tile at 128 x 128 per 4-warp group. BLOCK_M is a multiple of 64
+# everywhere (kernels/gemm.py's column-sum partial rows are 64 rows of C).
 
 # Hopper (wgmma, a 4-warp group per 64 rows).
 GEMM_CONFIGS_SM90 = [
-    _gemm(128, 128, 32, 8, 3),
-    _gemm(128, 64, 64, 8, 3),
-    _gemm(64, 128, 64, 8, 3),
-    _gemm(64, 64, 64, 4, 4),
+    _gemm(128, 128, 64, 8, 4),
+    _gemm(128, 128, 64, 8, 3),
+    _gemm(64, 128, 64, 4, 4),
 ]
 # Ampere (mma.sync + cp.async).
 GEMM_CONFIGS_SM80 = [
-    _gemm(128, 64, 32, 8, 3),
-    _gemm(64, 128, 32, 8, 3),
+    _gemm(128, 64, 32, 8, 4),
+    _gemm(64, 128, 32, 8, 4),
     _gemm(64, 64, 32, 4, 3),
 ]
 # Dual-accumulator (SwiGLU gate and up) and SwiGLU-gradient variants: two fp32 tiles in the epilogue.
 GEMM_DUAL_CONFIGS_SM90 = [
-    _gemm(128, 64, 32, 8, 3),
+    _gemm(128, 64, 64, 8, 3),
+    _gemm(128, 64, 64, 8, 4),
     _gemm(64, 128, 64, 8, 3),
-    _gemm(64, 128, 32, 8, 4),
+    _gemm(64, 64, 64, 4, 4),
+]
+# Gradient GEMMs whose epilogue is heavy: SwiGLU's (two stored pre-activation tiles) and exact
+# GELU's (erf and exp per element); narrower tiles per warp keep them from spilling.
+GEMM_ACT_GRAD_CONFIGS_SM90 = [
+    _gemm(128, 64, 128, 8, 3),
+    _gemm(64, 128, 128, 8, 3),
+]
+GEMM_ACT_GRAD_CONFIGS_SM80 = [
+    _gemm(128, 64, 32, 8, 3),
+    _gemm(64, 128, 32, 8, 3),
     _gemm(64, 64, 32, 4, 3),
 ]
 GEMM_DUAL_CONFIGS_SM80 = [
@@ -61,7 +73,8 @@ GEMM_DUAL_CONFIGS_SM80 = [
 GEMM_CONFIG_INTERPRETER = _gemm(64, 64, 64, 4, 1, group_m=4)
 
 CONFIG_LISTS = {"regular": {90: GEMM_CONFIGS_SM90, 80: GEMM_CONFIGS_SM80},
-                "dual": {90: GEMM_DUAL_CONFIGS_SM90, 80: GEMM_DUAL_CONFIGS_SM80}}
+                "dual": {90: GEMM_DUAL_CONFIGS_SM90, 80: GEMM_DUAL_CONFIGS_SM80},
+                "act_grad": {90: GEMM_ACT_GRAD_CONFIGS_SM90, 80: GEMM_ACT_GRAD_CONFIGS_SM80}}
 # The arch each config object belongs to (prune_for_device keeps the running device's).
 _ARCH_OF = {id(c): arch for lists in CONFIG_LISTS.values() for arch, configs in lists.items() for c in configs}
 
@@ -74,7 +87,7 @@ def gemm_configs(kind: str = "regular") -> list:
 
 
 def configs_for_arch(kind: str, arch: int) -> list:
-    """The configs of one arch (90 or 80) for a kernel kind ("regular" or "dual")."""
+    """The configs of one arch (90 or 80) for a kernel kind ("regular", "dual" or "act_grad")."""
     return CONFIG_LISTS[kind][arch]
 
 

@@ -1,29 +1,29 @@
-"""One fused GEMM kernel for the norm+MLP and norm+attention halves: C = epilogue(prologue(A) @ prologue(B)).
+"""The GEMM kernel of the fused halves: C = epilogue(A @ B), raw operands, named epilogues.
 
 A is [M, K], B is [K, N] (an nn.Linear weight W [N, K] is passed as B with swapped strides),
-both read through strides. Compile-time switches (all default off) select what is fused:
+both in the GEMM operand dtype and read through strides; the main loop only loads and multiplies
+(the tutorial-03 shape: no per-tile transform of an operand, so wgmma reads both operands from
+shared memory and the loads pipeline). Whatever used to be a prologue happens once elsewhere:
+the norm in kernels/norm.py's normalize pass, the gradient scale and cast in its scale pass, and
+activations of stored pre-activations are stored activations.
 
-prologue of A (rows of A are tokens):
-  A_NORM      1 LayerNorm / 2 RMSNorm along K: (a - mean[m]) * rstd[m] * gamma[k] + beta[k]
-  A_SCALE_K   a *= k_scale[k]  (a per-token scale when K runs over tokens: weight gradients)
-  A_SUM       also sum A over K per row (bias gradients), stored by the pid_n == 0 programs
-prologue of B (B is [tokens, N] in weight-gradient GEMMs):
-  B_NORM      1 LayerNorm / 2 RMSNorm: (b - mean[k]) * rstd[k] * gamma[n] + beta[n]
-  B_ACT       b = act(b); 4 (SwiGLU) = silu(b) * b2
-second operand:
+Operand switches:
   DUAL_B      a second accumulator acc2 = A @ B2 (SwiGLU gate and up in one pass)
   SECOND_K    C += A[:, K:2K] @ B2 (the input gradient of SwiGLU's gate and up)
-epilogue (fp32, one cast at the store):
+  SPLIT_K     program_id(1) takes K range [k0, k0 + k_per_split); C is then an fp32 partial
+              buffer [SPLIT_K, M, N] that kernels/norm.py's sum_partials reduces in a fixed order
+Epilogue, fp32, one cast at the store (the shape of cuBLASLt's epilogue enum):
   HAS_BIAS    + bias[n]
   store_aux   (runtime flag) store the pre-activation to aux (SwiGLU: [gate | up], 2N columns)
   ACT         1 gelu_tanh, 2 gelu (erf), 3 relu, 4 SwiGLU silu(acc) * acc2
   ACT_BWD     acc *= act'(aux); 4: SwiGLU gradient, C gets [d gate | d up] (2N columns)
+  COL_SUM     per-tile column sums of the stored C into partial row pid_m (bias gradients)
   alpha       scalar factor (a sign); HAS_ROW_SCALE: * row_scale[m]
   RESIDUAL    1 float: res + sign * acc;  2 exact: res + sign * round_half_even(acc * 2^k),
               saturated at +-(2^31 - 128), NaN -> +saturation, int32 add (wraps like the reference)
 
-No split-K and no atomics: every output element is computed by one program in a fixed order,
-so a shape with a pinned config gives bitwise the same result on every call.
+No atomics: every output element (or partial) is computed by one program in a fixed order, so
+a shape with a pinned config gives bitwise the same result on every call.
 """
 import triton
 import triton.language as tl
@@ -31,7 +31,6 @@ import triton.language as tl
 from .configs import gemm_configs, prune_for_device
 
 ACT_NONE, ACT_GELU_TANH, ACT_GELU, ACT_RELU, ACT_SWIGLU = 0, 1, 2, 3, 4
-NORM_NONE, NORM_LAYER, NORM_RMS = 0, 1, 2
 RES_NONE, RES_FLOAT, RES_EXACT = 0, 1, 2
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -39,10 +38,13 @@ GELU_TANH_C = tl.constexpr(0.044715)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 SATURATION = tl.constexpr(2147483520.0)  # 2**31 - 128, the largest float32 below 2**31
+COL_SUM_ROWS = tl.constexpr(64)  # rows of C per column-sum partial row; every config's BLOCK_M is a multiple
 
-# Everything that changes the compiled kernel is part of the tuning key; the token count M is not.
-GEMM_TUNE_KEY = ["N", "K", "A_NORM", "B_NORM", "A_SCALE_K", "B_ACT", "DUAL_B", "SECOND_K", "A_SUM", "HAS_BIAS",
-                 "ACT", "ACT_BWD", "HAS_ROW_SCALE", "RESIDUAL"]
+# Everything that changes the compiled kernel is part of the tuning key, with M and K as
+# power-of-two buckets: a config tuned at a few hundred tokens is not reused at 8192, and a
+# weight gradient (K = tokens) does not retune for every batch size.
+GEMM_TUNE_KEY = ["M_BUCKET", "N", "K_BUCKET", "DUAL_B", "SECOND_K", "SPLIT_K", "HAS_BIAS", "ACT", "ACT_BWD", "COL_SUM",
+                 "HAS_ROW_SCALE", "RESIDUAL"]
 
 
 @triton.jit
@@ -122,115 +124,98 @@ def quantize(h, frac_scale):
     return v.to(tl.int32)
 
 
-# sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
-# constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
-# kernels; exact streams need the rebuild to run the forward's code.
-@triton.jit(do_not_specialize=["sign", "store_aux"])
-def fused_gemm_kernel(
-        a_ptr, b_ptr, b2_ptr, c_ptr,
-        M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, k_scale_ptr,
-        bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, bias_grad_ptr,
-        alpha, sign, frac_scale, store_aux,
-        A_NORM: tl.constexpr, B_NORM: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
-        A_SCALE_K: tl.constexpr, B_ACT: tl.constexpr, DUAL_B: tl.constexpr, SECOND_K: tl.constexpr,
-        A_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr,
-        HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped ordering of the output tiles (L2 reuse of B across GROUP_M row blocks).
-    pid = tl.program_id(0)
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) in grouped order: GROUP_M row tiles share B's column tiles in L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
 
+
+# sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
+# constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
+# kernels; exact streams need the rebuild to run the forward's code. M_BUCKET / K_BUCKET only key
+# the tuning.
+@triton.jit(do_not_specialize=["sign", "store_aux", "M_BUCKET", "K_BUCKET"])
+def fused_gemm_kernel(
+        a_ptr, b_ptr, b2_ptr, c_ptr,
+        M, N, K, k_per_split,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
+        alpha, sign, frac_scale, store_aux, M_BUCKET, K_BUCKET,
+        DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    # Scalar 64-bit base pointers + 32-bit offset tiles: 64-bit pointer tiles cost two registers an
-    # element and made the epilogue spill.
-    local_m = tl.arange(0, BLOCK_M)
-    local_n = tl.arange(0, BLOCK_N)
+    # 64-bit scalar bases + 32-bit offset tiles (64-bit pointer tiles cost two registers an element).
+    # Rows and columns past the edge are masked, not clamped: clamped offsets lose the contiguity
+    # the compiler needs to load an M- or N-major operand (weight gradients read grad^T) with
+    # asynchronous vector copies.
     row0 = (pid_m * BLOCK_M).to(tl.int64)
     col0 = (pid_n * BLOCK_N).to(tl.int64)
-
-    if A_NORM != 0:
-        rstd_a = tl.load(rstd_ptr + rm, mask=mask_m, other=0.0)
-        if A_NORM == 1:
-            mean_a = tl.load(mean_ptr + rm, mask=mask_m, other=0.0)
-    if B_NORM != 0:
-        if HAS_GAMMA:
-            gamma_b = tl.load(gamma_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
-        if HAS_BETA:
-            beta_b = tl.load(beta_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    local_m = tl.arange(0, BLOCK_M)
+    local_n = tl.arange(0, BLOCK_N)
+    a_base = a_ptr + row0 * stride_am
+    b_base = b_ptr + col0 * stride_bn
+    b2_base = b2_ptr + col0 * stride_bn
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * k_per_split
+        span = tl.minimum(K - k_start, k_per_split)
+        a_base += k_start.to(tl.int64) * stride_ak
+        b_base += k_start.to(tl.int64) * stride_bk
+        b2_base += k_start.to(tl.int64) * stride_bk
+    else:
+        span = K
+    a_ptrs = a_base + (local_m[:, None] * stride_am + rk[None, :] * stride_ak)
+    b_ptrs = b_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
+    b2_ptrs = b2_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DUAL_B:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if A_SUM:
-        a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-
-    a_offs = local_m[:, None] * stride_am + rk[None, :] * stride_ak
-    b_offs = rk[:, None] * stride_bk + local_n[None, :] * stride_bn
-    a_base = a_ptr + row0 * stride_am
-    b_base = b_ptr + col0 * stride_bn
-    b2_base = b2_ptr + col0 * stride_bn
-    for segment in tl.static_range(2 if SECOND_K else 1):
-        if segment == 1:
-            # Second K segment: A's columns K..2K-1 against B2.
-            a_base = a_ptr + row0 * stride_am + K.to(tl.int64) * stride_ak
-            b_base = b2_ptr + col0 * stride_bn
-        for k_block in range(0, tl.cdiv(K, BLOCK_K)):
-            kk = k_block * BLOCK_K + rk
-            mask_k = kk < K
-            a = tl.load(a_base + a_offs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if A_NORM != 0:
-                a = a.to(tl.float32)
-                if A_NORM == 1:
-                    a = a - mean_a[:, None]
-                a = a * rstd_a[:, None]
-                if HAS_GAMMA:
-                    a = a * tl.load(gamma_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-                if HAS_BETA:
-                    a = a + tl.load(beta_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            if A_SCALE_K:
-                a = a.to(tl.float32) * tl.load(k_scale_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            if A_SUM:
-                a_sum += tl.sum(a.to(tl.float32), axis=1)
-            a = a.to(DOT_DTYPE)
-            b = tl.load(b_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if B_NORM != 0:
-                b = b.to(tl.float32)
-                if B_NORM == 1:
-                    b = b - tl.load(mean_ptr + kk, mask=mask_k, other=0.0)[:, None]
-                b = b * tl.load(rstd_ptr + kk, mask=mask_k, other=0.0)[:, None]
-                if HAS_GAMMA:
-                    b = b * gamma_b[None, :]
-                if HAS_BETA:
-                    b = b + beta_b[None, :]
-            if B_ACT == 4:
-                b_up = tl.load(b2_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-                b = silu(b.to(DOT_DTYPE).to(tl.float32)).to(DOT_DTYPE).to(tl.float32) * b_up
-            elif B_ACT != 0:
-                b = apply_activation(b.to(tl.float32), B_ACT)
-            acc = tl.dot(a, b.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-            if DUAL_B:
-                b2 = tl.load(b2_base + b_offs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc2 = tl.dot(a, b2.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
-            a_base += BLOCK_K * stride_ak
-            b_base += BLOCK_K * stride_bk
-            b2_base += BLOCK_K * stride_bk
+    for k in range(0, tl.cdiv(span, BLOCK_K)):
+        k_left = span - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if DUAL_B:
+            b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+            acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        b2_ptrs += BLOCK_K * stride_bk
+    if SECOND_K:
+        # Second K segment: A's columns K..2K-1 against B2.
+        a_ptrs = a_ptr + row0 * stride_am + K.to(tl.int64) * stride_ak + (
+            local_m[:, None] * stride_am + rk[None, :] * stride_ak)
+        b2_ptrs = b2_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+            b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b2, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b2_ptrs += BLOCK_K * stride_bk
 
     # ---- epilogue ----
     mask_c = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        c_base = c_ptr + tl.program_id(1).to(tl.int64) * M * N
+    else:
+        c_base = c_ptr
+    c_ptrs = (c_base + row0 * stride_cm + col0 * stride_cn) + (local_m[:, None] * stride_cm +
+                                                               local_n[None, :] * stride_cn)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     aux_ptrs = (aux_ptr + row0 * stride_auxm + col0) + (local_m[:, None] * stride_auxm + local_n[None, :])
@@ -239,17 +224,16 @@ def fused_gemm_kernel(
         if DUAL_B:
             tl.store(aux_ptrs + N, acc2.to(aux_ptr.dtype.element_ty), mask=mask_c)
     if ACT == 4:
-        # Round like the unfused ops do (gate, silu(gate), up), multiply in fp32; the weight-gradient
-        # prologue (B_ACT == 4) rebuilds exactly this operand from the stored pre-activations.
+        # Round like the unfused ops do (gate, silu(gate), up), multiply in fp32.
         out_ty = c_ptr.dtype.element_ty
         gate = silu(acc.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
         acc = gate * acc2.to(out_ty).to(tl.float32)
     elif ACT != 0:
         acc = apply_activation(acc.to(c_ptr.dtype.element_ty).to(tl.float32), ACT)
-    acc = acc * alpha
-    if HAS_ROW_SCALE:
-        acc = acc * tl.load(row_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    c_ptrs = (c_ptr + row0 * stride_cm + col0 * stride_cn) + (local_m[:, None] * stride_cm + local_n[None, :] * stride_cn)
+    if HAS_ROW_SCALE:  # one pass over the tile: alpha folded into the row vector
+        acc = acc * (alpha * tl.load(row_scale_ptr + rm, mask=mask_m, other=0.0).to(tl.float32))[:, None]
+    else:
+        acc = acc * alpha
     if ACT_BWD == 4:
         # One stored tile at a time keeps fewer tiles live (this epilogue spilled otherwise).
         z_gate = tl.load(aux_ptrs, mask=mask_c, other=0.0).to(tl.float32)
@@ -266,14 +250,23 @@ def fused_gemm_kernel(
         res = tl.load(res_ptrs, mask=mask_c, other=0)
         tl.store(c_ptrs, res + sign * quantize(acc, frac_scale), mask=mask_c)
     else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
-    if A_SUM:
-        if pid_n == 0:
-            tl.store(bias_grad_ptr + rm, a_sum * alpha, mask=mask_m)
+        stored = acc.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, stored, mask=mask_c)
+        if COL_SUM:
+            # The bias gradient of what was stored (as the weight gradient sees it), one partial
+            # row per row tile: reduced later in a fixed order, no atomics.
+            # Partial rows are COL_SUM_ROWS rows of C each, whatever BLOCK_M the tuner picked: a
+            # taller tile writes its sum and zeros the partial rows it covers beyond the first.
+            partial = tl.sum(tl.where(mask_m[:, None], stored.to(tl.float32), 0.0), axis=0)
+            first = pid_m.to(tl.int64) * (BLOCK_M // COL_SUM_ROWS)
+            tl.store(col_sum_ptr + first * N + rn, partial, mask=mask_n)
+            for extra in tl.static_range(1, BLOCK_M // COL_SUM_ROWS):
+                tl.store(col_sum_ptr + (first + extra) * N + rn, tl.zeros_like(partial), mask=mask_n)
 
 
-# The JIT function wrapped twice: the dual-accumulator / SwiGLU-gradient variants (two fp32 tiles
-# live in the epilogue) get a config list of their own that does not spill.
+# The JIT function wrapped three times: the dual-accumulator variant (two fp32 tiles) and the
+# heavy-epilogue gradients (SwiGLU's two pre-activation tiles, exact GELU's erf) get config
+# lists of their own that neither spill nor leave the main loop issue-bound.
 fused_gemm_jit = fused_gemm_kernel
 fused_gemm_kernel = triton.autotune(configs=gemm_configs("regular"), key=GEMM_TUNE_KEY,
                                     prune_configs_by={"early_config_prune": prune_for_device},
@@ -281,3 +274,6 @@ fused_gemm_kernel = triton.autotune(configs=gemm_configs("regular"), key=GEMM_TU
 fused_gemm_dual_kernel = triton.autotune(configs=gemm_configs("dual"), key=GEMM_TUNE_KEY,
                                          prune_configs_by={"early_config_prune": prune_for_device},
                                          cache_results=True)(fused_gemm_jit)
+fused_gemm_act_grad_kernel = triton.autotune(configs=gemm_configs("act_grad"), key=GEMM_TUNE_KEY,
+                                                prune_configs_by={"early_config_prune": prune_for_device},
+                                                cache_results=True)(fused_gemm_jit)

@@ -1,10 +1,11 @@
 """``python -m perf.autotune``: warm the on-disk autotune cache for a preset's shapes.
 
-The fused kernels are autotuned per (N, K, variant flags, dtypes), never per token count, with
-``cache_results=True``: the first run of a shape benchmarks every config and writes the winner to
-Triton's cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``); later processes read it. This
-runs forward + backward of one reversible block of fused halves for each preset, stream kind and
-dtype, so a sweep or a training run starts with every config already chosen.
+The fused GEMMs are autotuned per (power-of-two bucket of the token count, N, K bucket, variant
+flags, dtypes), with ``cache_results=True``: the first run of a shape benchmarks every config and
+writes the winner to Triton's cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``); later
+processes read it. This runs forward + backward of one reversible block of fused halves for each
+preset, stream kind, dtype and token count (default: 8192 tokens a step, the production batch of
+perf/workloads.py), so a sweep or a training run starts with every config already chosen.
 
 On a machine without CUDA there is nothing to tune: it says so and exits 0.
 """
@@ -32,7 +33,8 @@ def cache_dir() -> Path:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m perf.autotune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default=",".join(PRESETS), help=f"comma list of {','.join(PRESETS)}")
-    ap.add_argument("--batch", type=int, default=2, help="the token count does not change the tuned config")
+    ap.add_argument("--tokens", default="8192",
+                    help="comma list of token counts per step to tune at (each power-of-two bucket tunes once)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     ap.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp32")
     ap.add_argument("--streams", default="exact,float", help="comma list of exact, float")
@@ -80,7 +82,11 @@ def main(argv=None) -> int:
         for dtype in [d for d in args.dtypes.split(",") if d]:
             for streams in [s for s in args.streams.split(",") if s]:
                 try:
-                    seconds, launches = warm(preset, args.batch, dtype, streams == "exact", device)
+                    seconds, launches = 0.0, 0
+                    for tokens in [int(t) for t in args.tokens.split(",") if t]:
+                        batch = max(1, round(tokens / preset.tokens))
+                        spent, launches = warm(preset, batch, dtype, streams == "exact", device)
+                        seconds += spent
                     print(f"  {name:6s} {dtype:4s} {streams:5s} streams: tuned in {seconds:6.1f} s, "
                           f"{launches} launches per block step")
                 except Exception as err:  # report every shape, then fail

@@ -165,21 +165,24 @@ def _mlp_case(kind: str):
         from revtriton.ops import gemm
 
         norm = "rms" if swiglu else "layer"
-        stats = gemm.row_stats(x, norm=norm)
+        n, _, _ = gemm.normalize(x, norm=norm, norm_weight=gamma, norm_bias=beta, out_dtype=x.dtype)
         act = "swiglu" if swiglu else "gelu_tanh"
-        a1, _ = gemm.linear(x, w1, b1, activation=act, weight_up=wu, norm=norm, stats=stats, norm_weight=gamma,
-                            norm_bias=beta)
+        a1, _ = gemm.linear(n, w1, b1, activation=act, weight_up=wu)
         g1_flops = gemm_flops * (2 if swiglu else 1)
         g1_bytes = tokens * (dim + hidden) * 2 + 2.0 * dim * hidden * (2 if swiglu else 1)
-        out[("gemm1", "fused")] = Measurement(
-            lambda: gemm.linear(x, w1, b1, activation=act, weight_up=wu, norm=norm, stats=stats, norm_weight=gamma,
-                                norm_bias=beta), g1_flops, g1_bytes)
+        out[("gemm1", "fused")] = Measurement(lambda: gemm.linear(n, w1, b1, activation=act, weight_up=wu),
+                                              g1_flops, g1_bytes)
         w1u = torch.cat([w1, wu]) if swiglu else w1
-        out[("gemm1", "cublas")] = Measurement(lambda: torch.mm(x, w1u.t()), g1_flops, g1_bytes)
+        out[("gemm1", "cublas")] = Measurement(lambda: torch.mm(n, w1u.t()), g1_flops, g1_bytes)
         g2_bytes = tokens * hidden * 2 + tokens * dim * 8 + 2.0 * dim * hidden
         out[("gemm2", "fused")] = Measurement(lambda: gemm.linear_couple(a1, w2, b2, res, 1, frac_bits=16),
                                               gemm_flops, g2_bytes)
         out[("gemm2", "cublas")] = Measurement(lambda: torch.mm(a1, w2.t()), gemm_flops, g2_bytes)
+        # A weight gradient (K = tokens): the raw GEMM (split-K when it cannot fill the GPU) vs cuBLAS.
+        dz = torch.randn(tokens, hidden, device=x.device, dtype=x.dtype)
+        dw_bytes = tokens * (dim + hidden) * 2 + 4.0 * dim * hidden
+        out[("dw1", "fused")] = Measurement(lambda: gemm.linear_weight_grad(dz, n), gemm_flops, dw_bytes)
+        out[("dw1", "cublas")] = Measurement(lambda: torch.mm(dz.t(), n), gemm_flops, dw_bytes)
         return out
 
     return build

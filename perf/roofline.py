@@ -70,7 +70,7 @@ STREAM = 4   # int32 fixed point or fp32 residual stream
 VALUE = 4    # the fp32 stream value a half sees; fp32 gradients, fp32 dx
 BF16 = 2     # compute dtype under autocast
 FP32 = 4     # statistics, fp32 params and gradients
-NORM_PARTIAL_PROGRAMS = 512  # revtriton.ops.gemm.norm_partial_programs on a GPU
+NORM_PARTIAL_PROGRAMS = 512  # revtriton.ops.gemm.row_partial_programs on a GPU
 
 
 # ------------------------------------------------------------------------------------------
@@ -264,11 +264,11 @@ def _engine_ops(shape: Shape, phase: str, exact: bool) -> list[Op]:
 # Fused path (revtriton's Triton kernels)
 
 
-def _row_stats_op(shape: Shape) -> list[Op]:
+def _normalize_op(shape: Shape) -> list[Op]:
+    """gemm.normalize: x read once, the normalized rows written once in bf16 (and the stats)."""
     m, d = shape.tokens, shape.dim
-    return [_op("row_stats.zeros", "elementwise", writes=[("mean", m * FP32)]),
-            _op("row_stats", "reduction", reads=[("x", m * d * VALUE)],
-                writes=[("mean", m * FP32), ("rstd", m * FP32)])]
+    return [_op("normalize", "reduction", reads=[("x", m * d * VALUE), *_norm_param_reads(shape)],
+                writes=[("n bf16", m * d * BF16), ("mean", m * FP32), ("rstd", m * FP32)])]
 
 
 def _norm_param_reads(shape: Shape) -> list:
@@ -276,60 +276,92 @@ def _norm_param_reads(shape: Shape) -> list:
     return [("gamma", d * FP32)] + ([("beta", d * FP32)] if shape.norm == "layer" else [])
 
 
+def _scale_rows_op(name: str, m: int, d: int, *, col_sums: bool, store: bool = True, src: int = VALUE) -> Op:
+    """gemm.scale_rows: g read once, sign (* row scale) applied, written in bf16; bias partials."""
+    p = min(m, NORM_PARTIAL_PROGRAMS)
+    return _op(name, "reduction", reads=[("g", m * d * src)],
+               writes=[("g bf16", m * d * BF16 if store else 0), ("partials", p * d * FP32 if col_sums else 0)])
+
+
+def _weight_grad(name: str, n_out: int, n_in: int, m: int, *, reads) -> list[Op]:
+    """A raw weight-gradient GEMM [n_out, n_in] over m tokens (split-K partials when the output
+    cannot fill the GPU: gemm.split_k_plan at 132 SMs, the partials reduced in the final pass)."""
+    splits = _split_k(n_out, n_in, m)
+    out = [("dW fp32", n_out * n_in * FP32 * (splits if splits > 1 else 1))]
+    return [_gemm(name, n_out, n_in, m, reads=reads, writes=out)]
+
+
+def _split_k(m: int, n: int, k: int, sms: int = 132) -> int:
+    """revtriton.ops.gemm.split_k_plan (kept in sync by tests/test_roofline.py)."""
+    tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    if 2 * tiles >= sms or k < 2048:
+        return 1
+    splits = min(math.ceil(sms / tiles), k // 1024, 8)
+    per_split = math.ceil(math.ceil(k / splits) / 256) * 256
+    return math.ceil(k / per_split)
+
+
+def _reduce_op(shape: Shape, jobs: list) -> list[Op]:
+    """gemm.reduce_partials: every partial sum of a half's backward, four per launch."""
+    if not jobs:
+        return []
+    ops = []
+    for first in range(0, len(jobs), 4):
+        group = jobs[first:first + 4]
+        ops.append(_op("reduce_partials", "reduction", reads=[(n, rows * width * FP32) for n, rows, width in group],
+                       writes=[(n, width * FP32) for n, _, width in group]))
+    return ops
+
+
 def _fused_mlp(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
     m, d, h = shape.tokens, shape.dim, shape.hidden
     swiglu = shape.mlp == "swiglu"
     h1 = 2 * h if swiglu else h  # GEMM1 output columns (SwiGLU: gate and up)
     bias = shape.bias and not swiglu
-    stats = [("mean", m * FP32), ("rstd", m * FP32)]
     w_names = ["w_gate", "w_up", "w_down"] if swiglu else ["w1", "w2"]
     casts = [_cast(f"cast.{n}", h * d, FP32, BF16) for n in w_names] if master_fp32 else []
     if phase in ("forward", "recompute"):
         save = phase == "recompute"
-        gemm1 = _gemm("gemm1_norm_act" if not swiglu else "gemm1_norm_swiglu", m, h, d, accumulators=2 if swiglu else 1,
-                      reads=[("x fp32", m * d * VALUE), *stats, *_norm_param_reads(shape),
-                             ("W1" if not swiglu else "W_gate|W_up", h1 * d * BF16), ("b1", h * FP32 if bias else 0)],
+        gemm1 = _gemm("gemm1_act" if not swiglu else "gemm1_swiglu", m, h, d, accumulators=2 if swiglu else 1,
+                      reads=[("n bf16", m * d * BF16), ("W1" if not swiglu else "W_gate|W_up", h1 * d * BF16),
+                             ("b1", h * FP32 if bias else 0)],
                       writes=[("act bf16", m * h * BF16), ("preact bf16 (saved)", m * h1 * BF16 if save else 0)])
         gemm2 = _gemm("gemm2_couple", m, d, h,
                       reads=[("act", m * h * BF16), ("W2", d * h * BF16), ("b2", d * FP32 if bias else 0),
                              ("res", m * d * STREAM)],
                       writes=[("stream", m * d * STREAM)])
-        return casts + _row_stats_op(shape) + [gemm1, gemm2]
+        return casts + _normalize_op(shape) + [gemm1, gemm2]
     # backward (FusedNormMLPCouple.backward / FusedSwiGLUCouple.backward)
-    g = ("g fp32", m * d * VALUE)
     ops = list(casts)
-    ops.append(_gemm("dh_act_bwd", m, h, d, reads=[g, ("W2", d * h * BF16), ("preact", m * h1 * BF16)],
-                     writes=[("dpreact bf16", m * h1 * BF16)]))
-    if bias:
-        ops.append(_op("db2.zeros", "elementwise", writes=[("db2", d * FP32)]))
-    ops.append(_gemm("dw2", d, h, m, reads=[g, ("preact (act in B prologue)", m * h1 * BF16)],
-                     writes=[("dW2 fp32", d * h * FP32), ("db2", d * FP32 if bias else 0)]))
-    if bias:
-        ops.append(_op("db1.zeros", "elementwise", writes=[("db1", h * FP32)]))
-    ops.append(_gemm("dw1_norm_prologue", h1, d, m,
-                     reads=[("dpreact", m * h1 * BF16), ("x fp32", m * d * VALUE), *stats, *_norm_param_reads(shape)],
-                     writes=[("dW1 fp32", h1 * d * FP32), ("db1", h * FP32 if bias else 0)]))
+    ops.append(_scale_rows_op("scale_grad", m, d, col_sums=bias))
+    ops.append(_gemm("dh_act_bwd", m, h, d, reads=[("g bf16", m * d * BF16), ("W2", d * h * BF16),
+                                                   ("preact", m * h1 * BF16)],
+                     writes=[("dpreact bf16", m * h1 * BF16),
+                             ("db1 partials", math.ceil(m / 64) * h * FP32 if bias else 0)]))
+    ops += _weight_grad("dw2", d, h, m, reads=[("g bf16", m * d * BF16), ("act bf16", m * h * BF16)])
+    ops += _weight_grad("dw1", h1, d, m, reads=[("dpreact", m * h1 * BF16), ("n bf16", m * d * BF16)])
     ops.append(_gemm("dn_input_grad", m, d, h1, reads=[("dpreact", m * h1 * BF16), ("W1", h1 * d * BF16)],
                      writes=[("dn fp32", m * d * FP32)]))
-    ops += _fused_norm_bwd(shape, with_gamma=True)
-    return ops
+    ops.append(_norm_bwd_op(shape))
+    params = 2 if shape.norm == "layer" else 1
+    jobs = [("dgamma/dbeta", min(m, NORM_PARTIAL_PROGRAMS), params * d)]
+    if bias:
+        jobs += [("db2", min(m, NORM_PARTIAL_PROGRAMS), d), ("db1", math.ceil(m / 64), h)]
+    for name, n_out, n_in in (("dW2", d, h), ("dW1", h1, d)):
+        if _split_k(n_out, n_in, m) > 1:
+            jobs.append((name, _split_k(n_out, n_in, m), n_out * n_in))
+    return ops + _reduce_op(shape, jobs)
 
 
-def _fused_norm_bwd(shape: Shape, with_gamma: bool) -> list[Op]:
-    """gemm.norm_bwd: the row kernel (+ dgamma/dbeta partials and the reducing pass when gamma is given)."""
+def _norm_bwd_op(shape: Shape) -> Op:
+    """gemm.norm_bwd_partials: the row kernel with dgamma / dbeta partials."""
     m, d = shape.tokens, shape.dim
-    layer = shape.norm == "layer"
-    params = (2 if layer else 1) if with_gamma else 0
+    params = 2 if shape.norm == "layer" else 1
     p = min(m, NORM_PARTIAL_PROGRAMS)
-    ops = [_op("norm_bwd.zeros", "elementwise", writes=[("dgamma/dbeta", d * FP32)]) for _ in range(params)]
-    ops.append(_op("norm_bwd", "reduction",
-                   reads=[("dn", m * d * FP32), ("x", m * d * VALUE), ("mean", m * FP32), ("rstd", m * FP32),
-                          ("gamma", d * FP32 if with_gamma else 0)],
-                   writes=[("dx fp32", m * d * VALUE), ("partials", params * p * d * FP32)]))
-    if params:
-        ops.append(_op("norm_bwd.sum_partials", "reduction", reads=[("partials", params * p * d * FP32)],
-                       writes=[("dgamma/dbeta", params * d * FP32)]))
-    return ops
+    return _op("norm_bwd", "reduction",
+               reads=[("dn", m * d * FP32), ("x", m * d * VALUE), ("mean", m * FP32), ("rstd", m * FP32),
+                      ("gamma", d * FP32)],
+               writes=[("dx fp32", m * d * VALUE), ("partials", params * p * d * FP32)])
 
 
 def _fused_attention(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
@@ -339,13 +371,12 @@ def _fused_attention(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
     lse = shape.batch * shape.heads * shape.seq * FP32
     rope = shape.seq * hd * FP32 if shape.rope else 0  # cos and sin, [T, hd/2] fp32 each
     bias = shape.bias
-    stats = [("mean", m * FP32), ("rstd", m * FP32)]
     if phase in ("forward", "recompute"):
-        # The saved tensors (x, stats, qkv, o, lse) are written by the forward anyway: same bytes.
+        # The saved tensors (x, stats, n, qkv, o, lse) are written by the forward anyway: same bytes.
         ops = [_cast("cast.w_qkv", nq * d, FP32, BF16), _cast("cast.w_proj", d * d, FP32, BF16)] if master_fp32 else []
-        ops += _row_stats_op(shape)
-        ops.append(_gemm("qkv_norm_rope_gemm", m, nq, d,
-                         reads=[("x fp32", m * d * VALUE), *stats, *_norm_param_reads(shape), ("W_qkv", nq * d * BF16),
+        ops += _normalize_op(shape)
+        ops.append(_gemm("qkv_rope_gemm", m, nq, d,
+                         reads=[("n bf16", m * d * BF16), ("W_qkv", nq * d * BF16),
                                 ("b_qkv", nq * FP32 if bias else 0), ("cos/sin", rope)],
                          writes=[("qkv bf16", m * nq * BF16)]))
         ops.append(_op("attention_fwd", "attention", flops=attention_core_flops(shape, 2),
@@ -357,66 +388,52 @@ def _fused_attention(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
                          writes=[("stream", m * d * STREAM)]))
         return ops
     # backward (_fused_backward + FusedNormAttentionCouple.backward + autograd's cast backward)
-    g = ("g fp32", m * d * VALUE)
-    ops = [_gemm("do_input_grad", m, d, d, reads=[g, ("W_proj", d * d * BF16)], writes=[("do bf16", m * d * BF16)])]
-    if bias:
-        ops.append(_op("db_proj.zeros", "elementwise", writes=[("db_proj", d * FP32)]))
-    ops.append(_gemm("dw_proj", d, d, m, reads=[g, ("o", m * d * BF16)],
-                     writes=[("dW_proj fp32", d * d * FP32), ("db_proj", d * FP32 if bias else 0)]))
+    ops = [_scale_rows_op("scale_grad", m, d, col_sums=bias)]
+    ops.append(_gemm("do_input_grad", m, d, d, reads=[("g bf16", m * d * BF16), ("W_proj", d * d * BF16)],
+                     writes=[("do bf16", m * d * BF16)]))
+    ops += _weight_grad("dw_proj", d, d, m, reads=[("g bf16", m * d * BF16), ("o", m * d * BF16)])
     ops.append(_op("attention_bwd_delta", "reduction", reads=[("o", q_el * BF16), ("do", q_el * BF16)],
                    writes=[("delta", lse)]))
     ops.append(_op("attention_bwd", "attention", flops=attention_core_flops(shape, 7), backward=True,
                    reads=[("q", q_el * BF16), ("k", kv_el * BF16), ("v", kv_el * BF16), ("do", q_el * BF16),
                           ("lse", lse), ("delta", lse), ("cos/sin", rope)],
                    writes=[("dq", q_el * BF16), ("dk", kv_el * BF16), ("dv", kv_el * BF16)]))
-    # w_gamma = (w_qkv.float() * norm_weight.float()).to(bf16): three weight-sized passes
-    ops += [_cast("w_gamma.float", nq * d, BF16, FP32),
-            _op("w_gamma.mul", "elementwise", reads=[("w32", nq * d * FP32), ("gamma", d * FP32)],
-                writes=[("w*gamma", nq * d * FP32)]),
-            _cast("w_gamma.to_bf16", nq * d, FP32, BF16)]
-    ops.append(_gemm("dxhat_input_grad", m, d, nq, reads=[("dqkv", m * nq * BF16), ("w_gamma", nq * d * BF16)],
-                     writes=[("dxhat fp32", m * d * FP32)]))
-    ops += _fused_norm_bwd(shape, with_gamma=False)
-    ops.append(_op("db_qkv.zeros", "elementwise", writes=[("db_qkv", nq * FP32)]))
-    ops.append(_gemm("dw_qkv_norm_prologue", nq, d, m,
-                     reads=[("dqkv", m * nq * BF16), ("x fp32", m * d * VALUE), *stats],
-                     writes=[("dW' fp32", nq * d * FP32), ("db_qkv", nq * FP32)]))
-    # gamma / beta folded back with weight-sized torch ops
-    ops.append(_cast("w32.float", nq * d, BF16, FP32))
-    ops.append(_op("dgamma.mul", "elementwise", reads=[("dW'", nq * d * FP32), ("w32", nq * d * FP32)],
-                   writes=[("dW'*W", nq * d * FP32)]))
-    ops.append(_op("dgamma.sum", "reduction", reads=[("dW'*W", nq * d * FP32)], writes=[("dgamma", d * FP32)]))
-    ops.append(_op("dw_qkv.mul_gamma", "elementwise", reads=[("dW'", nq * d * FP32), ("gamma", d * FP32)],
-                   writes=[("dW_qkv", nq * d * FP32)]))
-    if shape.norm == "layer":
-        ops.append(_gemm("dbeta.gemv", 1, d, nq, reads=[("db_qkv", nq * FP32), ("w32", nq * d * FP32)],
-                         writes=[("dbeta", d * FP32)]))
-        ops.append(_op("dw_qkv.outer_beta", "elementwise", reads=[("db_qkv", nq * FP32), ("beta", d * FP32)],
-                       writes=[("outer", nq * d * FP32)]))
-        ops.append(_op("dw_qkv.add", "elementwise", reads=[("dW_qkv", nq * d * FP32), ("outer", nq * d * FP32)],
-                       writes=[("dW_qkv", nq * d * FP32)]))
+    ops.append(_gemm("dn_qkv_input_grad", m, d, nq, reads=[("dqkv", m * nq * BF16), ("W_qkv", nq * d * BF16)],
+                     writes=[("dn fp32", m * d * FP32)]))
+    ops.append(_norm_bwd_op(shape))
+    ops += _weight_grad("dw_qkv", nq, d, m, reads=[("dqkv", m * nq * BF16), ("n bf16", m * d * BF16)])
+    if bias:
+        ops.append(_scale_rows_op("db_qkv_col_sums", m, nq, col_sums=True, store=False, src=BF16))
+    params = 2 if shape.norm == "layer" else 1
+    jobs = [("dgamma/dbeta", min(m, NORM_PARTIAL_PROGRAMS), params * d)]
+    if bias:
+        jobs += [("db_proj", min(m, NORM_PARTIAL_PROGRAMS), d), ("db_qkv", min(m, NORM_PARTIAL_PROGRAMS), nq)]
+    for name, n_out, n_in in (("dW_proj", d, d), ("dW_qkv", nq, d)):
+        if _split_k(n_out, n_in, m) > 1:
+            jobs.append((name, _split_k(n_out, n_in, m), n_out * n_in))
+    ops += _reduce_op(shape, jobs)
     # The Function returns weight grads in the dtype of its (bf16-cast) weight inputs; autograd's
     # cast backward takes them back to the fp32 parameters.
     if master_fp32:
-        ops += [_cast("grad.dw_qkv.to_bf16", nq * d, FP32, BF16), _cast("grad.dw_proj.to_bf16", d * d, FP32, BF16),
-                _cast("cast_bwd.dw_qkv", nq * d, BF16, FP32), _cast("cast_bwd.dw_proj", d * d, BF16, FP32)]
+        ops += [_cast("cast_bwd.dw_qkv", nq * d, BF16, FP32), _cast("cast_bwd.dw_proj", d * d, BF16, FP32)]
     return ops
 
 
 def fused_ops(shape: Shape, half: str, phase: str, *, master_fp32: bool = True) -> list[Op]:
     """The fused path's launches of one half and phase (engine passes not included).
 
-    MLP forward / recompute: [weight casts], row_stats, GEMM1 (norm prologue; bias + activation or
-    SwiGLU in the epilogue; the recompute also stores the pre-activation), GEMM2 (bias, residual
-    +/- or the exact int32 add in the epilogue). MLP backward: [weight casts], the dH GEMM
-    (activation derivative in the epilogue), dW2 (activation re-applied in the B prologue, bias
-    gradient in the same pass), dW1 (norm re-applied in the B prologue), dN, the norm backward with
-    dgamma/dbeta partials and their reducing pass.
-    Attention forward / recompute: [weight casts], row_stats, QKV GEMM (norm prologue, bias and
-    RoPE epilogue), flash attention forward, out-projection couple GEMM. Backward: dO GEMM, dW_proj,
-    delta, the attention backward (RoPE backward inside), gamma folded into W (3 weight passes), dX^
-    GEMM, the row norm backward, dW' with db_qkv, the weight-sized torch ops that fold gamma / beta
-    back, and the bf16 round trip of the weight gradients (fp32 master weights only).
+    MLP forward / recompute: [weight casts], normalize (the norm once per row, written in bf16),
+    GEMM1 (raw operands; bias + activation or SwiGLU in the epilogue; the recompute also stores
+    the pre-activation), GEMM2 (bias, residual +/- or the exact int32 add in the epilogue). MLP
+    backward: [weight casts], the gradient scaled and cast once (db2 partials), the dH GEMM
+    (activation derivative and db1 partials in the epilogue), dW2 and dW1 as raw GEMMs over the
+    kept activations and normalized rows (split-K when the output tiles cannot fill the GPU), dN,
+    the norm backward with dgamma/dbeta partials, one reduction of every partial sum.
+    Attention forward / recompute: [weight casts], normalize, QKV GEMM (raw operands, bias and
+    RoPE epilogue), flash attention forward, out-projection couple GEMM. Backward: the gradient
+    scaled and cast once (db_proj partials), dO GEMM, dW_proj, delta, the attention backward (RoPE
+    backward inside), dN GEMM, the norm backward, dW_qkv over the normalized rows, db_qkv column
+    sums, one reduction, and the cast back of the weight gradients (fp32 master weights only).
     """
     _check(half, phase)
     return (_fused_mlp if half == "mlp" else _fused_attention)(shape, phase, master_fp32)

@@ -42,17 +42,17 @@ from . import roofline, workloads
 RULES = ("compiles", "registers", "no_spill", "shared_memory", "pipelined", "wgmma_overlap", "no_mma_sync",
          "no_warp_replication", "issue_ratio")
 MAX_ISSUE_RATIO = 0.8
-GEMM_KERNELS = ("fused_gemm_kernel", "qkv_norm_rope_gemm_kernel", "anchor_matmul_kernel")
+GEMM_KERNELS = ("fused_gemm_kernel", "qkv_rope_gemm_kernel", "anchor_matmul_kernel")
 ATTENTION_KERNELS = ("attention_fwd_kernel", "attention_bwd_kernel", "anchor_attention_fwd_kernel")
 
 
 GPUS = (roofline.H100, roofline.H200)  # sm_90: the arch whose compilation the issue model reads
 # Kernel names of the fused path's Triton launches in perf.roofline's op lists (the other ops there
 # are torch-side: weight casts, the engine's passes, small reductions).
-TRITON_OPS = {"row_stats", "gemm1_norm_act", "gemm1_norm_swiglu", "gemm2_couple", "dh_act_bwd", "dw2",
-              "dw1_norm_prologue", "dn_input_grad", "norm_bwd", "norm_bwd.sum_partials", "qkv_norm_rope_gemm",
-              "attention_fwd", "proj_couple", "do_input_grad", "dw_proj", "attention_bwd_delta", "attention_bwd",
-              "dxhat_input_grad", "dw_qkv_norm_prologue"}
+TRITON_OPS = {"normalize", "gemm1_act", "gemm1_swiglu", "gemm2_couple", "scale_grad", "dh_act_bwd", "dw2", "dw1",
+              "dn_input_grad", "norm_bwd", "reduce_partials", "qkv_rope_gemm", "attention_fwd", "proj_couple",
+              "do_input_grad", "dw_proj", "attention_bwd_delta", "attention_bwd", "dn_qkv_input_grad", "dw_qkv",
+              "db_qkv_col_sums"}
 
 
 def kernel_kind(kernel_name: str) -> str:
@@ -131,7 +131,7 @@ def launch_flops(m: workloads.Model, launch: aot.Launch) -> float:
         meta = launch.meta
         return 2.0 * args["M"] * args["N"] * args["K"] * (2 if meta.get("DUAL_B") else 1) * (
             2 if meta.get("SECOND_K") else 1)
-    if name == "qkv_norm_rope_gemm_kernel":
+    if name == "qkv_rope_gemm_kernel":
         return 2.0 * args["M"] * args["N"] * args["K"]
     pairs = m.batch * m.heads * m.seq * m.seq * (0.5 if m.causal else 1.0)
     if name == "attention_fwd_kernel":
@@ -339,7 +339,7 @@ def failures(report: dict, rule: str) -> dict:
 
 # Which issue rebuilds which kernels (named in the tables and the tests' xfail reasons).
 OWNERS = ((r"^attention_", "issue 18 (attention rebuild)"),
-          (r"^(fused_gemm_kernel|qkv_norm_rope_gemm_kernel|row_stats|norm_bwd|sum_partials)", "issue 12 (GEMM path)"))
+          (r"^(fused_gemm_kernel|qkv_rope_gemm_kernel|normalize|scale_rows|norm_bwd|sum_partials)", "issue 12 (GEMM path)"))
 
 
 def owner(label: str) -> str:

@@ -83,13 +83,25 @@ _BLOCK_BASES = {}  # swapped class name -> (module, class name, mixin), for unpi
 _swapped = {}
 
 
+def _swapped_class(name: str, mixin: type, cls: type) -> type:
+    """The class ``mixin + cls``, found by pickle as ``revtriton.convert.<name>`` (its ``__qualname__``).
+
+    A mixin with ``_keeps_class_name`` keeps ``cls.__name__`` (Hugging Face writes a model's class
+    name into the saved config's ``architectures``).
+    """
+    new_cls = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+    if getattr(mixin, "_keeps_class_name", False):
+        new_cls.__name__ = cls.__name__
+    return new_cls
+
+
 def _swap_class(module: nn.Module, mixin: type, base_module: str, base_name: str):
     cls = type(module)
     if issubclass(cls, mixin):
         return
     name = f"Revified{cls.__name__}"
     if (cls, mixin) not in _swapped:
-        new_cls = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        new_cls = _swapped_class(name, mixin, cls)
         _swapped[(cls, mixin)] = new_cls
         if cls.__name__ == base_name and cls.__module__ == base_module:
             globals()[name] = new_cls
@@ -102,7 +114,7 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
         cls = getattr(importlib.import_module(base_module), base_name)
         key = (cls, mixin)
         if key not in _swapped:
-            _swapped[key] = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+            _swapped[key] = _swapped_class(name, mixin, cls)
         globals()[name] = _swapped[key]
         return _swapped[key]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -469,10 +481,40 @@ def _convert_llama(model, options):
 
 
 def _disable_cache(model):
-    # No KV cache: decoding recomputes the whole prefix (generate() works, slower).
-    for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
-        if config is not None and hasattr(config, "use_cache"):
-            config.use_cache = False
+    # No KV cache: decoding recomputes the whole prefix (generate() works, slower). The model's config
+    # keeps the user's use_cache (it is saved with the model); generate's default is no cache, and
+    # generate(use_cache=True) is served without one (see _NoCacheGeneration).
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and hasattr(generation_config, "use_cache"):
+        generation_config.use_cache = False
+    if callable(getattr(model, "prepare_inputs_for_generation", None)):
+        cls = type(model)
+        _swap_class(model, _NoCacheGeneration, cls.__module__, cls.__name__)
+
+
+_warned_no_cache = []
+
+
+class _NoCacheGeneration:
+    """generate() of a revified LM: every step runs the whole prefix, whatever use_cache says.
+
+    The reversible stack keeps no KV cache. With ``use_cache=True`` generate would feed only the new
+    token each step and expect the cache to hold the rest (the stack would then see one token with
+    no context: wrong tokens, silently); here the prefix is never sliced and no cache is passed, so
+    the tokens are those of greedy decoding without a cache.
+    """
+
+    _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
+
+    def prepare_inputs_for_generation(self, input_ids, *args, next_sequence_length=None, cache=None, **kwargs):
+        if (next_sequence_length is not None or cache is not None) and not _warned_no_cache:
+            _warned_no_cache.append(True)
+            import warnings
+
+            warnings.warn("revtriton: a revified model keeps no KV cache; generate(use_cache=True) recomputes the "
+                          "whole prefix at every step (correct tokens, slower)", stacklevel=2)
+        return super().prepare_inputs_for_generation(input_ids, *args, next_sequence_length=None, cache=None,
+                                                     **kwargs)
 
 
 def _check_hf_inputs(model_name, kwargs):
@@ -570,4 +612,6 @@ _BLOCK_BASES.update({
     "RevifiedLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", _LlamaBlock),
     "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
     "RevifiedLlamaModel": ("transformers.models.llama.modeling_llama", "LlamaModel", _RevifiedLlamaModel),
+    "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _NoCacheGeneration),
+    "RevifiedLlamaForCausalLM": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM", _NoCacheGeneration),
 })

@@ -25,7 +25,8 @@ def rand(*shape, dtype=torch.float32, scale=1.0):
 # ---------------------------------------------------------------- every launcher vs its reference
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,dim,hidden", [(1, 96, 200), (7, 200, 64), (130, 64, 96), (130, 200, 96)])
+@pytest.mark.parametrize("rows,dim,hidden", [(1, 96, 200), (7, 200, 64), (130, 64, 96), (130, 200, 96),
+                                             (197, 768, 64)])
 def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
     tol = TOL[dtype]
     x = rand(rows, dim, dtype=dtype) + 0.5  # a non-zero mean exercises the centering
@@ -36,31 +37,25 @@ def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
     row_scale = torch.rand(rows) + 0.5
     errors = {}
     for norm in ("layer", "rms"):
-        stats = gemm.row_stats(x, norm=norm)
-        ref_stats = gemm.row_stats_reference(x, norm=norm)
-        errors[f"stats_{norm}"] = max(rel_err(s, r) for s, r in zip(stats, ref_stats) if r.norm() > 0)
         nb = beta if norm == "layer" else None
+        kw = dict(norm=norm, norm_weight=gamma, norm_bias=nb, out_dtype=dtype)
+        got, want = gemm.normalize(x, **kw), gemm.normalize_reference(x, **kw)
+        errors[f"normalize_{norm}"] = max(rel_err(s, r) for s, r in zip(got, want) if r.norm() > 0)
+        n, mean, rstd = got
         for act in ("gelu_tanh", "gelu", "relu"):
-            kw = dict(activation=act, norm=norm, stats=stats, norm_weight=gamma, norm_bias=nb, save_preact=True)
-            out, pre = gemm.linear(x, w1, b1, **kw)
-            ref_out, ref_pre = gemm.linear_reference(x, w1, b1, **kw)
+            out, pre = gemm.linear(n, w1, b1, activation=act, save_preact=True)
+            ref_out, ref_pre = gemm.linear_reference(n, w1, b1, activation=act, save_preact=True)
             errors[f"linear_{norm}_{act}"] = max(rel_err(out, ref_out), rel_err(pre, ref_pre))
-        kw = dict(activation="swiglu", weight_up=w_up, norm=norm, stats=stats, norm_weight=gamma, save_preact=True)
-        out, pre = gemm.linear(x, w1, None, **kw)
-        ref_out, ref_pre = gemm.linear_reference(x, w1, None, **kw)
+        kw = dict(activation="swiglu", weight_up=w_up, save_preact=True)
+        out, pre = gemm.linear(n, w1, None, **kw)
+        ref_out, ref_pre = gemm.linear_reference(n, w1, None, **kw)
         errors[f"linear_{norm}_swiglu"] = max(rel_err(out, ref_out), rel_err(pre, ref_pre))
 
         dn = rand(rows, dim)
         dres = rand(rows, dim, dtype=dtype)
-        got = gemm.norm_bwd(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
-        want = gemm.norm_bwd_reference(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+        got = gemm.norm_bwd(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+        want = gemm.norm_bwd_reference(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
         errors[f"norm_bwd_{norm}"] = max(rel_err(g, w) for g, w in zip(got, want) if w is not None)
-        dz = rand(rows, hidden, dtype=dtype)
-        got = gemm.linear_weight_grad(dz, x, norm=norm, stats=stats, norm_weight=gamma, norm_bias=nb, bias_grad=True,
-                                      dot_dtype=dtype)
-        want = gemm.linear_weight_grad_reference(dz, x, norm=norm, stats=stats, norm_weight=gamma, norm_bias=nb,
-                                                 bias_grad=True, dot_dtype=dtype)
-        errors[f"weight_grad_{norm}"] = max(rel_err(g, w) for g, w in zip(got, want))
 
     a = rand(rows, hidden, dtype=dtype)
     res = rand(rows, dim)
@@ -69,16 +64,22 @@ def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
         errors[f"couple_float_{sign}"] = rel_err(got - res, gemm.linear_couple_reference(
             a, w2, b2, res, sign, row_scale=row_scale) - res)
     g = rand(rows, dim)
+    kw = dict(alpha=-1.0, row_scale=row_scale, out_dtype=dtype, col_sums=True)
+    (gs, sums), (ref_gs, ref_sums) = gemm.scale_rows(g, **kw), gemm.scale_rows_reference(g, **kw)
+    gemm.reduce_partials(sums)
+    errors["scale_rows"] = max(rel_err(gs, ref_gs), rel_err(sums.out, ref_sums))
     for act in ("gelu_tanh", "gelu", "relu", "swiglu"):
         width = 2 * hidden if act == "swiglu" else hidden
         pre = rand(rows, width, dtype=dtype)
-        kw = dict(activation=act, alpha=-1.0, row_scale=row_scale)
-        errors[f"act_bwd_{act}"] = rel_err(gemm.linear_act_bwd(g, w2, pre, **kw),
-                                           gemm.linear_act_bwd_reference(g, w2, pre, **kw))
-        kw = dict(grad_scale=row_scale, alpha=-1.0, inp_activation=act, bias_grad=act != "swiglu", dot_dtype=dtype)
-        got = gemm.linear_weight_grad(g, pre, **kw)
-        want = gemm.linear_weight_grad_reference(g, pre, **kw)
-        errors[f"weight_grad_{act}"] = max(rel_err(x_, y_) for x_, y_ in zip(got, want) if y_ is not None)
+        kw = dict(activation=act, col_sums=act != "swiglu")
+        (got, sums), (want, want_sums) = (gemm.linear_act_bwd(gs, w2, pre, **kw),
+                                          gemm.linear_act_bwd_reference(gs, w2, pre, **kw))
+        gemm.reduce_partials(sums)
+        errors[f"act_bwd_{act}"] = max(rel_err(got, want), rel_err(sums.out, want_sums) if sums else 0.0)
+        act_out = rand(rows, hidden, dtype=dtype)
+        for split_k in (None, 2):
+            got = gemm.linear_weight_grad(gs, act_out, split_k=split_k)
+            errors[f"weight_grad_split{split_k}"] = rel_err(got, gemm.linear_weight_grad_reference(gs, act_out))
     dz = rand(rows, hidden, dtype=dtype)
     errors["input_grad"] = rel_err(gemm.linear_input_grad(dz, w1), gemm.linear_input_grad_reference(dz, w1))
     dz2 = rand(rows, 2 * hidden, dtype=dtype)
@@ -88,6 +89,28 @@ def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
     print(f"\n{dtype} rows={rows} dim={dim} hidden={hidden}: max rel err {errors[worst]:.1e} ({worst})")
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {bad}"
+
+
+def test_reduce_partials_runs_every_job_in_a_fixed_order(seeded):
+    """Five jobs of different heights, widths and output dtypes: two launches (four per launch),
+    each column summed in row order (bitwise equal to a sequential fp32 sum), rerun bitwise equal."""
+    shapes = [(7, 33, torch.float32), (1, 5, torch.float16), (130, 96, torch.float32), (3, 300, torch.bfloat16),
+              (64, 1, torch.float32)]
+    jobs = [gemm.Partials(torch.randn(p, n), torch.empty(n, dtype=dtype)) for p, n, dtype in shapes]
+    with dispatch.count_launches() as launches:
+        gemm.reduce_partials(jobs[0], None, *jobs[1:])
+    assert sum(launches.values()) == 2, launches
+    first = [j.out.clone() for j in jobs]
+    for job in jobs:
+        want = torch.zeros(job.part.shape[1])
+        for row in job.part:  # p = 0, 1, ... in order, fp32
+            want = want + row
+        if job.out.dtype == torch.bfloat16:  # the interpreter's bf16 cast truncates (a GPU rounds to nearest)
+            assert torch.allclose(job.out.float(), want, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(job.out, want.to(job.out.dtype))
+    gemm.reduce_partials(*jobs)
+    assert all(torch.equal(a, j.out) for a, j in zip(first, jobs))
 
 
 def test_exact_epilogue_rounds_half_to_even_saturates_and_maps_nan(seeded):
@@ -156,7 +179,7 @@ def test_fused_couple_matches_reference_with_launch_budgets(seeded, kind, activa
     with dispatch.force_triton(), dispatch.count_launches() as bwd:
         torch.autograd.backward(port, g)
     assert sum(fwd.values()) <= 3, fwd
-    assert 1 <= sum(bwd.values()) <= 6, bwd
+    assert 1 <= sum(bwd.values()) <= 7, bwd  # issue 12 budget: <= 8 (README: 3 forward, 7 backward)
 
     # Oracle: plain autograd of the reference half in float64.
     xd = x.detach().double().requires_grad_(True)
@@ -263,15 +286,19 @@ def test_bad_launcher_and_couple_inputs_raise_clearly():
     with pytest.raises(ValueError, match="columns"):
         gemm.linear(rand(8, 63), w)
     with pytest.raises(ValueError, match="unit stride"):
-        gemm.row_stats(rand(64, 8).t())
+        gemm.normalize(rand(64, 8).t())
     with pytest.raises(ValueError, match="stride-0|broadcast"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, torch.zeros(64).expand(8, 64), 1)
     with pytest.raises(TypeError, match="int32"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, rand(8, 64), 1, frac_bits=16)
     with pytest.raises(ValueError, match="rows"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, rand(9, 64), 1)
-    with pytest.raises(ValueError, match="stats"):
-        gemm.linear(x, w, norm="layer")
+    with pytest.raises(ValueError, match="split_k"):
+        gemm.linear_weight_grad(x, x, split_k=0)
+    with pytest.raises(ValueError, match="col_sums"):
+        gemm.scale_rows(x, store=False)
+    with pytest.raises(ValueError, match="RMSNorm has no bias"):
+        gemm.normalize(x, norm="rms", norm_bias=rand(64))
     with pytest.raises(ValueError, match="sign"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, rand(8, 64), 2)
 
@@ -330,8 +357,8 @@ def test_stack_with_fused_g_halves_matches_reference_path(seeded, kind, exact):
         with dispatch.force_triton(triton), dispatch.count_launches() as launches:
             out = stack(xi)
             (out * g_out).sum().backward()
-        # depth x (3 forward + 3 recompute + 6 backward) fused launches, none on the reference path
-        assert sum(launches.values()) == (12 * depth if triton else 0), launches
+        # depth x (3 forward + 3 recompute + 7 backward) fused launches, none on the reference path
+        assert sum(launches.values()) == (13 * depth if triton else 0), launches
         return out.detach(), xi.grad, [p.grad for p in stack.parameters()]
 
     out_f, dx_f, grads_f = run(fused, True)

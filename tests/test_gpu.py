@@ -185,7 +185,7 @@ def test_backward_schedule_makes_no_host_sync(schedule, monkeypatch):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = stack(x)
     out.float().square().mean().backward()  # warm: first launches autotune, which syncs
-    real = engine.run_backward_schedule
+    real = engine.segment.run_backward_schedule
 
     def strict(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("error")
@@ -194,7 +194,7 @@ def test_backward_schedule_makes_no_host_sync(schedule, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(engine, "run_backward_schedule", strict)
+    monkeypatch.setattr(engine.segment, "run_backward_schedule", strict)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = stack(x)
     out.float().square().mean().backward()

@@ -58,7 +58,7 @@ def test_the_counter_sees_item_bool_and_nonzero():
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "float"])
 def test_one_sync_per_forward_and_backward_whatever_the_depth(seeded, schedule, exact, monkeypatch):
     inside = []
-    real = engine.run_backward_schedule
+    real = engine.segment.run_backward_schedule
 
     def counted_schedule(*args, **kwargs):  # the per-block part of the backward: no sync at all
         with CountSyncs() as syncs:
@@ -66,7 +66,7 @@ def test_one_sync_per_forward_and_backward_whatever_the_depth(seeded, schedule, 
         inside.append(syncs.counts)
         return result
 
-    monkeypatch.setattr(engine, "run_backward_schedule", counted_schedule)
+    monkeypatch.setattr(engine.segment, "run_backward_schedule", counted_schedule)
     dtype = torch.float32 if exact else torch.float64
     for depth in (1, 6):
         stack = build(depth, schedule, exact, transition=depth > 3, seed=seeded)

@@ -89,15 +89,15 @@ def test_every_kernel_and_config_is_compiled(report):
     """Every kernel the halves launch, with every config of each arch's autotune list."""
     rows = [r for r in report["launches"] if r["model"] != "anchor"]
     assert {r["kernel"] for r in rows} == {
-        "fused_gemm_kernel", "row_stats_kernel", "norm_bwd_kernel", "sum_partials_kernel",
-        "qkv_norm_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_delta_kernel", "attention_bwd_kernel"}
+        "fused_gemm_kernel", "normalize_kernel", "scale_rows_kernel", "norm_bwd_kernel", "sum_partials_kernel",
+        "qkv_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_delta_kernel", "attention_bwd_kernel"}
     from revtriton.kernels import configs
 
     for arch in (90, 80):
         tiles = {re.search(r"/(\d+x\d+x\d+w\d+s\d+)@", r["label"]).group(1)
                  for r in rows if r["kernel"] == "fused_gemm_kernel" and r["arch"] == arch}
         expected = {f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}x{c.kwargs['BLOCK_K']}w{c.num_warps}s{c.num_stages}"
-                    for kind in ("regular", "dual") for c in configs.configs_for_arch(kind, arch)}
+                    for kind in ("regular", "dual", "act_grad") for c in configs.configs_for_arch(kind, arch)}
         assert tiles == expected, arch
     assert {r["key"] for r in rows} <= set(report["results"])  # every launch x config analysed
 

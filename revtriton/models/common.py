@@ -127,10 +127,15 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
         s = to_fixed(v.detach(), k)
         return s, _Snap.apply(v.to(grad_dtype), from_fixed(s, k, grad_dtype))
 
-    s1, v1 = encode(x1)
-    s2, v2 = encode(x2)
+    # Between segments (at the start, after a stage transition) the streams are float values the
+    # engine does not round: a segment encodes them when its first block runs, as the engine does.
+    f1, f2, in_segment = x1, x2, False
     for layer in layers:
         if is_reversible_block(layer):
+            if not in_segment:
+                s1, v1 = encode(f1)
+                s2, v2 = encode(f2)
+                in_segment = True
             f, g = layer.coupling_halves()
             h = f(_HalfInput.apply(v2.to(dtype)))  # halves see the stack's dtype, as in the engine
             s1 = s1 + quantize_reference(h.detach(), k)
@@ -142,10 +147,12 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
             raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
         else:
             # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
-            x = layer((v1.to(dtype) + v2.to(dtype)) * 0.5)
-            s1, v1 = encode(x)
-            s2, v2 = encode(x)
-    return v1.to(dtype), v2.to(dtype)
+            if in_segment:
+                f1, f2, in_segment = v1.to(dtype), v2.to(dtype), False
+            f1 = f2 = layer((f1 + f2) * 0.5)
+    if in_segment:
+        return v1.to(dtype), v2.to(dtype)
+    return f1, f2
 
 
 def to_stored_activations(model: nn.Module) -> nn.Module:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from . import backend
-from .dispatch import run_op
-from .mlp import _scale_rows, normalize_reference, triton_dtypes, triton_runs_on
+from .dispatch import run_op, triton_dtypes, triton_runs_on
+from .reference import apply_row_scale, normalize_reference
 from .streams import couple_output
 
 
@@ -66,7 +66,7 @@ def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_
     n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
     q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     o = multi_head_attention_reference(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta)
-    return _scale_rows(F.linear(o, w_proj, b_proj), row_scale)
+    return apply_row_scale(F.linear(o, w_proj, b_proj), row_scale)
 
 
 def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads,

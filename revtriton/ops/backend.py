@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from . import dispatch
+from . import launches
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_BACKEND = "REVTRITON_BACKEND"
@@ -384,7 +384,7 @@ def _measure(op: Op, key: str, args, options, where: str) -> dict:
     timer = _timer or cuda_event_timer
     times, excluded = {}, {}
     begin = time.perf_counter()
-    with dispatch.uncounted():
+    with launches.uncounted():
         for cand in op.candidates.values():
             if not (cand.available(args, options) and cand.supports(args, options)):
                 continue
@@ -443,6 +443,7 @@ def _decide(op: Op, key: str, args, options, device: torch.device) -> dict:
                           f"cannot run here; measuring again", RuntimeWarning, stacklevel=3)
     usable = [c for c in op.candidates.values() if c.available(args, options) and c.supports(args, options)]
     if len(usable) == 1:
+        _warn_unsupported(op, args, options, key)
         return {"choice": usable[0].name, "times_ms": {}, "excluded": {}, "op": op.name, "key": key,
                 "source": "only candidate"}
     record = _measure(op, key, args, options, where)
@@ -477,9 +478,24 @@ def _decide_everywhere(op: Op, key: str, args, options, device: torch.device) ->
     return record
 
 
+_warned_unsupported: set = set()
+
+
+def _warn_unsupported(op: Op, args, options, key: str | None = None):
+    """One warning per (op, key): a candidate that runs on this device does not handle these inputs
+    (e.g. a head dim the Triton attention kernels lack), so another one runs instead."""
+    skipped = [c.name for c in op.candidates.values() if c.available(args, options) and not c.supports(args, options)]
+    key = key if key is not None else op.key(args, options)
+    if skipped and (op.name, key) not in _warned_unsupported:
+        _warned_unsupported.add((op.name, key))
+        warnings.warn(f"revtriton: {op.name} [{key}]: the {', '.join(skipped)} implementation does not support "
+                      f"these inputs; running the other implementation instead", RuntimeWarning, stacklevel=4)
+
+
 def _default(op: Op, args, options) -> Candidate:
     for cand in op.candidates.values():
-        if cand.available(args, options):
+        if cand.available(args, options) and cand.supports(args, options):
+            _warn_unsupported(op, args, options)
             return cand
     raise RuntimeError(f"revtriton: no implementation of {op.name} runs on these tensors")
 

@@ -4,18 +4,18 @@
 ``ops.backend`` chooses (an override, the measured and pinned choice on a GPU, or on CPU the rule
 below: Triton only under :func:`force_triton` with the interpreter).
 
-Every Triton launch in revtriton goes through :func:`launch`, so :func:`count_launches`
-sees all of them (tests and perf/ assert launch budgets with it).
+Every Triton launch in revtriton goes through :func:`launch` (ops/launches.py, re-exported
+here), so :func:`count_launches` sees all of them (tests and perf/ assert launch budgets with it).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
 
 import torch
 
-_counters: list[Counter] = []
+from .launches import count_launches, launch, uncounted  # noqa: F401 (the ops' launch point)
+
 _force_triton = False
 
 
@@ -86,31 +86,11 @@ def replayed(state):
         _force_triton = previous
 
 
-def launch(kernel, grid, *args, **meta):
-    """Launch ``kernel[grid](*args, **meta)`` and count it under every active counter."""
-    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
-    for counter in _counters:
-        counter[name] += 1
-    return kernel[grid](*args, **meta)
+def triton_runs_on(args, options) -> bool:
+    """A candidate predicate (ops.backend): the fused kernels run on CUDA tensors, and on CPU
+    tensors under force_triton (interpreter); ``args[1]`` is a couple's input x."""
+    return use_triton(args[1])
 
 
-@contextlib.contextmanager
-def uncounted():
-    """Launches inside are not counted (the backend's measuring runs)."""
-    saved = _counters[:]
-    _counters.clear()
-    try:
-        yield
-    finally:
-        _counters[:] = saved
-
-
-@contextlib.contextmanager
-def count_launches():
-    """Count Triton launches made inside the block: ``with count_launches() as c: ...; c.total()``."""
-    counter = Counter()
-    _counters.append(counter)
-    try:
-        yield counter
-    finally:
-        _counters.remove(counter)
+def triton_dtypes(args, options) -> bool:
+    return args[1].dtype in (torch.float16, torch.bfloat16, torch.float32)

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, limits
+from . import dispatch, gemm, limits
 from .streams import check_frac_bits, couple_result, function_outputs
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
@@ -231,20 +231,9 @@ def cached_rope_tables(tokens: int, head_dim: int, theta: float, device):
     return _ROPE_CACHE[key]
 
 
-def qkv_projection_reference(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, norm, heads, kv_heads, tokens,
-                             rope=None, dot_dtype=None):
-    """[M, (H + 2 KV) D] = rope(norm(x) @ W^T + b) on the q and k heads; x [M, dim] (M = B * tokens)."""
-    dot_dtype = w_qkv.dtype if dot_dtype is None else dot_dtype
-    mean, rstd = stats
-    n = x.float()
-    if norm == "layer":
-        n = n - mean[:, None]
-    n = n * rstd[:, None]
-    if norm_weight is not None:
-        n = n * norm_weight.float()
-    if norm_bias is not None:
-        n = n + norm_bias.float()
-    qkv = n.to(dot_dtype).float() @ w_qkv.float().t()
+def qkv_projection_reference(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
+    """[M, (H + 2 KV) D] = rope(n @ W^T + b) on the q and k heads; n [M, dim] normalized rows (M = B * tokens)."""
+    qkv = n.float() @ w_qkv.float().t()
     if b_qkv is not None:
         qkv = qkv + b_qkv.float()
     if rope is not None:
@@ -253,57 +242,45 @@ def qkv_projection_reference(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, 
         rotated = qkv[:, :(heads + kv_heads) * head_dim].reshape(rows // tokens, tokens, heads + kv_heads, head_dim)
         rotated = rope_rotate_reference(rotated, *rope).reshape(rows, -1)
         qkv = torch.cat([rotated, qkv[:, (heads + kv_heads) * head_dim:]], dim=1)
-    return qkv.to(dot_dtype)
+    return qkv.to(w_qkv.dtype)
 
 
-def qkv_projection(x, stats, norm_weight, norm_bias, w_qkv, b_qkv, *, norm, heads, kv_heads, tokens, rope=None,
-                   dot_dtype=None):
-    """One launch: ``rope(norm(x) @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in dot_dtype.
+def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
+    """One launch: ``rope(n @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in w_qkv's dtype.
 
-    x [M, dim] (rows are batch-major tokens, M = B * tokens); stats = (mean, rstd) fp32 [M] from
-    ``gemm.row_stats``; rope = (cos, sin) [tokens, D/2] or None; w_qkv already in dot_dtype.
+    n [M, dim]: the normalized rows (``gemm.normalize``) in the GEMM operand dtype, w_qkv's
+    (rows are batch-major tokens, M = B * tokens); rope = (cos, sin) [tokens, D/2] or None.
     """
-    if norm not in ("layer", "rms"):
-        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be a 2-D [tokens, dim] tensor with unit column stride, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    M, dim = x.shape
+    if not isinstance(n, torch.Tensor) or n.dim() != 2 or n.stride(1) != 1:
+        raise ValueError(f"n must be a 2-D [tokens, dim] tensor with unit column stride, got "
+                         f"{tuple(n.shape) if isinstance(n, torch.Tensor) else type(n).__name__}")
+    M, dim = n.shape
     N = w_qkv.shape[0]
     if w_qkv.dim() != 2 or w_qkv.shape[1] != dim or N % (heads + 2 * kv_heads):
         raise ValueError(f"w_qkv {tuple(w_qkv.shape)} is not [(heads + 2 kv_heads) * head_dim, {dim}]")
     head_dim = N // (heads + 2 * kv_heads)
     check_head_dim(head_dim)
-    dot_dtype = w_qkv.dtype if dot_dtype is None else dot_dtype
-    if w_qkv.dtype != dot_dtype:
-        raise TypeError(f"w_qkv dtype {w_qkv.dtype} != GEMM operand dtype {dot_dtype}: cast it first")
+    if n.dtype != w_qkv.dtype:
+        raise TypeError(f"n dtype {n.dtype} != w_qkv dtype {w_qkv.dtype}: GEMM operands are raw, in one dtype")
     if M % tokens:
         raise ValueError(f"{M} rows are not a whole number of {tokens}-token sequences")
-    mean, rstd = stats
-    for name, t in (("mean", mean), ("rstd", rstd)):
-        if t.shape != (M,) or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 [{M}]")
-    for name, t, n in (("norm_weight", norm_weight, dim), ("norm_bias", norm_bias, dim), ("b_qkv", b_qkv, N)):
-        if t is not None and (t.shape != (n,) or t.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous [{n}] vector, got {tuple(t.shape)}")
+    if b_qkv is not None and (b_qkv.shape != (N,) or b_qkv.stride(0) != 1):
+        raise ValueError(f"b_qkv must be a contiguous [{N}] vector, got {tuple(b_qkv.shape)}")
     if rope is not None:
         cos, sin = rope
         if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
             raise ValueError(f"rope tables must be fp32 [{tokens}, {head_dim // 2}]")
-    out = torch.empty(M, N, device=x.device, dtype=dot_dtype)
+    out = torch.empty(M, N, device=n.device, dtype=w_qkv.dtype)
     if M == 0:
         return out
     kernels = _qkv_kernels()
-    cos, sin = rope if rope is not None else (mean, mean)
-    dummy = out
+    cos, sin = rope if rope is not None else (out, out)
     grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * triton_cdiv(N, head_dim),)  # noqa: E731
-    dispatch.launch(kernels.qkv_norm_rope_gemm_kernel, grid, x, mean, rstd,
-                    dummy if norm_weight is None else norm_weight, dummy if norm_bias is None else norm_bias, w_qkv,
-                    dummy if b_qkv is None else b_qkv, out, cos, sin,
-                    M, N, dim, tokens, heads + kv_heads, x.stride(0), w_qkv.stride(0), w_qkv.stride(1),
-                    out.stride(0), IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None,
-                    HAS_BETA=norm_bias is not None, HAS_BIAS=b_qkv is not None, ROPE=rope is not None,
-                    HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(dot_dtype))
+    dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
+                    M, N, dim, tokens, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
+                    n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
+                    HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
+                    DOT_PRECISION=_dot_precision(w_qkv.dtype))
     return out
 
 
@@ -371,15 +348,13 @@ class _Plan:
 
 def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
     """The four launches. Returns (stream [B, T, dim], saved tensors for backward)."""
-    from . import gemm
-
     x2 = x.reshape(plan.rows, plan.dim)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    stats = gemm.row_stats(x2, norm=plan.norm, eps=plan.eps)                                     # launch 1
-    qkv = qkv_projection(x2, stats, norm_weight, norm_bias, w_qkv, b_qkv, norm=plan.norm,        # launch 2
-                         heads=plan.heads, kv_heads=plan.kv_heads, tokens=plan.tokens, rope=plan.rope,
-                         dot_dtype=plan.dot_dtype)
+    n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
+                                   norm_bias=norm_bias, out_dtype=plan.dot_dtype)
+    qkv = qkv_projection(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,              # launch 2
+                         tokens=plan.tokens, rope=plan.rope)
     q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
     o, lse = attention_fwd(q, k, v, causal=plan.causal)                                         # launch 3
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
@@ -387,87 +362,86 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     if res2.stride(1) != 1:
         res2 = res2.contiguous()
     stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
-                                row_scale=row_scale, dot_dtype=plan.dot_dtype)
-    return stream.view(res.shape), (x2, stats[0], stats[1], qkv, o, lse)
+                                row_scale=row_scale)
+    return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse)
 
 
-def _fused_backward(plan: _Plan, g, x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
-                    has_b_qkv, has_b_proj, need_dx=True):
-    """Gradients of sign * H(x) given g = d loss / d stream; seven launches.
-
-    dgamma / dbeta / the bias and the gamma, beta part of dW_qkv come from weight-sized torch
-    ops: with n = xhat * gamma + beta, dW_qkv = dW' * gamma + db (x) beta, dgamma = sum_n dW' * W,
-    dbeta = db @ W where dW' = dqkv^T @ xhat, so the norm backward needs no partial-sum pass.
-    """
-    from . import gemm
-
+def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj,
+                    row_scale, param_dtypes, need_dx=True):
+    """Gradients of sign * H(x) given g = d loss / d stream: ten launches (nine without biases),
+    every weight gradient a raw GEMM (split-K partials when it cannot fill the GPU), every bias / norm-parameter gradient a partial
+    sum reduced in one fixed-order launch at the end (no weight-sized temporaries in torch)."""
     dt, rows = plan.dot_dtype, plan.rows
+    gamma_dtype, beta_dtype, w_qkv_dtype, b_qkv_dtype, w_proj_dtype, b_proj_dtype = param_dtypes
     g2 = g.reshape(rows, plan.dim)
     if g2.stride(1) != 1 or g2.stride(0) == 0:
         g2 = g2.contiguous()
-    # out-projection: dO = sign * row_scale * (g @ W_proj); dW_proj, db_proj from the same scaled g.
-    do = gemm.linear_input_grad(g2, w_proj, alpha=plan.sign, row_scale=row_scale, dot_dtype=dt,  # launch 1
-                                out_dtype=dt)
-    dw_proj, db_proj = gemm.linear_weight_grad(g2, o.view(rows, -1), grad_scale=row_scale,      # launch 2
-                                               alpha=plan.sign, bias_grad=has_b_proj, dot_dtype=dt)
+    # out-projection: gs = sign * row_scale * g in the operand dtype (db_proj partials on the way),
+    # dO = gs @ W_proj, dW_proj = gs^T @ o.
+    gs, db_proj = gemm.scale_rows(g2, alpha=plan.sign, row_scale=row_scale, out_dtype=dt,              # launch 1
+                                  col_sums=b_proj_dtype is not None, sums_dtype=b_proj_dtype)
+    do = gemm.linear_input_grad(gs, w_proj, out_dtype=dt)                                              # launch 2
+    pending = []
+    dw_proj = dw_qkv = None
+    if w_proj_dtype is not None:
+        dw_proj = gemm.linear_weight_grad(gs, o.view(rows, -1), out_dtype=w_proj_dtype, pending=pending)  # launch 3
     # attention (+ RoPE backward), written straight into the packed dqkv buffer.
     dqkv = torch.empty_like(qkv)
     q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
     dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-    attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,      # launches 3, 4
+    attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,             # launches 4, 5
                   dq=dq, dk=dk, dv=dv)
-    # QKV projection and the norm.
-    dx = None
-    if need_dx:
-        w_gamma = w_qkv if norm_weight is None else (w_qkv.float() * norm_weight.float()).to(dt)
-        dxhat = gemm.linear_input_grad(dqkv, w_gamma, dot_dtype=dt, out_dtype=torch.float32)    # launch 5
-        dx, _, _ = gemm.norm_bwd(dxhat, x2, (mean, rstd), None, norm=plan.norm, has_bias=False)  # launch 6
+    dqkv2 = dqkv.view(rows, -1)
+    # QKV projection and the norm: dN = dqkv @ W_qkv, then the norm backward (dgamma / dbeta partials).
+    dx = norm_part = None
+    if need_dx or gamma_dtype is not None or beta_dtype is not None:
+        dn = gemm.linear_input_grad(dqkv2, w_qkv, out_dtype=torch.float32)                             # launch 6
+        dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm=plan.norm,     # launch 7
+                                               has_bias=norm_bias is not None)
         dx = dx.view(plan.batch, plan.tokens, plan.dim)
-    dw_hat, db_qkv = gemm.linear_weight_grad(dqkv, x2, norm=plan.norm, stats=(mean, rstd),       # launch 7
-                                             bias_grad=True, dot_dtype=dt)
-    w32 = w_qkv.float()
-    dgamma = dbeta = None
-    dw_qkv = dw_hat
-    if norm_weight is not None:
-        dgamma = (dw_hat * w32).sum(0)
-        dw_qkv = dw_hat * norm_weight.float()
-    if norm_bias is not None:
-        dbeta = db_qkv @ w32
-        dw_qkv = dw_qkv + torch.outer(db_qkv, norm_bias.float())
-    return (dx, dgamma, dbeta, dw_qkv,
-            db_qkv if has_b_qkv else None, dw_proj, db_proj)
+    if w_qkv_dtype is not None:
+        dw_qkv = gemm.linear_weight_grad(dqkv2, n, out_dtype=w_qkv_dtype, pending=pending)           # launch 8
+    db_qkv = None
+    if b_qkv_dtype is not None:
+        _, db_qkv = gemm.scale_rows(dqkv2, store=False, col_sums=True, sums_dtype=b_qkv_dtype)         # launch 9
+    gemm.reduce_partials(db_proj, db_qkv, norm_part, *pending)                                         # launch 10
+    dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
+    return (dx, dgamma, dbeta, dw_qkv, None if db_qkv is None else db_qkv.out, dw_proj,
+            None if db_proj is None else db_proj.out)
 
 
 class FusedNormAttentionCouple(torch.autograd.Function):
-    """Autograd Function of the fused half: forward 4 launches, backward 7."""
+    """Autograd Function of the fused half: forward 4 launches, backward 10 (9 without biases)."""
 
     @staticmethod
     def forward(ctx, plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
-        stream, (x2, mean, rstd, qkv, o, lse) = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv,
-                                                               w_proj, b_proj, row_scale)
+        stream, (x2, mean, rstd, n, qkv, o, lse) = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv,
+                                                                  b_qkv, w_proj, b_proj, row_scale)
         ctx.plan = plan
-        ctx.has_b_qkv, ctx.has_b_proj = b_qkv is not None, b_proj is not None
         ctx.param_dtypes = [None if t is None else t.dtype for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
                                                                       b_proj)]
         ctx.x_dtype = x.dtype
-        ctx.save_for_backward(x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale)
+        ctx.save_for_backward(x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale)
         return function_outputs(ctx, stream, plan.frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
         g = grads[0] if plan.frac_bits is None else grads[1]
-        x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale = ctx.saved_tensors
+        x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale = ctx.saved_tensors
         grad_res = grads[0] if plan.frac_bits is None else None
         if g is None:
             return (None, grad_res) + (None,) * 8
+        need = ctx.needs_input_grad
+        # Only the gradients asked for: a frozen parameter's dtype is passed as None.
+        param_dtypes = [dtype if need[i + 3] else None for i, dtype in enumerate(ctx.param_dtypes)]
         with torch.autocast(g.device.type, enabled=False):
             dx, dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj = _fused_backward(
-                plan, g.float(), x2, mean, rstd, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
-                ctx.has_b_qkv, ctx.has_b_proj, need_dx=ctx.needs_input_grad[2])
-        param_grads = [None if d is None else d.to(dtype) for d, dtype in
-                       zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes)]
-        return (None, grad_res, None if dx is None else dx.to(ctx.x_dtype), *param_grads, None)
+                plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
+                param_dtypes, need_dx=need[2])
+        param_grads = [None if d is None or not need[i + 3] else d.to(dtype) for i, (d, dtype) in
+                       enumerate(zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes))]
+        return (None, grad_res, None if dx is None or not need[2] else dx.to(ctx.x_dtype), *param_grads, None)
 
 
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
@@ -476,8 +450,9 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
     Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``.
-    Forward: row stats -> QKV GEMM (norm prologue, bias + RoPE epilogue) -> flash attention ->
-    out-projection GEMM (bias, row_scale, residual +/- or the exact int32 add): 4 launches.
+    Forward: normalize (once per row, in the operand dtype) -> QKV GEMM (raw operands, bias +
+    RoPE epilogue) -> flash attention -> out-projection GEMM (bias, row_scale, residual +/- or
+    the exact int32 add): 4 launches.
     Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
     attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
     with fp32 accumulation.

@@ -1,14 +1,17 @@
 """The fused norm+MLP coupling half: autograd Functions over the kernels of ops/gemm.py.
 
-Forward couple (3 launches): row stats -> GEMM1 (norm prologue; bias + activation, or SwiGLU
-gate * up, in the epilogue) -> GEMM2 (bias, row scale, residual +/- float or exact epilogue).
-With grad enabled GEMM1 also stores its pre-activation for backward (a runtime flag of the
-same compiled kernel, so the forward and the recompute share a config and agree bitwise).
+Forward couple (3 launches): normalize (the norm once per row, written in the GEMM operand
+dtype) -> GEMM1 (raw operands; bias + activation, or SwiGLU gate * up, in the epilogue) ->
+GEMM2 (bias, row scale, residual +/- float or exact epilogue). With grad enabled GEMM1 also
+stores its pre-activation (a runtime flag of the same compiled kernel, so the forward and the
+recompute share a config and agree bitwise) and the normalized rows and activations are kept.
 
-Backward (6 launches): dH GEMM with the activation derivative in its epilogue; the two weight
-gradients (bias gradients summed in the same passes, the activation / norm re-applied in the
-B prologue instead of stored); the input-gradient GEMM; the norm backward with per-program
-dgamma/dbeta partial sums and a second reducing pass. No atomics anywhere.
+Backward (7 launches): the output gradient scaled and cast once (bias-gradient partials in
+the same pass); dH GEMM with the activation derivative (and the other bias gradient's partials)
+in its epilogue; the two weight gradients as raw GEMMs over the kept normalized rows and
+activations (split-K when the output cannot fill the GPU); the input-gradient GEMM; the norm
+backward with per-program dgamma/dbeta partials; one launch reducing every partial sum. No
+atomics anywhere.
 
 Semantics are those of the references in ops/mlp.py (norm_mlp_reference, swiglu_mlp_reference)
 and of the couple protocol (ops/streams.py): float mode returns ``(stream, stream or None)``,
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm
-from .mlp import ACTIVATIONS, NORMS
+from .reference import ACTIVATIONS, NORMS
 from .streams import check_frac_bits, couple_result, function_outputs
 
 
@@ -81,12 +84,22 @@ def _needs_grad(*tensors) -> bool:
 
 def _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation, eps,
                       row_scale, dot_dtype, save):
-    stats = gemm.row_stats(x2, norm=norm, eps=eps)
-    a1, z1 = gemm.linear(x2, w1.to(dot_dtype), b1, activation=activation, norm=norm, stats=stats,
-                         norm_weight=norm_weight, norm_bias=norm_bias, save_preact=save, dot_dtype=dot_dtype)
-    stream = gemm.linear_couple(a1, w2.to(dot_dtype), b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
-                                dot_dtype=dot_dtype)
-    return stream, stats, z1
+    n, mean, rstd = gemm.normalize(x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
+                                   out_dtype=dot_dtype)
+    a1, z1 = gemm.linear(n, w1.to(dot_dtype), b1, activation=activation, save_preact=save)
+    stream = gemm.linear_couple(a1, w2.to(dot_dtype), b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale)
+    return stream, (n, mean, rstd, a1, z1)
+
+
+def _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, bias_dtype):
+    """The output gradient times sign and row_scale in the operand dtype (one launch), and the
+    Partials of its column sums when the last layer has a bias to differentiate."""
+    g = grads[0] if frac_bits is None else grads[1]
+    g2 = g.reshape(-1, dim)
+    if g2.stride(1) != 1 or (g2.shape[0] > 1 and g2.stride(0) == 0):
+        g2 = g2.contiguous()
+    return gemm.scale_rows(g2, alpha=sign, row_scale=row_scale, out_dtype=dot_dtype, col_sums=bias_dtype is not None,
+                           sums_dtype=bias_dtype)
 
 
 class FusedNormMLPCouple(torch.autograd.Function):
@@ -95,40 +108,43 @@ class FusedNormMLPCouple(torch.autograd.Function):
                 eps, dot_dtype):
         dim = x.shape[-1]
         x2 = _rows(x, dim)
-        stream, (mean, rstd), z1 = _norm_mlp_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight, norm_bias, w1,
-                                                     b1, w2, b2, norm, activation, eps, row_scale, dot_dtype, True)
-        ctx.save_for_backward(x2, mean, rstd, z1, norm_weight, norm_bias, w1, w2, row_scale)
-        ctx.options = (sign, frac_bits, norm, activation, dot_dtype, b1 is not None, b2 is not None)
+        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight,
+                                                            norm_bias, w1, b1, w2, b2, norm, activation, eps,
+                                                            row_scale, dot_dtype, True)
+        ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
+        ctx.options = (sign, frac_bits, norm, activation, dot_dtype)
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         ctx.x_shape = x.shape
         return function_outputs(ctx, stream.view(res.shape), frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
-        x2, mean, rstd, z1, norm_weight, norm_bias, w1, w2, row_scale = ctx.saved_tensors
-        sign, frac_bits, norm, activation, dot_dtype, has_b1, has_b2 = ctx.options
-        g = grads[0] if frac_bits is None else grads[1]
-        dim = x2.shape[1]
-        grad_res = g if (frac_bits is None and ctx.needs_input_grad[0]) else None
-        g2 = g.reshape(-1, dim).contiguous()
-        w1c, w2c = w1.to(dot_dtype), w2.to(dot_dtype)
+        """Seven launches: scale g, dH (activation derivative and db1 partials in the epilogue),
+        dW2, dW1, dN, the norm backward (dgamma / dbeta partials), one reduction of all partials."""
+        x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale = ctx.saved_tensors
+        sign, frac_bits, norm, activation, dot_dtype = ctx.options
         need = ctx.needs_input_grad
-        dz1 = gemm.linear_act_bwd(g2, w2c, z1, activation=activation, alpha=sign, row_scale=row_scale,
-                                  dot_dtype=dot_dtype)
-        dw2 = db2 = dw1 = db1 = dx = dgamma = dbeta = None
-        if need[6] or need[7]:
-            dw2, db2 = gemm.linear_weight_grad(g2, z1, grad_scale=row_scale, alpha=sign, inp_activation=activation,
-                                               bias_grad=has_b2, dot_dtype=dot_dtype, out_dtype=w2.dtype)
-        if need[4] or need[5]:
-            dw1, db1 = gemm.linear_weight_grad(dz1, x2, norm=norm, stats=(mean, rstd), norm_weight=norm_weight,
-                                               norm_bias=norm_bias, bias_grad=has_b1, dot_dtype=dot_dtype,
-                                               out_dtype=w1.dtype)
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+        dim = x2.shape[1]
+        grad_res = grads[0] if (frac_bits is None and need[0]) else None
+        gs, db2 = _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, b2_dtype if need[7] else None)
+        dz1, db1 = gemm.linear_act_bwd(gs, w2.to(dot_dtype), z1, activation=activation,
+                                       col_sums=b1_dtype is not None and need[5], sums_dtype=b1_dtype)
+        pending = []
+        dw2 = gemm.linear_weight_grad(gs, a1, out_dtype=w2.dtype, pending=pending) if need[6] else None
+        dw1 = gemm.linear_weight_grad(dz1, n, out_dtype=w1.dtype, pending=pending) if need[4] else None
+        dx = norm_part = None
         if need[1] or need[2] or need[3]:
-            dn = gemm.linear_input_grad(dz1, w1c, dot_dtype=dot_dtype)
-            dx, dgamma, dbeta = gemm.norm_bwd(dn, x2, (mean, rstd), norm_weight, norm=norm,
-                                              has_bias=norm_bias is not None)
+            dn = gemm.linear_input_grad(dz1, w1.to(dot_dtype))
+            dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm=norm,
+                                                   has_bias=norm_bias is not None)
             dx = dx.view(ctx.x_shape)
-        return (grad_res, dx, dgamma, dbeta, dw1, db1 if has_b1 else None, dw2, db2 if has_b2 else None,
-                None, None, None, None, None, None, None)
+        gemm.reduce_partials(db2, db1, norm_part, *pending)
+        dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
+        if dbeta is not None and dbeta.dtype != norm_bias.dtype:
+            dbeta = dbeta.to(norm_bias.dtype)
+        return (grad_res, dx, dgamma, dbeta, dw1, None if db1 is None else db1.out, dw2,
+                None if db2 is None else db2.out, None, None, None, None, None, None, None)
 
 
 def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
@@ -151,20 +167,19 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
         out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype)
         return couple_result(out, frac_bits)
     with torch.no_grad():
-        stream, _, _ = _norm_mlp_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, norm, activation,
-                                         eps, rs, dot_dtype, False)
+        stream, _ = _norm_mlp_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, norm, activation,
+                                      eps, rs, dot_dtype, False)
     return stream.view(res.shape), None
 
 
 # ---------------------------------------------------------------- RMSNorm + SwiGLU
 
 def _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype, save):
-    stats = gemm.row_stats(x2, norm="rms", eps=eps)
-    a1, z = gemm.linear(x2, w_gate.to(dot_dtype), None, activation="swiglu", weight_up=w_up.to(dot_dtype),
-                        norm="rms", stats=stats, norm_weight=norm_weight, save_preact=save, dot_dtype=dot_dtype)
-    stream = gemm.linear_couple(a1, w_down.to(dot_dtype), None, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
-                                dot_dtype=dot_dtype)
-    return stream, stats, z
+    n, mean, rstd = gemm.normalize(x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype)
+    a1, z = gemm.linear(n, w_gate.to(dot_dtype), None, activation="swiglu", weight_up=w_up.to(dot_dtype),
+                        save_preact=save)
+    stream = gemm.linear_couple(a1, w_down.to(dot_dtype), None, res2, sign, frac_bits=frac_bits, row_scale=row_scale)
+    return stream, (n, mean, rstd, a1, z)
 
 
 class FusedSwiGLUCouple(torch.autograd.Function):
@@ -172,37 +187,37 @@ class FusedSwiGLUCouple(torch.autograd.Function):
     def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype):
         dim = x.shape[-1]
         x2 = _rows(x, dim)
-        stream, (mean, rstd), z = _swiglu_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight, w_gate, w_up,
-                                                  w_down, eps, row_scale, dot_dtype, True)
-        ctx.save_for_backward(x2, mean, rstd, z, norm_weight, w_gate, w_up, w_down, row_scale)
+        stream, (n, mean, rstd, a1, z) = _swiglu_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight, w_gate,
+                                                         w_up, w_down, eps, row_scale, dot_dtype, True)
+        ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.options = (sign, frac_bits, dot_dtype)
         ctx.x_shape = x.shape
         return function_outputs(ctx, stream.view(res.shape), frac_bits)
 
     @staticmethod
     def backward(ctx, *grads):
-        x2, mean, rstd, z, norm_weight, w_gate, w_up, w_down, row_scale = ctx.saved_tensors
+        """Seven launches: scale g, d[gate | up], dW_down, d[W_gate | W_up] in one GEMM, dN (two
+        K segments), the RMSNorm backward, one reduction (dgamma and any split-K partials)."""
+        x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale = ctx.saved_tensors
         sign, frac_bits, dot_dtype = ctx.options
-        g = grads[0] if frac_bits is None else grads[1]
         dim, hidden = x2.shape[1], w_gate.shape[0]
-        grad_res = g if (frac_bits is None and ctx.needs_input_grad[0]) else None
-        g2 = g.reshape(-1, dim).contiguous()
         need = ctx.needs_input_grad
-        dz = gemm.linear_act_bwd(g2, w_down.to(dot_dtype), z, activation="swiglu", alpha=sign, row_scale=row_scale,
-                                 dot_dtype=dot_dtype)
-        d_down = d_gate = d_up = dx = dgamma = None
-        if need[5]:
-            d_down, _ = gemm.linear_weight_grad(g2, z, grad_scale=row_scale, alpha=sign, inp_activation="swiglu",
-                                                dot_dtype=dot_dtype, out_dtype=w_down.dtype)
+        grad_res = grads[0] if (frac_bits is None and need[0]) else None
+        gs, _ = _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, None)
+        dz, _ = gemm.linear_act_bwd(gs, w_down.to(dot_dtype), z, activation="swiglu")
+        pending = []
+        d_down = gemm.linear_weight_grad(gs, a1, out_dtype=w_down.dtype, pending=pending) if need[5] else None
+        d_gate = d_up = dx = norm_part = None
         if need[3] or need[4]:
             # [d gate | d up].T @ rmsnorm(x): both weight gradients in one pass.
-            d_gate_up, _ = gemm.linear_weight_grad(dz, x2, norm="rms", stats=(mean, rstd), norm_weight=norm_weight,
-                                                   dot_dtype=dot_dtype, out_dtype=w_gate.dtype)
+            d_gate_up = gemm.linear_weight_grad(dz, n, out_dtype=w_gate.dtype, pending=pending)
             d_gate, d_up = d_gate_up[:hidden], d_gate_up[hidden:]
         if need[1] or need[2]:
-            dn = gemm.linear_input_grad(dz, w_gate.to(dot_dtype), weight2=w_up.to(dot_dtype), dot_dtype=dot_dtype)
-            dx, dgamma, _ = gemm.norm_bwd(dn, x2, (mean, rstd), norm_weight, norm="rms", has_bias=False)
+            dn = gemm.linear_input_grad(dz, w_gate.to(dot_dtype), weight2=w_up.to(dot_dtype))
+            dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm="rms", has_bias=False)
             dx = dx.view(ctx.x_shape)
+        gemm.reduce_partials(norm_part, *pending)
+        dgamma, _ = gemm.norm_param_grads(norm_part, norm_weight, False)
         return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None
 
 
@@ -222,6 +237,6 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
         out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype)
         return couple_result(out, frac_bits)
     with torch.no_grad():
-        stream, _, _ = _swiglu_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, eps, rs, dot_dtype,
-                                       False)
+        stream, _ = _swiglu_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, eps, rs, dot_dtype,
+                                    False)
     return stream.view(res.shape), None

@@ -1,63 +1,56 @@
-"""Launchers of the fused GEMM and norm kernels (kernels/gemm.py, kernels/norm.py), with references.
+"""Launchers of the GEMM and row kernels (kernels/gemm.py, kernels/norm.py), with references.
 
 Shared by the fused norm+MLP half (ops/fused_mlp.py) and the fused norm+attention half.
 Every launcher checks its input (TypeError / ValueError with the reason), allocates, and
 launches through ``dispatch.launch`` (so ``count_launches`` sees it). Matrices are 2-D
 ``[rows, cols]``; rows are tokens (flatten ``[..., d]`` with ``reshape(-1, d)`` first). A weight
-is an nn.Linear weight ``[out, in]``. Accumulation and statistics are fp32, one cast at the store.
-``dot_dtype`` is the GEMM operand dtype (default: the weight's dtype; under autocast pass the
-autocast dtype and cast the weights to it); fp32 operands use IEEE fp32 (no TF32), like torch.
+is an nn.Linear weight ``[out, in]``. GEMM operands are raw: both in the operand dtype (bf16 /
+fp16 under autocast, else the weights' dtype; fp32 runs as IEEE fp32, no TF32, like torch), with
+nothing applied to them per tile: the norm runs once per row (:func:`normalize`), gradients are
+scaled and cast once (:func:`scale_rows`). Accumulation and statistics are fp32.
 
-Forward (one launch each)
-    row_stats(x, *, norm="layer", eps=1e-6) -> (mean, rstd)
-        fp32 [M] each; RMSNorm: mean is zeros, rstd = 1/sqrt(mean(x^2) + eps).
-    linear(a, weight, bias=None, *, activation=None, weight_up=None,
-           norm=None, stats=None, norm_weight=None, norm_bias=None,
-           save_preact=False, dot_dtype=None, out_dtype=None) -> (out, preact or None)
-        out = act(norm(a) @ weight.T + bias). ``norm`` in (None, "layer", "rms") applies the
-        norm to A in the prologue with ``stats=(mean, rstd)`` from row_stats and gamma/beta
-        (``norm_weight``/``norm_bias``, may be None). ``activation`` in (None, "gelu_tanh",
-        "gelu", "relu", "swiglu"); "swiglu" needs ``weight_up``: out = silu(a W^T) * (a U^T).
+Forward
+    normalize(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None)
+        -> (n, mean, rstd); n = norm(x) * gamma + beta in out_dtype (one launch).
+    linear(a, weight, bias=None, *, activation=None, weight_up=None, save_preact=False,
+           out_dtype=None) -> (out, preact or None)
+        out = act(a @ weight.T + bias); "swiglu" needs ``weight_up``: out = silu(a W^T) * (a U^T).
         ``save_preact`` also returns the pre-activation (SwiGLU: [gate | up], 2*out columns).
-        out dtype: ``out_dtype`` or dot_dtype.
-    linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None,
-                  dot_dtype=None) -> stream
+    linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None) -> stream
         h = (a @ weight.T + bias) * row_scale[:, None]; float mode (frac_bits None):
         stream = res + sign * h in res's dtype; exact mode: res int32,
         stream = res + sign * round_half_even(h * 2^frac_bits) (saturated, int32 add).
-        Norm prologue also available: ``norm=..., stats=..., norm_weight=..., norm_bias=...``.
 Backward
-    linear_act_bwd(grad, weight, preact, *, activation, alpha=1.0, row_scale=None,
-                   dot_dtype=None) -> d_preact
-        ((alpha * row_scale[:, None] * grad) @ weight) * act'(preact), in dot_dtype;
-        ``weight`` is the [out, in] weight whose output gradient is ``grad``; "swiglu": preact
-        is [gate | up] and the result [d gate | d up].
-    linear_input_grad(grad, weight, *, weight2=None, alpha=1.0, row_scale=None,
-                      dot_dtype=None, out_dtype=torch.float32) -> grad @ weight
+    scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True)
+        -> (alpha * row_scale[:, None] * g in out_dtype or None, Partials of its column sums or None)
+    linear_act_bwd(grad, weight, preact, *, activation, col_sums=False) -> (d_preact, Partials or None)
+        (grad @ weight) * act'(preact) in grad's dtype; "swiglu": preact is [gate | up] and the
+        result [d gate | d up]; ``col_sums``: the bias gradient's partial sums from the epilogue.
+    linear_input_grad(grad, weight, *, weight2=None, out_dtype=torch.float32) -> grad @ weight
         with ``weight2``: grad[:, :H] @ weight + grad[:, H:] @ weight2 (grad has 2H columns).
-    linear_weight_grad(grad, inp, *, grad_scale=None, alpha=1.0, inp_activation=None,
-                       norm=None, stats=None, norm_weight=None, norm_bias=None,
-                       bias_grad=False, dot_dtype=None, out_dtype=torch.float32) -> (dW, db or None)
-        dW = (alpha * grad_scale[:, None] * grad).T @ f(inp), f = the norm prologue (inp is x)
-        or an activation of a stored pre-activation (inp_activation, "swiglu": inp = [gate | up]);
-        db = column sums of the scaled grad (same pass, no atomics).
-    norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None)
-        -> (dx, dgamma or None, dbeta or None)
-        dx = norm backward of dn (+ dres, the residual-gradient add); dgamma/dbeta from
-        per-program partial sums reduced in a second pass (two launches, deterministic).
+    linear_weight_grad(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None) -> dW
+        dW = grad.T @ inp. When the output tiles cannot fill the GPU, K (the tokens) is split
+        deterministically: fp32 partials, then a reduction in a fixed order (immediately, or
+        appended to ``pending`` for :func:`reduce_partials` to run with the others).
+    norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None)
+        -> (dx, Partials of [dgamma | dbeta] or None)
+    reduce_partials(*partials): every pending reduction of a backward, four per launch.
+    norm_bwd(...) -> (dx, dgamma, dbeta): norm_bwd_partials + reduce_partials.
 
 References: ``*_reference`` beside each launcher, same arguments, pure torch.
 
-Kernels: one JIT GEMM (kernels/gemm.py) autotuned through two wrappers with their own config
-lists (``fused_gemm_kernel``; ``fused_gemm_dual_kernel`` for SwiGLU's dual accumulator and its
-gradient), keyed on N, K and the variant flags, never on M. Whether the pre-activation is saved
-is a runtime flag (not specialised by the JIT), so a no-grad forward and its with-grad recompute
-run the same compiled kernel with the same config and agree bitwise. The static model
-(revtriton/aot.py, perf/static.py) compiles these launches ahead of time at production shapes.
+Kernels: one JIT GEMM (kernels/gemm.py) autotuned through three wrappers with their own config
+lists (``fused_gemm_kernel``; ``fused_gemm_dual_kernel`` for SwiGLU's dual accumulator,
+``fused_gemm_act_grad_kernel`` for its gradient and exact GELU's), keyed on power-of-two
+buckets of M and K, N and the variant flags. Whether the
+pre-activation is saved is a runtime flag (not specialised by the JIT), so a no-grad forward and
+its with-grad recompute run the same compiled kernel with the same config and agree bitwise.
+The static model (revtriton/aot.py, perf/static.py) compiles these launches ahead of time.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +58,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from .mlp import activation_reference
+from .reference import activation_reference
 from .streams import check_frac_bits, quantize_reference
 
 from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
@@ -73,11 +66,14 @@ from revtriton.kernels import norm as norm_kernels
 from revtriton.kernels.configs import norm_num_warps
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 ACTIVATION_CODES = {None: gemm_kernels.ACT_NONE, "gelu_tanh": gemm_kernels.ACT_GELU_TANH,
                     "gelu": gemm_kernels.ACT_GELU, "relu": gemm_kernels.ACT_RELU, "swiglu": gemm_kernels.ACT_SWIGLU}
-NORM_CODES = {None: gemm_kernels.NORM_NONE, "layer": gemm_kernels.NORM_LAYER, "rms": gemm_kernels.NORM_RMS}
+NORMS = ("layer", "rms")
 MAX_NORM_DIM = 16384  # a row kernel keeps a whole row in registers
+COL_SUM_ROWS = 64  # kernels/gemm.py: rows of C per column-sum partial row
+MAX_BLOCK_M = 128
+REDUCTIONS_PER_LAUNCH = 4  # kernels/norm.py sum_partials_kernel: a half's bias, norm and split-K partials
+DEFAULT_SMS = 132  # H100 SXM: split-K decisions when no GPU is there to ask (the interpreter)
 
 
 # ---------------------------------------------------------------- checks
@@ -120,24 +116,15 @@ def _check_same_device(*named):
             f"{n}={t.device}" for n, t in named if isinstance(t, torch.Tensor)))
 
 
-def _dot_dtype(weight, dot_dtype):
-    dot_dtype = weight.dtype if dot_dtype is None else dot_dtype
-    if dot_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dot_dtype {dot_dtype} not supported (expected one of {FLOAT_DTYPES})")
-    if weight.dtype != dot_dtype:
-        raise TypeError(f"weight dtype {weight.dtype} != GEMM operand dtype {dot_dtype}: cast the weight first")
-    return dot_dtype
-
-
 def _check_norm(norm, stats, norm_weight, norm_bias, rows, cols, stats_name="stats"):
-    if norm not in NORM_CODES:
-        raise ValueError(f"norm must be one of {tuple(NORM_CODES)}, got {norm!r}")
+    if norm not in (None,) + NORMS:
+        raise ValueError(f"norm must be one of {(None,) + NORMS}, got {norm!r}")
     if norm is None:
         if stats is not None or norm_weight is not None or norm_bias is not None:
             raise ValueError("stats / norm_weight / norm_bias given without norm=")
         return
     if stats is None or len(stats) != 2:
-        raise ValueError(f"norm={norm!r} needs {stats_name}=(mean, rstd) from row_stats")
+        raise ValueError(f"norm={norm!r} needs {stats_name}=(mean, rstd) from normalize")
     for name, s in zip(("mean", "rstd"), stats):
         _check_vector(s, name, rows, dtypes=(torch.float32,))
     _check_vector(norm_weight, "norm_weight", cols)
@@ -150,47 +137,102 @@ def _check_row_scale(row_scale, rows):
     _check_vector(row_scale, "row_scale", rows)
 
 
+# ---------------------------------------------------------------- partial sums
+
+@dataclass
+class Partials:
+    """A pending deterministic reduction: ``out.view(-1)[n] = sum_p part[p, n]`` (fp32 partials)."""
+    part: torch.Tensor  # [P, N] fp32, contiguous
+    out: torch.Tensor  # N elements, contiguous, any float dtype
+
+    @property
+    def rows(self) -> int:
+        return self.part.shape[0]
+
+
+def reduce_partials_reference(*partials):
+    for p in partials:
+        if p is not None:
+            p.out.view(-1).copy_(p.part.sum(0))
+
+
+def reduce_partials(*partials):
+    """Run every given reduction (None entries skipped), four per launch, each in a fixed order."""
+    jobs = [p for p in partials if p is not None and p.out.numel()]
+    for first in range(0, len(jobs), REDUCTIONS_PER_LAUNCH):
+        group = jobs[first:first + REDUCTIONS_PER_LAUNCH]
+        widest = max(p.part.shape[1] for p in group)
+        block = 1024 if not dispatch.interpreter_enabled() else 4096
+        args = []
+        for p in group + [group[0]] * (REDUCTIONS_PER_LAUNCH - len(group)):
+            args += [p.part, p.out, p.part.shape[0], p.part.shape[1]]
+        dispatch.launch(norm_kernels.sum_partials_kernel, (triton.cdiv(widest, block),), *args,
+                        JOBS=len(group), BLOCK_N=block, num_warps=4)
+
+
+def row_partial_programs(rows: int) -> int:
+    """Programs of a row kernel that writes partial sums: a function of the row count only (a
+    fixed summation order). The interpreter runs programs one after the other, so it gets few."""
+    return max(1, min(rows, 8 if dispatch.interpreter_enabled() else 512))
+
+
 # ---------------------------------------------------------------- the GEMM launch
 
-def _launch_gemm(a, b, b_strides, c, M, N, K, *, dot_dtype, b2=None, mean=None, rstd=None, gamma=None, beta=None,
-                 k_scale=None, bias=None, row_scale=None, aux=None, store_aux=False, res=None, bias_grad=None,
-                 alpha=1.0, sign=1, frac_bits=0, a_norm=None, b_norm=None, b_act=None, dual_b=False,
-                 second_k=False, act=None, act_bwd=None, residual=0):
-    """One launch of kernels.gemm.fused_gemm_kernel. ``b`` is read as a [K, N] matrix with ``b_strides``."""
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, row_scale=None, aux=None,
+                 store_aux=False, res=None, col_sum=None, alpha=1.0, sign=1, frac_bits=0, dual_b=False,
+                 second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0):
+    """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides."""
     dummy = c  # unused pointers: any tensor; a fixed choice per variant keeps the tuning key stable
+    stride_am, stride_ak = a_strides
     stride_bk, stride_bn = b_strides
+    if split_k > 1:
+        stride_cm, stride_cn = N, 1  # c is the [split_k, M, N] fp32 partial buffer
+    else:
+        stride_cm, stride_cn = c.stride(0), c.stride(1)
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
 
-    dual = dual_b or act_bwd == "swiglu"
+    if dual_b:
+        kernel = gemm_kernels.fused_gemm_dual_kernel
+    elif act_bwd in ("swiglu", "gelu"):
+        kernel = gemm_kernels.fused_gemm_act_grad_kernel
+    else:
+        kernel = gemm_kernels.fused_gemm_kernel
     dispatch.launch(
-        gemm_kernels.fused_gemm_dual_kernel if dual else gemm_kernels.fused_gemm_kernel, grid,
-        a, b, dummy if b2 is None else b2, c, M, N, K,
-        a.stride(0), a.stride(1), stride_bk, stride_bn, c.stride(0), c.stride(1),
-        dummy if mean is None else mean, dummy if rstd is None else rstd,
-        dummy if gamma is None else gamma, dummy if beta is None else beta,
-        dummy if k_scale is None else k_scale,
+        kernel, grid,
+        a, b, dummy if b2 is None else b2, c, M, N, K, k_per_split,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
         dummy if bias is None else bias, dummy if row_scale is None else row_scale,
         dummy if aux is None else aux, 0 if aux is None else aux.stride(0),
         dummy if res is None else res, 0 if res is None else res.stride(0),
-        dummy if bias_grad is None else bias_grad,
-        float(alpha), int(sign), float(2.0 ** frac_bits), int(bool(store_aux)),
-        A_NORM=NORM_CODES[a_norm], B_NORM=NORM_CODES[b_norm], HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None,
-        A_SCALE_K=k_scale is not None, B_ACT=ACTIVATION_CODES[b_act], DUAL_B=dual_b, SECOND_K=second_k,
-        A_SUM=bias_grad is not None, HAS_BIAS=bias is not None, ACT=ACTIVATION_CODES[act],
-        ACT_BWD=ACTIVATION_CODES[act_bwd], HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual,
-        DOT_DTYPE=TL_DTYPES[dot_dtype], INPUT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        dummy if col_sum is None else col_sum,
+        float(alpha), int(sign), float(2.0 ** frac_bits), int(bool(store_aux)), _bucket(M), _bucket(K),
+        DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+        ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
+        HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual,
+        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return c
 
 
 def _weight_as_b(weight):
-    """An nn.Linear weight [N, K] read as B = weight.T [K, N]."""
+    """An nn.Linear weight [N, K] read as B = weight.T [K, N]: (tensor, (stride_k, stride_n))."""
     return weight, (weight.stride(1), weight.stride(0))
 
 
-# ---------------------------------------------------------------- row statistics
+def _check_operands(a, weight, name="a"):
+    """Raw GEMM operands share one float dtype (the operand dtype)."""
+    if a.dtype != weight.dtype:
+        raise TypeError(f"{name} dtype {a.dtype} != weight dtype {weight.dtype}: GEMM operands are raw, cast "
+                        f"them to one operand dtype first (normalize / scale_rows write it)")
+
+
+# ---------------------------------------------------------------- normalize (norm once per row)
 
 def row_stats_reference(x, *, norm="layer", eps=1e-6):
     xf = x.float()
@@ -203,29 +245,10 @@ def row_stats_reference(x, *, norm="layer", eps=1e-6):
     return mean, torch.rsqrt(var + eps)
 
 
-def row_stats(x, *, norm="layer", eps=1e-6):
-    """fp32 (mean, rstd) per row of x [M, D] (one launch)."""
-    _check_matrix(x, "x", unit_col_stride=True)
-    if norm not in ("layer", "rms"):
-        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
-    M, D = x.shape
-    if D > MAX_NORM_DIM:
-        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
-    mean = torch.zeros(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return mean, rstd
-    block_n = triton.next_power_of_2(D)
-    dispatch.launch(norm_kernels.row_stats_kernel, (M,), x, mean, rstd, M, D, x.stride(0), float(eps),
-                    IS_RMS=norm == "rms", BLOCK_N=block_n, num_warps=norm_num_warps(block_n))
-    return mean, rstd
-
-
-# ---------------------------------------------------------------- forward GEMMs
-
-def _normalize_with_stats(a, stats, norm_weight, norm_bias, norm, dtype):
+def normalize_with_stats(x, stats, norm_weight, norm_bias, norm, dtype):
+    """norm(x) * gamma + beta from given (mean, rstd), in fp32, cast once to dtype."""
     mean, rstd = stats
-    y = a.float()
+    y = x.float()
     if norm == "layer":
         y = y - mean[:, None]
     y = y * rstd[:, None]
@@ -236,41 +259,70 @@ def _normalize_with_stats(a, stats, norm_weight, norm_bias, norm, dtype):
     return y.to(dtype)
 
 
+def normalize_reference(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
+    stats = row_stats_reference(x, norm=norm, eps=eps)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return (normalize_with_stats(x, stats, norm_weight, norm_bias, norm, out_dtype),) + stats
+
+
+def normalize(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
+    """(n, mean, rstd): n = norm(x) * gamma + beta in out_dtype (default x's), fp32 stats; one launch."""
+    _check_matrix(x, "x", unit_col_stride=True)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    M, D = x.shape
+    _check_vector(norm_weight, "norm_weight", D)
+    _check_vector(norm_bias, "norm_bias", D)
+    if norm == "rms" and norm_bias is not None:
+        raise ValueError("RMSNorm has no bias")
+    if D > MAX_NORM_DIM:
+        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
+    _check_same_device(("x", x), ("norm_weight", norm_weight), ("norm_bias", norm_bias))
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not supported")
+    n = torch.empty(M, D, dtype=out_dtype, device=x.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)  # the kernel writes 0 for RMSNorm
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0 or D == 0:
+        return n, mean.zero_(), rstd
+    block_n = triton.next_power_of_2(D)
+    dispatch.launch(norm_kernels.normalize_kernel, (M,), x, n, mean, rstd,
+                    x if norm_weight is None else norm_weight, x if norm_bias is None else norm_bias,
+                    M, D, x.stride(0), n.stride(0), float(eps), IS_RMS=norm == "rms",
+                    HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None, BLOCK_N=block_n,
+                    num_warps=norm_num_warps(block_n))
+    return n, mean, rstd
+
+
+# ---------------------------------------------------------------- forward GEMMs
+
 def _activation(h, activation):
     return h if activation is None else activation_reference(h, activation)
 
 
-def linear_reference(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, stats=None,
-                     norm_weight=None, norm_bias=None, save_preact=False, dot_dtype=None, out_dtype=None):
-    dot_dtype = weight.dtype if dot_dtype is None else dot_dtype
-    out_dtype = dot_dtype if out_dtype is None else out_dtype
-    x = a.to(dot_dtype) if norm is None else _normalize_with_stats(a, stats, norm_weight, norm_bias, norm, dot_dtype)
-    z = (x.float() @ weight.float().t() + (0 if bias is None else bias.float())).to(dot_dtype)
+def linear_reference(a, weight, bias=None, *, activation=None, weight_up=None, save_preact=False, out_dtype=None):
+    out_dtype = weight.dtype if out_dtype is None else out_dtype
+    z = (a.float() @ weight.float().t() + (0 if bias is None else bias.float())).to(out_dtype)
     if activation == "swiglu":
-        up = (x.float() @ weight_up.float().t()).to(dot_dtype)
-        out = (F.silu(z.float()).to(dot_dtype).float() * up.float()).to(out_dtype)
+        up = (a.float() @ weight_up.float().t()).to(out_dtype)
+        out = (F.silu(z.float()).to(out_dtype).float() * up.float()).to(out_dtype)
         return out, (torch.cat([z, up], dim=1) if save_preact else None)
     return _activation(z.float(), activation).to(out_dtype), (z if save_preact else None)
 
 
-def _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype):
-    """Checks shared by the forward GEMM launchers; returns (dot_dtype, M, K, N)."""
+def _check_forward_gemm(a, weight, bias):
+    """Checks shared by the forward GEMM launchers; returns (M, K, N)."""
     _check_matrix(weight, "weight")
-    dot_dtype = _dot_dtype(weight, dot_dtype)
     _check_matrix(a, "a", cols=weight.shape[1])
-    if norm is None and a.dtype != dot_dtype:
-        raise TypeError(f"a dtype {a.dtype} != GEMM operand dtype {dot_dtype} (only a norm prologue casts)")
-    M, K = a.shape
-    N = weight.shape[0]
-    _check_norm(norm, stats, norm_weight, norm_bias, M, K)
-    _check_vector(bias, "bias", N)
-    return dot_dtype, M, K, N
+    _check_operands(a, weight)
+    _check_vector(bias, "bias", weight.shape[0])
+    return a.shape[0], a.shape[1], weight.shape[0]
 
 
-def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, stats=None, norm_weight=None,
-           norm_bias=None, save_preact=False, dot_dtype=None, out_dtype=None):
-    """act(norm(a) @ weight.T + bias) in one launch; see the module doc."""
-    dot_dtype, M, K, N = _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype)
+def linear(a, weight, bias=None, *, activation=None, weight_up=None, save_preact=False, out_dtype=None):
+    """act(a @ weight.T + bias) in one launch; see the module doc."""
+    M, K, N = _check_forward_gemm(a, weight, bias)
     if activation not in ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
     if (activation == "swiglu") != (weight_up is not None):
@@ -282,7 +334,7 @@ def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, 
         if bias is not None:
             raise ValueError("the SwiGLU GEMM takes no bias")
     _check_same_device(("a", a), ("weight", weight), ("weight_up", weight_up), ("bias", bias))
-    out_dtype = dot_dtype if out_dtype is None else out_dtype
+    out_dtype = weight.dtype if out_dtype is None else out_dtype
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not supported")
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
@@ -291,20 +343,16 @@ def linear(a, weight, bias=None, *, activation=None, weight_up=None, norm=None, 
         preact = torch.empty(M, 2 * N if weight_up is not None else N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out, preact
-    mean, rstd = stats if norm is not None else (None, None)
     b, b_strides = _weight_as_b(weight)
     # The aux pointer is always `out`-typed, saved or not: forward and recompute share one tuning key.
-    _launch_gemm(a, b, b_strides, out, M, N, K, dot_dtype=dot_dtype, b2=weight_up, mean=mean, rstd=rstd,
-                 gamma=norm_weight, beta=norm_bias, bias=bias, aux=preact if save_preact else out,
-                 store_aux=save_preact, a_norm=norm, dual_b=weight_up is not None, act=activation)
+    _launch_gemm(a, a.stride(), b, b_strides, out, M, N, K, b2=weight_up, bias=bias,
+                 aux=preact if save_preact else out, store_aux=save_preact, dual_b=weight_up is not None,
+                 act=activation)
     return out, preact
 
 
-def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, norm=None, stats=None,
-                            norm_weight=None, norm_bias=None, dot_dtype=None):
-    dot_dtype = weight.dtype if dot_dtype is None else dot_dtype
-    x = a.to(dot_dtype) if norm is None else _normalize_with_stats(a, stats, norm_weight, norm_bias, norm, dot_dtype)
-    h = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
+def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None):
+    h = a.float() @ weight.float().t() + (0 if bias is None else bias.float())
     if row_scale is not None:
         h = h * row_scale.float()[:, None]
     if frac_bits is None:
@@ -313,10 +361,9 @@ def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_s
     return res + q if sign > 0 else res - q
 
 
-def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, norm=None, stats=None,
-                  norm_weight=None, norm_bias=None, dot_dtype=None):
-    """res + sign * (norm(a) @ weight.T + bias) * row_scale, float or exact, in one launch."""
-    dot_dtype, M, K, N = _check_forward_gemm(a, weight, bias, norm, stats, norm_weight, norm_bias, dot_dtype)
+def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None):
+    """res + sign * (a @ weight.T + bias) * row_scale, float or exact, in one launch."""
+    M, K, N = _check_forward_gemm(a, weight, bias)
     _check_row_scale(row_scale, M)
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}")
@@ -331,15 +378,60 @@ def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None,
     out = torch.empty(M, N, dtype=res.dtype, device=res.device)
     if M == 0 or N == 0:
         return out
-    mean, rstd = stats if norm is not None else (None, None)
     b, b_strides = _weight_as_b(weight)
-    _launch_gemm(a, b, b_strides, out, M, N, K, dot_dtype=dot_dtype, mean=mean, rstd=rstd, gamma=norm_weight,
-                 beta=norm_bias, bias=bias, row_scale=row_scale, res=res, sign=sign,
-                 frac_bits=0 if frac_bits is None else frac_bits, a_norm=norm, residual=residual)
+    _launch_gemm(a, a.stride(), b, b_strides, out, M, N, K, bias=bias, row_scale=row_scale, res=res, sign=sign,
+                 frac_bits=0 if frac_bits is None else frac_bits, residual=residual)
     return out
 
 
-# ---------------------------------------------------------------- backward GEMMs
+# ---------------------------------------------------------------- backward: scale, GEMMs
+
+def scale_rows_reference(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True):
+    s = g.float() * alpha
+    if row_scale is not None:
+        s = s * row_scale.float()[:, None]
+    out_dtype = g.dtype if out_dtype is None else out_dtype
+    sums = s.sum(0) if col_sums else None
+    return (s.to(out_dtype) if store else None), sums
+
+
+def _col_sum_out(n, dtype, device):
+    return torch.empty(n, dtype=dtype, device=device)
+
+
+def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True, sums_dtype=None):
+    """(alpha * row_scale[:, None] * g in out_dtype, or None without ``store``; with ``col_sums``,
+    the Partials of the scaled rows' column sums (a bias gradient, sums_dtype)); one launch."""
+    _check_matrix(g, "g", unit_col_stride=True)
+    M, D = g.shape
+    _check_row_scale(row_scale, M)
+    if D > MAX_NORM_DIM:
+        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
+    if not store and not col_sums:
+        raise ValueError("scale_rows with store=False needs col_sums=True")
+    _check_same_device(("g", g), ("row_scale", row_scale))
+    out_dtype = g.dtype if out_dtype is None else out_dtype
+    out = torch.empty(M, D, dtype=out_dtype, device=g.device) if store else None
+    partials = None
+    programs = row_partial_programs(M)
+    rows_per_program = math.ceil(M / programs) if M else 0
+    programs = math.ceil(M / rows_per_program) if M else 0
+    if col_sums:
+        result = _col_sum_out(D, sums_dtype or torch.float32, g.device)
+        if M == 0:
+            result.zero_()
+        else:
+            partials = Partials(torch.empty(programs, D, dtype=torch.float32, device=g.device), result)
+    if M == 0 or D == 0:
+        return out, partials
+    block_n = triton.next_power_of_2(D)
+    dispatch.launch(norm_kernels.scale_rows_kernel, (programs,), g, g if out is None else out,
+                    g if row_scale is None else row_scale, g if partials is None else partials.part,
+                    M, D, rows_per_program, g.stride(0), 0 if out is None else out.stride(0), float(alpha),
+                    HAS_ROW_SCALE=row_scale is not None, STORE=store, COL_SUM=col_sums, BLOCK_N=block_n,
+                    num_warps=norm_num_warps(block_n))
+    return out, partials
+
 
 def _activation_grad_reference(z, activation):
     z = z.detach().float().requires_grad_(True)
@@ -349,135 +441,140 @@ def _activation_grad_reference(z, activation):
     return g
 
 
-def linear_act_bwd_reference(grad, weight, preact, *, activation, alpha=1.0, row_scale=None, dot_dtype=None):
-    dot_dtype = weight.dtype if dot_dtype is None else dot_dtype
-    g = grad.to(dot_dtype).float() @ weight.float() * alpha
-    if row_scale is not None:
-        g = g * row_scale.float()[:, None]
+def linear_act_bwd_reference(grad, weight, preact, *, activation, col_sums=False):
+    g = grad.float() @ weight.float()
     if activation == "swiglu":
         n = weight.shape[1]
         zg, zu = preact[:, :n].float(), preact[:, n:].float()
         sig = torch.sigmoid(zg)
-        return torch.cat([g * zu * sig * (1 + zg * (1 - sig)), g * F.silu(zg)], 1).to(dot_dtype)
-    return (g * _activation_grad_reference(preact, activation)).to(dot_dtype)
+        out = torch.cat([g * zu * sig * (1 + zg * (1 - sig)), g * F.silu(zg)], 1).to(grad.dtype)
+    else:
+        out = (g * _activation_grad_reference(preact, activation)).to(grad.dtype)
+    return out, (out.float().sum(0) if col_sums else None)
 
 
-def linear_act_bwd(grad, weight, preact, *, activation, alpha=1.0, row_scale=None, dot_dtype=None):
-    """((alpha * row_scale * grad) @ weight) * act'(preact) in one launch (the dH GEMM)."""
+def linear_act_bwd(grad, weight, preact, *, activation, col_sums=False, sums_dtype=None):
+    """(grad @ weight) * act'(preact) in one launch (the dH GEMM); ``col_sums``: the Partials of
+    its column sums (the bias gradient of the layer whose pre-activation this is)."""
     _check_matrix(weight, "weight")
-    dot_dtype = _dot_dtype(weight, dot_dtype)
     N_out, H = weight.shape
     _check_matrix(grad, "grad", cols=N_out)
+    _check_operands(grad, weight, "grad")
     M = grad.shape[0]
     if activation not in ("gelu_tanh", "gelu", "relu", "swiglu"):
         raise ValueError(f"activation must be gelu_tanh, gelu, relu or swiglu, got {activation!r}")
+    if col_sums and activation == "swiglu":
+        raise ValueError("the SwiGLU GEMM has no bias: col_sums does not apply")
     width = 2 * H if activation == "swiglu" else H
-    _check_matrix(preact, "preact", dtypes=(dot_dtype,), rows=M, cols=width, unit_col_stride=True)
-    _check_row_scale(row_scale, M)
-    _check_same_device(("grad", grad), ("weight", weight), ("preact", preact), ("row_scale", row_scale))
-    out = torch.empty(M, width, dtype=dot_dtype, device=grad.device)
+    _check_matrix(preact, "preact", dtypes=(grad.dtype,), rows=M, cols=width, unit_col_stride=True)
+    _check_same_device(("grad", grad), ("weight", weight), ("preact", preact))
+    out = torch.empty(M, width, dtype=grad.dtype, device=grad.device)
+    partials = None
+    if col_sums:
+        result = _col_sum_out(H, sums_dtype or torch.float32, grad.device)
+        if M == 0:
+            result.zero_()
+        else:
+            rows = triton.cdiv(M, COL_SUM_ROWS)
+            part = torch.empty(rows + MAX_BLOCK_M // COL_SUM_ROWS - 1, H, dtype=torch.float32, device=grad.device)
+            partials = Partials(part[:rows], result)
+            col_sum_buffer = part
     if M == 0 or H == 0:
-        return out
+        return out, partials
     # B = weight [N_out, H] read as [K = N_out, N = H]: no transpose.
-    _launch_gemm(grad, weight, (weight.stride(0), weight.stride(1)), out, M, H, N_out, dot_dtype=dot_dtype,
-                 row_scale=row_scale, aux=preact, alpha=alpha, act_bwd=activation)
-    return out
+    _launch_gemm(grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), out, M, H, N_out, aux=preact,
+                 act_bwd=activation, col_sum=col_sum_buffer if col_sums else None)
+    return out, partials
 
 
-def linear_input_grad_reference(grad, weight, *, weight2=None, alpha=1.0, row_scale=None, dot_dtype=None,
-                                out_dtype=torch.float32):
-    dot_dtype = weight.dtype if dot_dtype is None else dot_dtype
-    g = grad.to(dot_dtype).float()
+def linear_input_grad_reference(grad, weight, *, weight2=None, out_dtype=torch.float32):
+    g = grad.float()
     if weight2 is None:
         out = g @ weight.float()
     else:
         h = weight.shape[0]
         out = g[:, :h] @ weight.float() + g[:, h:] @ weight2.float()
-    out = out * alpha
-    if row_scale is not None:
-        out = out * row_scale.float()[:, None]
     return out.to(out_dtype)
 
 
-def linear_input_grad(grad, weight, *, weight2=None, alpha=1.0, row_scale=None, dot_dtype=None,
-                      out_dtype=torch.float32):
+def linear_input_grad(grad, weight, *, weight2=None, out_dtype=torch.float32):
     """grad @ weight (+ grad[:, H:] @ weight2), one launch; weight is [H, D] (the layer's [out, in])."""
     _check_matrix(weight, "weight")
-    dot_dtype = _dot_dtype(weight, dot_dtype)
     H, D = weight.shape
     _check_matrix(grad, "grad", cols=2 * H if weight2 is not None else H)
+    _check_operands(grad, weight, "grad")
     if weight2 is not None:
         _check_matrix(weight2, "weight2", rows=H, cols=D)
         if weight2.dtype != weight.dtype or weight2.stride() != weight.stride():
             raise TypeError("weight2 must have the dtype and strides of weight")
     M = grad.shape[0]
-    _check_row_scale(row_scale, M)
     _check_same_device(("grad", grad), ("weight", weight), ("weight2", weight2))
     out = torch.empty(M, D, dtype=out_dtype, device=grad.device)
     if M == 0 or D == 0:
         return out
     if H == 0:
         return out.zero_()
-    _launch_gemm(grad, weight, (weight.stride(0), weight.stride(1)), out, M, D, H, dot_dtype=dot_dtype, b2=weight2,
-                 row_scale=row_scale, alpha=alpha, second_k=weight2 is not None)
+    _launch_gemm(grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), out, M, D, H, b2=weight2,
+                 second_k=weight2 is not None)
     return out
 
 
-def linear_weight_grad_reference(grad, inp, *, grad_scale=None, alpha=1.0, inp_activation=None, norm=None,
-                                 stats=None, norm_weight=None, norm_bias=None, bias_grad=False, dot_dtype=None,
-                                 out_dtype=torch.float32):
-    dot_dtype = grad.dtype if dot_dtype is None else dot_dtype
-    g = grad.float() * alpha
-    if grad_scale is not None:
-        g = g * grad_scale.float()[:, None]
-    if norm is not None:
-        x = _normalize_with_stats(inp, stats, norm_weight, norm_bias, norm, dot_dtype)
-    elif inp_activation == "swiglu":
-        n = inp.shape[1] // 2
-        x = (F.silu(inp[:, :n].float()).to(dot_dtype).float() * inp[:, n:].float()).to(dot_dtype)
-    else:
-        x = _activation(inp.float(), inp_activation).to(dot_dtype)
-    dw = (g.to(dot_dtype).float().t() @ x.float()).to(out_dtype)
-    return dw, (g.sum(0).to(out_dtype) if bias_grad else None)
+def linear_weight_grad_reference(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None):
+    return (grad.float().t() @ inp.float()).to(out_dtype)
 
 
-def linear_weight_grad(grad, inp, *, grad_scale=None, alpha=1.0, inp_activation=None, norm=None, stats=None,
-                       norm_weight=None, norm_bias=None, bias_grad=False, dot_dtype=None, out_dtype=torch.float32):
-    """dW = (alpha * grad_scale * grad).T @ f(inp) [and the bias gradient], one launch."""
+def sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+def split_k_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(splits, k per split) for a weight-gradient GEMM [m, n] over k tokens: split K only when the
+    128 x 128 output tiles cannot fill half the SMs, in 256-deep multiples (every BLOCK_K divides it)."""
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    if 2 * tiles >= sms or k < 2048:
+        return 1, k
+    splits = min(triton.cdiv(sms, tiles), k // 1024, 8)
+    per_split = triton.cdiv(triton.cdiv(k, splits), 256) * 256
+    return triton.cdiv(k, per_split), per_split
+
+
+def linear_weight_grad(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None):
+    """dW = grad.T @ inp [N_out, width] over the M token rows; see the module doc for split-K."""
     _check_matrix(grad, "grad")
     M, N_out = grad.shape
-    dot_dtype = grad.dtype if dot_dtype is None else dot_dtype
-    if dot_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dot_dtype {dot_dtype} not supported")
     _check_matrix(inp, "inp", rows=M)
+    _check_operands(grad, inp, "grad")
     width = inp.shape[1]
-    if inp_activation not in ACTIVATION_CODES:
-        raise ValueError(f"inp_activation must be one of {tuple(ACTIVATION_CODES)}, got {inp_activation!r}")
-    if inp_activation is not None and norm is not None:
-        raise ValueError("inp_activation and norm are exclusive")
-    if inp_activation == "swiglu":
-        if width % 2:
-            raise ValueError(f"a SwiGLU pre-activation has an even number of columns, got {width}")
-        width //= 2
-    if norm is None and inp.dtype != dot_dtype:
-        raise TypeError(f"inp dtype {inp.dtype} != GEMM operand dtype {dot_dtype} (only a norm prologue casts)")
-    _check_norm(norm, stats, norm_weight, norm_bias, M, width)
-    _check_vector(grad_scale, "grad_scale", M)
-    _check_same_device(("grad", grad), ("inp", inp), ("grad_scale", grad_scale))
+    _check_same_device(("grad", grad), ("inp", inp))
     dw = torch.empty(N_out, width, dtype=out_dtype, device=grad.device)
-    db = torch.zeros(N_out, dtype=torch.float32, device=grad.device) if bias_grad else None
     if N_out == 0 or width == 0:
-        return dw, db
+        return dw
     if M == 0:
-        return dw.zero_(), db
-    mean, rstd = stats if norm is not None else (None, None)
-    # A = grad.T [N_out, M], B = f(inp) [M, width]: K runs over tokens.
-    a = grad.t()
-    b2 = inp[:, width:] if inp_activation == "swiglu" else None
-    _launch_gemm(a, inp, (inp.stride(0), inp.stride(1)), dw, N_out, width, M, dot_dtype=dot_dtype, b2=b2,
-                 mean=mean, rstd=rstd, gamma=norm_weight, beta=norm_bias, k_scale=grad_scale, bias_grad=db,
-                 alpha=alpha, b_norm=norm, b_act=inp_activation)
-    return dw, (None if db is None else db.to(out_dtype))
+        return dw.zero_()
+    if split_k is None:
+        splits, per_split = split_k_plan(N_out, width, M, sm_count(grad.device))
+    else:
+        if not isinstance(split_k, int) or split_k < 1:
+            raise ValueError(f"split_k must be a positive int, got {split_k!r}")
+        per_split = triton.cdiv(triton.cdiv(M, split_k), 16) * 16  # any size is correct; 256 is faster
+        splits = triton.cdiv(M, per_split)
+    # A = grad.T [N_out, M], B = inp [M, width]: K runs over tokens.
+    a_strides = (grad.stride(1), grad.stride(0))
+    b_strides = (inp.stride(0), inp.stride(1))
+    if splits == 1:
+        _launch_gemm(grad, a_strides, inp, b_strides, dw, N_out, width, M)
+        return dw
+    part = torch.empty(splits, N_out * width, dtype=torch.float32, device=grad.device)
+    _launch_gemm(grad, a_strides, inp, b_strides, part, N_out, width, M, split_k=splits, k_per_split=per_split)
+    job = Partials(part, dw)
+    if pending is None:
+        reduce_partials(job)
+    else:
+        pending.append(job)
+    return dw
 
 
 # ---------------------------------------------------------------- norm backward
@@ -500,17 +597,13 @@ def norm_bwd_reference(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, 
     return dx, dgamma, dbeta
 
 
-def norm_partial_programs(rows: int) -> int:
-    """Programs of the norm backward: a function of the row count only (fixed summation order).
+def norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
+    """(dx, Partials of [dgamma | dbeta] or None): the row kernel of the norm backward, one launch.
 
-    The interpreter runs programs one after the other, so it gets few long ones."""
-    return max(1, min(rows, 8 if dispatch.interpreter_enabled() else 512))
-
-
-def norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
-    """(dx, dgamma, dbeta) of y = norm(x) * gamma + beta given dn = dL/dy; two launches."""
-    if norm not in ("layer", "rms"):
-        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    The reduction's result is one buffer in the norm weight's dtype: dgamma is its first D
+    elements (when there is a gamma), dbeta the next D (when there is a beta)."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     _check_matrix(x, "x", unit_col_stride=True)
     M, D = x.shape
     _check_matrix(dn, "dn", rows=M, cols=D, unit_col_stride=True)
@@ -524,30 +617,45 @@ def norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=
     _check_same_device(("dn", dn), ("x", x), ("norm_weight", norm_weight), ("dres", dres))
     out_dtype = x.dtype if out_dtype is None else out_dtype
     dx = torch.empty(M, D, dtype=out_dtype, device=x.device)
-    param_dtype = norm_weight.dtype if norm_weight is not None else torch.float32
-    dgamma = torch.zeros(D, dtype=param_dtype, device=x.device) if norm_weight is not None else None
-    dbeta = torch.zeros(D, dtype=param_dtype, device=x.device) if has_bias else None
+    params = int(norm_weight is not None) + int(has_bias)
+    partials = None
+    programs = row_partial_programs(M)
+    rows_per_program = math.ceil(M / programs) if M else 0
+    programs = math.ceil(M / rows_per_program) if M else 0
+    if params:
+        param_dtype = norm_weight.dtype if norm_weight is not None else torch.float32
+        result = torch.empty(params * D, dtype=param_dtype, device=x.device)
+        if M == 0:
+            result.zero_()
+        else:
+            partials = Partials(torch.empty(programs, params * D, dtype=torch.float32, device=x.device), result)
     if M == 0 or D == 0:
-        return dx, dgamma, dbeta
-    programs = norm_partial_programs(M)
-    rows_per_program = math.ceil(M / programs)
-    programs = math.ceil(M / rows_per_program)
-    part_dgamma = torch.empty(programs, D, dtype=torch.float32, device=x.device) if dgamma is not None else None
-    part_dbeta = torch.empty(programs, D, dtype=torch.float32, device=x.device) if has_bias else None
+        return dx, partials
     block_n = triton.next_power_of_2(D)
     mean, rstd = stats
     dispatch.launch(norm_kernels.norm_bwd_kernel, (programs,), dn, x, mean, rstd,
                     norm_weight if norm_weight is not None else x, dres if dres is not None else dn, dx,
-                    part_dgamma if part_dgamma is not None else dx, part_dbeta if part_dbeta is not None else dx,
+                    partials.part if partials is not None else dx,
                     M, D, rows_per_program, dn.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0,
                     dx.stride(0), IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=has_bias,
                     HAS_DRES=dres is not None, BLOCK_N=block_n, num_warps=norm_num_warps(block_n))
-    if dgamma is not None or dbeta is not None:
-        first, second = (part_dgamma, part_dbeta) if part_dgamma is not None else (part_dbeta, None)
-        out_first, out_second = (dgamma, dbeta) if dgamma is not None else (dbeta, None)
-        block = min(block_n, 1024)
-        dispatch.launch(norm_kernels.sum_partials_kernel, (triton.cdiv(D, block),), first,
-                        second if second is not None else first, out_first,
-                        out_second if out_second is not None else out_first, programs, D,
-                        HAS_B=second is not None, BLOCK_N=block, num_warps=norm_num_warps(block))
-    return dx, dgamma, dbeta
+    return dx, partials
+
+
+def norm_param_grads(partials, norm_weight, has_bias):
+    """(dgamma or None, dbeta or None) views of a reduced norm_bwd_partials result."""
+    if partials is None:
+        return None, None
+    flat = partials.out
+    D = flat.numel() // (int(norm_weight is not None) + int(has_bias))
+    dgamma = flat[:D] if norm_weight is not None else None
+    dbeta = flat[D:] if norm_weight is not None and has_bias else (flat if has_bias else None)
+    return dgamma, dbeta
+
+
+def norm_bwd(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
+    """(dx, dgamma, dbeta) of y = norm(x) * gamma + beta given dn = dL/dy; two launches."""
+    dx, partials = norm_bwd_partials(dn, x, stats, norm_weight, norm=norm, has_bias=has_bias, dres=dres,
+                                     out_dtype=out_dtype)
+    reduce_partials(partials)
+    return (dx,) + norm_param_grads(partials, norm_weight, has_bias)

@@ -1,0 +1,152 @@
+"""Stream values and the checks around them: the stream format (float or int32 fixed point), the
+forward's device-side overflow guards (one host sync per forward), the position-sensitive
+checksums compared in backward (one host sync per backward), and the errors' hints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..ops.streams import from_fixed, to_fixed
+from ..ops.streams import out_of_range as _stream_out_of_range
+
+
+@dataclass
+class StreamFormat:
+    """How streams are held: float (``frac_bits`` None) or int32 fixed point.
+
+    Halves and the stack's outputs see an exact stream's value in ``value_dtype``, the dtype the
+    stack was given (so a bf16 or float64 model gets bf16 or float64 inputs, as with float
+    streams); rounding it there is deterministic, so the stream itself stays exact.
+    """
+
+    frac_bits: int | None
+    value_dtype: torch.dtype | None = torch.float32  # None: the block's parameters' (int32 API)
+
+    @property
+    def exact(self) -> bool:
+        return self.frac_bits is not None
+
+    def for_block(self, half: nn.Module) -> StreamFormat:
+        """This format with ``value_dtype`` resolved for a block, inside its phase (so under FSDP2
+        mixed precision the gathered bf16 parameters decide, not the float32 shards)."""
+        if self.value_dtype is not None:
+            return self
+        dtype = next((p.dtype for p in half.parameters() if p.is_floating_point()), torch.float32)
+        return StreamFormat(self.frac_bits, dtype)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return to_fixed(x, self.frac_bits) if self.exact else x
+
+    def value(self, stream: torch.Tensor) -> torch.Tensor:
+        """The float value of a stream, as halves see it and the stack returns it."""
+        return from_fixed(stream, self.frac_bits, self.value_dtype) if self.exact else stream
+
+
+@dataclass
+class ForwardGuards:
+    """Device-side flags checked with one host sync at the end of a stack's forward."""
+
+    labels: list = field(default_factory=list)
+    flags: list = field(default_factory=list)
+
+    def add(self, label, flag: torch.Tensor):
+        self.labels.append(label)
+        self.flags.append(flag.reshape(()))
+
+    def first_failure(self):
+        if not self.flags:
+            return None
+        failed = torch.stack(self.flags).nonzero()
+        self.flags.clear()  # the graph keeps the segment runs: don't let it keep the flags too
+        return None if failed.numel() == 0 else self.labels[int(failed[0, 0])]
+
+
+def out_of_range(stream: torch.Tensor) -> torch.Tensor:
+    """Device flag: some |X| >= 2**STREAM_LIMIT_BITS (``ops.streams.out_of_range``, which reduces with
+    aminmax), also for an empty stream (an empty batch or T = 0: nothing to overflow)."""
+    if stream.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=stream.device)
+    return _stream_out_of_range(stream)
+
+
+FIND_UNUSED_HINT = (
+    "revtriton: DistributedDataParallel(find_unused_parameters=True) does not work with reversible "
+    "stacks: their blocks' parameters are not in the output's autograd graph (the forward keeps no "
+    "graph), so DDP marks them unused and then sees their gradients arrive in backward. Use "
+    "find_unused_parameters=False (the default) or static_graph=True (which also allows parameters "
+    "that are unused in every step); with the Hugging Face Trainer set "
+    "TrainingArguments(ddp_find_unused_parameters=False)."
+)
+
+
+CAPTURED_TENSOR_HINT = (
+    "revtriton: a half of a reversible stack uses a tensor from outside the stack that requires grad (a "
+    "conditioning or timestep embedding set as an attribute, a tensor captured in a closure): the backward "
+    "rebuilds every block separately, so autograd would go through that tensor's graph once per block. This is "
+    "not supported: compute the conditioning inside the half from its own parameters, pass it detached, or "
+    "train the model as a stored-activation twin (revtriton.to_stored_activations)."
+)
+
+
+class BackwardChecks:
+    """Checksum flags of all segments of one forward, checked with one host sync per backward.
+
+    Each segment's backward adds its flags and queues a callback that runs once the whole backward
+    has finished (``queue_callback`` on autograd's current graph task): every segment is checked,
+    whichever segments that backward reached (a frozen first segment records no node at all). The
+    first callback checks all flags (the one host sync); the others find none left.
+    """
+
+    def __init__(self):
+        self.flags = []  # (index of the segment's last layer, flags in backward order)
+
+    def add(self, last_layer, flags):
+        self.flags.append((last_layer, flags))
+        torch.autograd.Variable._execution_engine.queue_callback(self.raise_if_mismatched)
+
+    def raise_if_mismatched(self):
+        if not self.flags:
+            return
+        flags, self.flags = self.flags, []
+        # Segments run backward last to first; within one, flags are in backward order (last layer first).
+        found = torch.cat([f for _, f in flags]).nonzero()  # the one host sync of the backward
+        if found.numel():
+            position = int(found[0, 0])
+            for last_layer, segment_flags in flags:
+                if position < len(segment_flags):
+                    layer_index = last_layer - position
+                    break
+                position -= len(segment_flags)
+            raise RuntimeError(
+                f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
+                f"(int64 checksum differs). F or G of that block is not deterministic: the recompute must run "
+                f"the same kernels with the same configs, autocast state and RNG stream as the forward "
+                f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
+            )
+
+
+# An odd multiplier (2**32 / golden ratio): x -> x * C mod 2**32 is a bijection, so the weights spread.
+_CHECKSUM_MULTIPLIER = -1640531535  # 0x9E3779B1 as a signed int32
+
+
+def _checksum_weights(stream: torch.Tensor) -> torch.Tensor:
+    """Odd int32 weights, one per element position of a stream.
+
+    The checksum is a weighted sum, so moving values between positions (permuted token rows, a
+    transposed tile) changes it, where a plain sum would not.
+    """
+    positions = torch.arange(stream.numel(), dtype=torch.int32, device=stream.device)
+    return (positions * _CHECKSUM_MULTIPLIER).bitwise_or_(1).view(stream.shape)
+
+
+def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """Position-sensitive int64 checksum of two int32 streams: sum(stream * weight) for each.
+
+    The products wrap around in int32 (deterministically, two's complement); the sum accumulates
+    in int64 (torch's default for integers). One reduction a stream, no host sync; the weights
+    are made on the fly (nothing is cached between calls).
+    """
+    weights = _checksum_weights(s1)
+    return torch.stack([(s1 * weights).sum(), (s2 * weights).sum()])

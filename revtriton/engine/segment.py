@@ -1,0 +1,274 @@
+"""One reversible segment: its forward (no grad, keeps only the final streams), and its autograd
+Function whose backward rebuilds each layer's input from its output and gets the gradients from
+that same recompute, as a backward schedule composes the two steps (revtriton.schedules)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops.dispatch import replayed
+from ..ops.streams import stream_grad_dtype
+from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
+from .fsdp import PhaseResult, _AfterToken, run_block_phase
+from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat, _checksum,
+                     out_of_range)
+from .hooks import BlockHooks
+from .protocol import is_reversible_block
+from .replay import AutocastState, RngTape
+from .state import (StateWatch, _buffer_versions, _check_input_untouched, _scratch_buffers, _updated_buffers,
+                    _version_of)
+
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "revtriton: a reversible stack does not support double backward (create_graph=True, as in gradient "
+    "penalties or Hessian-vector products): its backward rebuilds each block outside the autograd graph, so "
+    "second-order gradients through it would be wrong. Use a stored-activation twin of the model "
+    "(revtriton.to_stored_activations(model), same weights) for the step that needs second-order gradients."
+)
+
+
+def _accumulates_into_leaves(anchor) -> bool:
+    """Whether the running backward accumulates into every leaf (``loss.backward()``) or only computes
+    what was asked for (``torch.autograd.grad(loss, x)``, ``loss.backward(inputs=...)``).
+
+    The segment's node has an edge to its requires-grad dummy input; autograd runs that leaf's
+    accumulator only in a backward that fills ``.grad`` of all leaves, so block parameters (which
+    are not in the outer graph) get gradients exactly then.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return True
+    for fn, _ in node.next_functions:
+        if fn is not None and getattr(fn, "variable", None) is anchor:
+            return torch._C._will_engine_execute_node(fn)
+    return True
+
+
+@dataclass
+class SegmentRun:
+    """Everything a segment's forward records for its backward (besides the saved streams)."""
+
+    layers: list
+    first_index: int  # index of layers[0] in the stack, for error messages
+    fmt: StreamFormat
+    anchor_every: int
+    schedule: str
+    guards: ForwardGuards | None = None
+    rng: RngTape | None = None
+    rng_states: list = field(default_factory=list)  # per layer: (state_F, state_G) or None
+    autocast: AutocastState | None = None
+    dispatch: tuple | None = None  # where ops ran in forward (ops.dispatch.capture_state), replayed in backward
+    anchor_layers: list = field(default_factory=list)
+    trace: ScheduleTrace | None = None
+    checks: BackwardChecks | None = None
+    watch: StateWatch | None = None  # modes and parameter versions at forward (set when a graph is recorded)
+    updated_buffers: dict = field(default_factory=dict)  # layer -> [(module, name)] the forward updated
+    grad_anchor: torch.Tensor | None = None  # the segment node's requires-grad dummy input
+
+
+def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record: bool):
+    """Run the segment's layers on streams (no grad). Returns final streams, anchors, checksums.
+
+    ``record``: keep what the backward needs (RNG states, anchors, checksums, updated buffers).
+    """
+    fmt, k = run.fmt, run.fmt.frac_bits
+    anchors, checksums = [], []
+    checksummed = fmt.exact and record
+    if checksummed:
+        checksums.append(_checksum(s1, s2))
+    if fmt.exact and run.guards is not None:
+        run.guards.add(("overflow", run.first_index, "input"), out_of_range(s1) | out_of_range(s2))
+    for i, layer in enumerate(run.layers):
+        index = run.first_index + i
+        if record and run.anchor_every and i > 0 and i % run.anchor_every == 0:
+            run.anchor_layers.append(i)
+            anchors += [s1, s2]
+        buffers = run.watch.buffers[i] if record and run.watch is not None else ()
+        versions = _buffer_versions(buffers)
+        if is_reversible_block(layer):
+            hooks = BlockHooks.of(layer)
+            if hooks is not None and hooks.has_forward:
+                values = fmt.for_block(layer.coupling_halves()[0])
+                hook_args = (values.value(s1), values.value(s2))
+                hooks.forward_pre(hook_args, index)
+
+            def forward_phase(f, g, s1=s1, s2=s2, index=index):
+                values = run.fmt.for_block(f)
+                state_f = run.rng.record() if record else None
+                x = values.value(s2)
+                version = _version_of(x)
+                y1, _ = f.couple(s1, x, +1, k)
+                _check_input_untouched(x, version, "F", index)
+                state_g = run.rng.record() if record else None
+                x = values.value(y1)
+                version = _version_of(x)
+                y2, _ = g.couple(s2, x, +1, k)
+                _check_input_untouched(x, version, "G", index)
+                return (PhaseResult((y1, y2, state_f, state_g)),)
+
+            y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
+            if hooks is not None and hooks.has_forward:
+                hooks.forward_post(hook_args, (values.value(y1), values.value(y2)), index)
+            if fmt.exact and run.guards is not None:
+                run.guards.add(("overflow", index, "F"), out_of_range(y1))
+                run.guards.add(("overflow", index, "G"), out_of_range(y2))
+            if record:
+                run.rng_states.append((state_f, state_g))
+            s1, s2 = y1, y2
+        else:
+            if record:
+                run.rng_states.append(None)
+            s1, s2 = layer(s1, s2)
+        if buffers:
+            updated = run.watch.running_stats[i] + [entry for entry in _updated_buffers(buffers, versions)
+                                                    if entry not in run.watch.running_stats[i]]
+            if updated:
+                run.updated_buffers[i] = updated
+        if checksummed:
+            checksums.append(_checksum(s1, s2))
+    return s1, s2, anchors, checksums
+
+
+class ReversibleSegmentFunction(torch.autograd.Function):
+    """Autograd node of one reversible segment: saves only its final streams (and anchors)."""
+
+    @staticmethod
+    def forward(ctx, run: SegmentRun, x1, x2, *grad_anchor):
+        fmt = run.fmt
+        s1 = fmt.encode(x1)
+        s2 = s1 if x2 is x1 else fmt.encode(x2)
+        y1, y2, anchors, checksums = _segment_forward(run, s1, s2, record=True)
+        if run.watch is not None:
+            run.watch.record_versions()
+        ctx.run = run
+        checksum = torch.stack(checksums) if checksums else None
+        ctx.has_checksum = checksum is not None
+        ctx.save_for_backward(y1, y2, *anchors, *([checksum] if checksum is not None else []))
+        out1, out2 = fmt.value(y1), fmt.value(y2)
+        # Outputs must not alias the saved streams (float mode) or the inputs.
+        if out1 is y1 or out1 is x1 or out1 is x2:
+            out1 = out1.clone()
+        if out2 is y2 or out2 is x1 or out2 is x2 or out2 is out1:
+            out2 = out2.clone()
+        return out1, out2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        run: SegmentRun = ctx.run
+        if torch.is_grad_enabled():  # the engine runs a backward with create_graph=True in grad mode
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+        if run.watch is not None:
+            run.watch.check()
+        saved = ctx.saved_tensors
+        y1, y2 = saved[0], saved[1]
+        checksum = saved[-1] if ctx.has_checksum else None
+        anchor_tensors = saved[2 : len(saved) - (1 if ctx.has_checksum else 0)]
+        anchors = {
+            layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
+        }
+        grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else y1.dtype
+        dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
+        dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
+        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor))
+        try:
+            with run.rng.preserved():
+                dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
+        except RuntimeError as error:
+            if "mark a variable ready only once" in str(error):  # DDP(find_unused_parameters=True)
+                raise RuntimeError(FIND_UNUSED_HINT) from error
+            if "backward through the graph a second time" in str(error):  # saved tensors are ours: intact
+                raise RuntimeError(CAPTURED_TENSOR_HINT) from error
+            raise
+        if mismatch is not None:  # checked once the whole backward has run (one host sync)
+            run.checks.add(run.first_index + len(run.layers) - 1, mismatch)
+        return None, dx1, dx2, None
+
+
+class _SegmentBackward:
+    """The per-layer steps a backward schedule composes: recover (rebuild) and grads."""
+
+    def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True):
+        self.run = run
+        self.anchors = anchors
+        self.checksum = checksum
+        self.num_layers = len(run.layers)
+        # False in torch.autograd.grad(loss, x) and backward(inputs=...): only the streams' grads are
+        # computed, no parameter's .grad is touched.
+        self.accumulate = accumulate
+
+    def streams_entering(self, i, rebuilt):
+        """The output streams of layer i: the exact anchor when one was kept, else ``rebuilt``."""
+        return self.anchors.get(i + 1, rebuilt)
+
+    def recover(self, i: int, streams) -> Recovered:
+        """Rebuild layer i's input from its output, keeping the graph for its gradients."""
+        run, fmt, k = self.run, self.run.fmt, self.run.fmt.frac_bits
+        y1, y2 = self.streams_entering(i, streams)
+        layer = run.layers[i]
+        scratch = _scratch_buffers(run.updated_buffers.get(i, ()))
+        if is_reversible_block(layer):
+            state_f, state_g = run.rng_states[i]
+
+            def rebuild_phase(f, g, token):
+                with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
+                    run.rng.set(state_g)
+                    y1_value = fmt.value(y1).detach().requires_grad_()
+                    x2, port_g = g.couple(y2, y1_value, -1, k)
+                    x2_value = fmt.value(x2).detach().requires_grad_()
+                    run.rng.set(state_f)
+                    x1, port_f = f.couple(y1, _AfterToken.apply(x2_value, token), -1, k)
+                # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
+                return PhaseResult((x1, x2, port_g, y1_value, port_f, x2_value)), y1_value
+
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
+                token = torch.empty(0, device=y1.device, requires_grad=True)
+                x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token)
+            recovered = Recovered(i, (x1.detach(), x2.detach()), kind="block",
+                                  tensors=(port_g, y1_value, port_f, x2_value))
+        else:
+            with torch.no_grad():
+                x1, x2 = layer.inverse(y1, y2)
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), scratch:
+                v1 = fmt.value(x1).detach().requires_grad_()
+                v2 = fmt.value(x2).detach().requires_grad_()
+                o1, o2 = layer(v1, v2)
+            recovered = Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2))
+        if self.checksum is not None:
+            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[i]).any()
+        return recovered
+
+    def _backward(self, output, grad, leaves):
+        """Backward of a recompute graph: into every parameter's .grad, or only into ``leaves``."""
+        if self.accumulate:
+            torch.autograd.backward(output, grad)
+        else:
+            torch.autograd.backward(output, grad, inputs=leaves)
+
+    def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
+        """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
+        if recovered.kind == "block":
+            hooks = BlockHooks.of(self.run.layers[recovered.index])
+            if hooks is not None:
+                dy1, dy2 = hooks.backward_before(dy1, dy2)
+            grad_out = (dy1, dy2)
+            port_g, y1_value, port_f, x2_value = recovered.tensors
+            # x2 = y2 - G(y1): backward(x2, -dy2) gives G's grads of the forward's y2 = x2 + G(y1).
+            if port_g is not None:
+                self._backward(port_g, -dy2, [y1_value])
+            if y1_value.grad is not None:
+                dy1 = dy1 + y1_value.grad
+            if port_f is not None:
+                self._backward(port_f, -dy1, [x2_value])
+            dx2 = dy2 if x2_value.grad is None else dy2 + x2_value.grad
+            if hooks is not None:
+                dy1, dx2 = hooks.backward_after(dy1, dx2, *grad_out)
+            return BlockGrads(dy1, dx2)
+        o1, o2, v1, v2 = recovered.tensors
+        outputs = [o for o in (o1, o2) if o.requires_grad]
+        if outputs:
+            grads = [g for o, g in zip((o1, o2), (dy1, dy2)) if o.requires_grad]
+            self._backward(outputs, grads, [v1, v2])
+        dx1 = torch.zeros_like(dy1) if v1.grad is None else v1.grad.to(dy1.dtype)
+        dx2 = torch.zeros_like(dy2) if v2.grad is None else v2.grad.to(dy2.dtype)
+        return BlockGrads(dx1, dx2)

@@ -1,0 +1,307 @@
+"""ReversibleStack: the module users build, its segments and stage transitions, the overflow
+message, the inverse and the int32-stream API."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..ops.dispatch import capture_state
+from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
+from ..schedules import SCHEDULES, ScheduleTrace
+from .fsdp import PhaseResult, run_block_phase
+from .guards import BackwardChecks, ForwardGuards, StreamFormat, out_of_range
+from .protocol import is_invertible_layer, is_reversible_block
+from .replay import AutocastState, RngTape, _rng_devices
+from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
+from .state import StateWatch
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+
+
+class ReversibleStack(nn.Module):
+    """A stack of reversible blocks (plus invertible layers and stage transitions).
+
+    Args:
+        layers: modules in order. :class:`ReversibleBlock` (or any module with
+            ``coupling_halves()``) and invertible layers (``forward(x1, x2)`` and
+            ``inverse(y1, y2)``) form reversible segments that store only their final streams.
+            Any other module is a stage transition: it maps the mean of the two streams and
+            keeps its activations the ordinary way; the next segment starts both streams from
+            its output.
+        exact: int32 fixed-point streams (bitwise inverse); False gives float streams.
+        frac_bits: fractional bits of the fixed-point streams (value = X * 2**-frac_bits).
+        anchor_every: keep every K-th layer's input streams and rebuild each chunk from them.
+        schedule: ``"sequential"`` or ``"pareprop"`` (rebuild block i-1 beside block i's grads).
+        streams: ``"duplicate"`` (both streams start as x; output is their mean) or
+            ``"split"`` (x's last dim is split into the two streams; output is their concat).
+
+    Children are registered as ``"0"``, ``"1"``, ... like ``nn.Sequential``, so a stack that
+    replaces a model's block list keeps its ``state_dict`` keys.
+    """
+
+    def __init__(self, layers, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
+                 schedule: str = "sequential", streams: str = "duplicate"):
+        super().__init__()
+        layers = list(layers)
+        if not layers:
+            raise ValueError("ReversibleStack needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"layer {i} must be an nn.Module, got {type(layer).__name__}")
+            self.add_module(str(i), layer)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if streams not in ("duplicate", "split"):
+            raise ValueError(f"streams must be 'duplicate' or 'split', got {streams!r}")
+        if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 0:
+            raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
+        self.exact = bool(exact)
+        self.frac_bits = check_frac_bits(frac_bits)
+        self.anchor_every = anchor_every
+        self.schedule = schedule
+        self.streams = streams
+        self.trace: ScheduleTrace | None = None  # set a ScheduleTrace to record the backward
+
+    # -- structure ------------------------------------------------------------------------
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def _segments(self):
+        """[(first_index, [layers]) | (index, transition_module)] in order."""
+        parts, current, start = [], [], 0
+        for i, layer in enumerate(self):
+            if is_reversible_block(layer) or is_invertible_layer(layer):
+                if not current:
+                    start = i
+                current.append(layer)
+            else:
+                if current:
+                    parts.append(("segment", start, current))
+                    current = []
+                parts.append(("transition", i, layer))
+        if current:
+            parts.append(("segment", start, current))
+        return parts
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _check_float_input(self, name, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype in _INT_DTYPES or x.is_complex():
+            raise TypeError(f"{name} must be a real floating-point tensor, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] == 0:
+            raise ValueError(f"{name} must have a non-empty last (feature) dim, got shape {tuple(x.shape)}")
+        param = next(self.parameters(), None)
+        if param is not None and param.device != x.device:
+            raise ValueError(f"{name} is on {x.device} but the stack's parameters are on {param.device}")
+
+    def _format(self, dtype) -> StreamFormat:
+        return StreamFormat(self.frac_bits if self.exact else None, dtype)
+
+    # -- forward --------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_float_input("input", x)
+        if self.streams == "split":
+            if x.shape[-1] % 2:
+                raise ValueError(f"streams='split' needs an even last dim to split in two, got {x.shape[-1]}")
+            x1, x2 = x.chunk(2, dim=-1)
+            y1, y2 = self.forward_streams(x1, x2)
+            return torch.cat([y1, y2], dim=-1)
+        y1, y2 = self._run(x, x)
+        return (y1 + y2) * 0.5
+
+    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor):
+        """Run on two streams: float in, float out (differentiable); int32 in, int32 out (exact, no grad)."""
+        if x1.shape != x2.shape:
+            raise ValueError(f"x1 and x2 must have the same shape, got {tuple(x1.shape)} and {tuple(x2.shape)}")
+        if x1.dtype == torch.int32 or x2.dtype == torch.int32:
+            return self._run_fixed(x1, x2, inverse=False)
+        self._check_float_input("x1", x1)
+        self._check_float_input("x2", x2)
+        if x1.dtype != x2.dtype:
+            raise TypeError(f"x1 and x2 must have the same dtype, got {x1.dtype} and {x2.dtype}")
+        return self._run(x1, x2)
+
+    # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
+    # nested backward) stays eager; users compile F and G regionally.
+    @torch.compiler.disable
+    def _run(self, x1, x2):
+        inputs = (x1, x2)
+        guards = ForwardGuards()
+        checks = None
+        if self.exact:
+            with torch.no_grad():  # isfinite is composite: under grad it would save its input
+                guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
+        for kind, index, item in self._segments():
+            if kind == "transition":
+                x = item((x1 + x2) * 0.5)
+                x1 = x2 = x
+                continue
+            checks = checks or BackwardChecks()
+            x1, x2 = self._run_segment(index, item, x1, x2, guards, checks)
+        failure = guards.first_failure()  # the one host sync of the forward
+        if failure is not None:
+            self._raise_guard(failure, inputs)
+        return x1, x2
+
+    def _run_segment(self, first_index, layers, x1, x2, guards, checks):
+        fmt = self._format(x1.dtype)
+        run = SegmentRun(layers, first_index, fmt, self.anchor_every, self.schedule, guards=guards,
+                         rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
+                         checks=checks, dispatch=capture_state())
+        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
+        if not needs_graph:
+            with torch.no_grad():
+                s1 = fmt.encode(x1)
+                s2 = s1 if x2 is x1 else fmt.encode(x2)
+                y1, y2, _, _ = _segment_forward(run, s1, s2, record=False)
+            return fmt.value(y1), fmt.value(y2)
+        # A requires-grad dummy input makes autograd record the node even when x needs no grad
+        # (frozen embeddings, LoRA): otherwise the blocks' parameters would silently get no grads.
+        grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)
+        run.grad_anchor = grad_anchor
+        run.watch = StateWatch(layers, first_index)
+        return ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor)
+
+    def _raise_guard(self, failure, inputs):
+        if failure[0] == "nonfinite":
+            raise ValueError("input contains NaN or Inf: exact (fixed-point) streams need finite values")
+        _, index, half = failure
+        peak, peak_index = self._float_peak(inputs)
+        suggestion = ""
+        if peak is not None and math.isfinite(peak) and peak > 0:
+            # 2**(29 - fit) > 1.01 * peak: 1% of slack for the exact model's rounding.
+            fit = int(math.ceil(STREAM_LIMIT_BITS - math.log2(1.01 * peak))) - 1
+            at = "at its input" if peak_index < 0 else f"at layer {peak_index}"
+            suggestion = (f"; the float model's streams peak at |value| = {peak:.4g} ({at}, over the whole stack), "
+                          f"so frac_bits <= {fit} fits this input all the way through"
+                          if fit >= 0 else f"; the float streams reach |value| = {peak:.4g}: too large for int32")
+        elif peak is not None:
+            suggestion = "; the float model itself produces non-finite values"
+        where = f"the {half} half of layer {index}" if half != "input" else f"the input of layer {index}"
+        raise OverflowError(
+            f"revtriton: the exact int32 stream left its range in {where} "
+            f"(frac_bits={self.frac_bits} holds |value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})"
+            f"{suggestion}. "
+            f"Lower frac_bits or use exact=False."
+        )
+
+    @torch.no_grad()
+    def _float_peak(self, inputs):
+        """(largest |stream value|, layer where it is reached; -1: the input) of the float model over
+        the whole stack, so one suggested frac_bits fits every layer (for the overflow message).
+
+        Runs only when an overflow is being reported; the caller's RNG and buffers are left untouched.
+        """
+        x1, x2 = inputs
+        if x1.dtype == torch.int32:
+            x1, x2 = (from_fixed(s, self.frac_bits) for s in inputs)
+        if x1.numel() == 0:
+            return None, -1
+        peaks = [torch.maximum(x1.abs().amax(), x2.abs().amax()).float()]
+        saved_buffers = [(b, b.clone()) for b in self.buffers()]
+        with torch.random.fork_rng(devices=_rng_devices(x1)):
+            for layer in self:
+                if is_reversible_block(layer):
+
+                    def peak_phase(f, g, x1=x1, x2=x2):
+                        x1 = f.couple(x1, x2, +1, None)[0]
+                        return (PhaseResult((x1, g.couple(x2, x1, +1, None)[0])),)
+
+                    x1, x2 = run_block_phase(layer, peak_phase)
+                elif is_invertible_layer(layer):
+                    x1, x2 = layer(x1, x2)
+                else:
+                    x1 = x2 = layer((x1 + x2) * 0.5)
+                peaks.append(torch.maximum(x1.abs().amax(), x2.abs().amax()).float())
+        for buffer, value in saved_buffers:
+            buffer.copy_(value)
+        peaks = torch.stack(peaks)
+        if not bool(torch.isfinite(peaks).all()):
+            return math.inf, -1
+        where = int(peaks.argmax())
+        return float(peaks[where]), where - 1
+
+    # -- inverse --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def inverse(self, y1: torch.Tensor, y2: torch.Tensor):
+        """Rebuild the stack's input streams from its output streams (bitwise in exact mode).
+
+        Stochastic layers (dropout, drop-path) are run with the current RNG: call it in eval mode.
+        """
+        if y1.shape != y2.shape:
+            raise ValueError(f"y1 and y2 must have the same shape, got {tuple(y1.shape)} and {tuple(y2.shape)}")
+        if y1.dtype == torch.int32 or y2.dtype == torch.int32:
+            return self._run_fixed(y1, y2, inverse=True)
+        self._check_float_input("y1", y1)
+        self._check_float_input("y2", y2)
+        if y1.dtype != y2.dtype:
+            raise TypeError(f"y1 and y2 must have the same dtype, got {y1.dtype} and {y2.dtype}")
+        fmt = self._format(y1.dtype)
+        s1, s2 = fmt.encode(y1), fmt.encode(y2)
+        if fmt.exact:  # what forward's guards check, here at once (inverse is not a training hot path)
+            if not (torch.isfinite(y1).all() and torch.isfinite(y2).all()):
+                raise ValueError("y1 / y2 contain NaN or Inf: exact (fixed-point) streams need finite values")
+            if bool(out_of_range(s1) | out_of_range(s2)):
+                raise OverflowError(f"y1 / y2 exceed what exact streams hold at frac_bits={self.frac_bits} "
+                                    f"(|value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})")
+        s1, s2 = self._invert(fmt, s1, s2)
+        return fmt.value(s1), fmt.value(s2)
+
+    def _invert(self, fmt, s1, s2):
+        for i in reversed(range(len(self))):
+            layer = self[i]
+            if is_reversible_block(layer):
+
+                def inverse_phase(f, g, s1=s1, s2=s2):
+                    values = fmt.for_block(f)
+                    s2 = g.couple(s2, values.value(s1), -1, fmt.frac_bits)[0]
+                    return (PhaseResult((f.couple(s1, values.value(s2), -1, fmt.frac_bits)[0], s2)),)
+
+                s1, s2 = run_block_phase(layer, inverse_phase)
+            elif is_invertible_layer(layer):
+                s1, s2 = layer.inverse(s1, s2)
+            else:
+                raise ValueError(
+                    f"layer {i} ({type(layer).__name__}) is a stage transition with no inverse: a stack with "
+                    f"non-invertible layers cannot be inverted as a whole (give the module an "
+                    f"inverse(y1, y2) to make it an invertible layer)"
+                )
+        return s1, s2
+
+    @torch.no_grad()
+    def _run_fixed(self, s1, s2, inverse):
+        if not self.exact:
+            raise TypeError("int32 streams are fixed-point streams: they need an exact=True stack")
+        if s1.dtype != torch.int32 or s2.dtype != torch.int32:
+            raise TypeError(f"both streams must be int32, got {s1.dtype} and {s2.dtype}")
+        fmt = self._format(None)  # no float input to take a dtype from: each block's parameters'
+        if inverse:
+            return self._invert(fmt, s1, s2)
+        for kind, index, item in self._segments():
+            if kind == "transition":
+                raise ValueError(
+                    f"layer {index} ({type(item).__name__}) is a stage transition: fixed-point streams can only "
+                    f"run through reversible blocks and invertible layers"
+                )
+        guards = ForwardGuards()
+        run = SegmentRun(list(self), 0, fmt, 0, self.schedule, guards=guards)
+        y1, y2, _, _ = _segment_forward(run, s1, s2, record=False)
+        failure = guards.first_failure()
+        if failure is not None:
+            self._raise_guard(failure, (s1, s2))
+        return y1, y2

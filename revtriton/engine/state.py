@@ -1,0 +1,120 @@
+"""What the backward relies on staying as the forward left it: training flags and parameter versions
+(checked before the rebuild), buffers the forward updated (the rebuild works on copies), and a
+half's input (a half must not modify it in place)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.nn.modules.batchnorm import _NormBase
+
+from .fsdp import _is_fsdp_module
+
+
+def _is_dtensor(tensor) -> bool:
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+class StateWatch:
+    """What a segment's backward needs unchanged since the forward, recorded as host-side ints.
+
+    The backward rebuilds every block by running its halves again, so it must see what the
+    forward saw: a module switched between train and eval (dropout, drop-path, BatchNorm) or a
+    parameter changed in place (an optimizer step, an edit under no_grad) in between would give
+    silently wrong gradients with float streams and a misleading checksum error with exact ones.
+    Training flags and parameter version counters are compared before the rebuild: no device
+    work, no host sync. It also lists the buffers of each layer, so the forward can tell which
+    ones it updated (BatchNorm's running statistics).
+    """
+
+    def __init__(self, layers, first_index):
+        self.layers, self.first_index = layers, first_index
+        self.modes, self.versions, self.buffers, self.running_stats = [], [], [], []
+        for i, layer in enumerate(layers):
+            buffers, running_stats = [], []
+            for module in layer.modules():
+                self.modes.append((i, module, module.training))
+                buffers += [(module, name, b) for name, b in module._buffers.items() if b is not None]
+                # Batch norms update their running statistics inside the kernel, without bumping the
+                # buffers' version counters: they are known to change in a training forward.
+                if isinstance(module, _NormBase) and module.training and module.track_running_stats:
+                    running_stats += [(module, name) for name in ("running_mean", "running_var", "num_batches_tracked")
+                                      if module._buffers.get(name) is not None]
+            self.buffers.append(buffers)
+            self.running_stats.append(running_stats)
+
+    def record_versions(self):
+        """Take the parameters' versions as the forward leaves them (a module may renormalise its own
+        weights in its forward, e.g. nn.Embedding(max_norm=...))."""
+        self.versions = [(i, p, p._version) for i, layer in enumerate(self.layers)
+                         # FSDP2 re-gathers a sharded block's parameters in place: its business
+                         if not _is_fsdp_module(layer) for p in layer.parameters() if not _is_dtensor(p)]
+
+    def _where(self, i, named, target, kind):
+        name = next((n for n, t in named if t is target), "")
+        layer = f"layer {self.first_index + i}"
+        return f"{kind} {name} of {layer}" if name else layer
+
+    def check(self):
+        """Raise if a training flag or a parameter changed since the forward."""
+        changed = None
+        for i, module, training in self.modes:
+            if module.training != training:
+                where = self._where(i, self.layers[i].named_modules(), module, "submodule")
+                was, now = ("train", "eval") if training else ("eval", "train")
+                changed = f"the training flag of {where} ({type(module).__name__}) went from {was} to {now}"
+                break
+        else:
+            for i, param, version in self.versions:
+                if param._version != version:
+                    where = self._where(i, self.layers[i].named_parameters(), param, "parameter")
+                    changed = (f"{where} was modified in place (its version counter went from "
+                               f"{version} to {param._version})")
+                    break
+        if changed is not None:
+            raise RuntimeError(
+                f"revtriton: {changed} between the forward and the backward of a reversible stack. The backward "
+                f"rebuilds each block by running it again, so it needs the forward's modes and weights: run "
+                f"backward before model.eval() / model.train(), optimizer.step() or in-place edits of parameters, "
+                f"or run the forward again after changing them."
+            )
+
+
+def _buffer_versions(buffers):
+    return [b._version for _, _, b in buffers]
+
+
+def _updated_buffers(buffers, versions):
+    """The (module, name) of buffers whose version changed since ``versions`` was taken."""
+    return [(m, name) for (m, name, b), v in zip(buffers, versions) if b._version != v]
+
+
+@contextlib.contextmanager
+def _scratch_buffers(updated):
+    """Run a rebuild on copies of the buffers its forward updated (BatchNorm's running statistics,
+    num_batches_tracked), so the module's buffers stay as the forward left them."""
+    originals = [(m, name, m._buffers[name]) for m, name in updated]
+    for m, name, buffer in originals:
+        m._buffers[name] = buffer.clone()
+    try:
+        yield
+    finally:
+        for m, name, buffer in originals:
+            m._buffers[name] = buffer
+
+
+def _version_of(x: torch.Tensor):
+    """The version counter of ``x`` (None for inference tensors, which have none)."""
+    return None if x.is_inference() else x._version
+
+
+def _check_input_untouched(x: torch.Tensor, version, half: str, index: int):
+    if version is not None and x._version != version:
+        raise RuntimeError(
+            f"revtriton: the {half} half of layer {index} modified its input in place (an in-place op such as "
+            f"nn.ReLU(inplace=True) or x.add_() on the half's input). A half's input is the other residual "
+            f"stream, which the block still needs (and the backward rebuilds it as a leaf): make the half's "
+            f"first op out of place (e.g. nn.ReLU(inplace=False))."
+        )
