@@ -472,3 +472,17 @@ def test_readme_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     assert blocks, "README has no python example"
     exec(compile(blocks[0], "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_stream_pairs_with_different_shapes_or_dtypes_are_refused(exact):
+    stack = make_stack(2, exact=exact)
+    a = torch.randn(2, 3, DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match="x1 and x2 must have the same shape"):
+        stack.forward_streams(a, a[:, :2])
+    with pytest.raises(TypeError, match="x1 and x2 must have the same dtype"):
+        stack.forward_streams(a, a.float())
+    with pytest.raises(ValueError, match="y1 and y2 must have the same shape"):
+        stack.inverse(a, a[:1])
+    with pytest.raises(TypeError, match="y1 and y2 must have the same dtype"):
+        stack.inverse(a, a.float())

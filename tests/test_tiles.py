@@ -200,12 +200,14 @@ def test_row_kernels_on_constant_zero_and_large_rows(seeded, norm):
     beta = torch.randn(dim) if norm == "layer" else None
     # The norm is applied once per row, before the GEMMs (issue 12): large-mean and large-scale
     # rows must normalise as accurately as the fp32 reference.
+    # The oracle is float64: an fp32 reference loses about 1e-4 of a 3000 + noise row's spread itself.
     n, mean, rstd = gemm.normalize(x, norm=norm, eps=eps, norm_weight=gamma, norm_bias=beta)
-    ref_n, ref_mean, ref_rstd = gemm.normalize_reference(x, norm=norm, eps=eps, norm_weight=gamma, norm_bias=beta)
+    ref_n, ref_mean, ref_rstd = gemm.normalize_reference(x.double(), norm=norm, eps=eps, norm_weight=gamma.double(),
+                                                         norm_bias=None if beta is None else beta.double())
     assert torch.isfinite(mean).all() and torch.isfinite(rstd).all() and torch.isfinite(n).all()
-    assert rel_err(mean, ref_mean) <= 1e-5 and rel_err(rstd, ref_rstd) <= 1e-5
+    assert rel_err(mean, ref_mean) <= 1e-6 and rel_err(rstd, ref_rstd) <= 1e-5
     for row in range(9):  # row by row: a large row must not hide a wrong small one
-        assert rel_err(n[row], ref_n[row]) <= 1e-5, row
+        assert rel_err(n[row], ref_n[row]) <= 2e-6, row
     zero_var = [0, 1, 2] if norm == "layer" else [0]
     assert torch.allclose(rstd[zero_var], torch.full((len(zero_var),), eps**-0.5), rtol=1e-5)
     dn, dres = torch.randn(9, dim), torch.randn(9, dim)

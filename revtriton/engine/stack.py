@@ -124,15 +124,22 @@ class ReversibleStack(nn.Module):
 
     def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor):
         """Run on two streams: float in, float out (differentiable); int32 in, int32 out (exact, no grad)."""
-        if x1.shape != x2.shape:
-            raise ValueError(f"x1 and x2 must have the same shape, got {tuple(x1.shape)} and {tuple(x2.shape)}")
-        if x1.dtype == torch.int32 or x2.dtype == torch.int32:
+        if self._fixed_pair("x", x1, x2):
             return self._run_fixed(x1, x2, inverse=False)
-        self._check_float_input("x1", x1)
-        self._check_float_input("x2", x2)
-        if x1.dtype != x2.dtype:
-            raise TypeError(f"x1 and x2 must have the same dtype, got {x1.dtype} and {x2.dtype}")
         return self._run(x1, x2)
+
+    def _fixed_pair(self, name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Check two streams given together (``name``1, ``name``2); True when they are int32 (exact)."""
+        if a.shape != b.shape:
+            raise ValueError(f"{name}1 and {name}2 must have the same shape, got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}")
+        if a.dtype == torch.int32 or b.dtype == torch.int32:
+            return True
+        self._check_float_input(f"{name}1", a)
+        self._check_float_input(f"{name}2", b)
+        if a.dtype != b.dtype:
+            raise TypeError(f"{name}1 and {name}2 must have the same dtype, got {a.dtype} and {b.dtype}")
+        return False
 
     # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
     # nested backward) stays eager; users compile F and G regionally.
@@ -243,14 +250,8 @@ class ReversibleStack(nn.Module):
 
         Stochastic layers (dropout, drop-path) are run with the current RNG: call it in eval mode.
         """
-        if y1.shape != y2.shape:
-            raise ValueError(f"y1 and y2 must have the same shape, got {tuple(y1.shape)} and {tuple(y2.shape)}")
-        if y1.dtype == torch.int32 or y2.dtype == torch.int32:
+        if self._fixed_pair("y", y1, y2):
             return self._run_fixed(y1, y2, inverse=True)
-        self._check_float_input("y1", y1)
-        self._check_float_input("y2", y2)
-        if y1.dtype != y2.dtype:
-            raise TypeError(f"y1 and y2 must have the same dtype, got {y1.dtype} and {y2.dtype}")
         fmt = self._format(y1.dtype)
         s1, s2 = fmt.encode(y1), fmt.encode(y2)
         if fmt.exact:  # what forward's guards check, here at once (inverse is not a training hot path)

@@ -234,13 +234,17 @@ def _check_operands(a, weight, name="a"):
 
 # ---------------------------------------------------------------- normalize (norm once per row)
 
+def _stats_precision(x):
+    return x.double() if x.dtype == torch.float64 else x.float()  # fp32 at least; an fp64 oracle stays fp64
+
+
 def row_stats_reference(x, *, norm="layer", eps=1e-6):
-    xf = x.float()
+    xf = _stats_precision(x)
     if norm == "layer":
         mean = xf.mean(-1)
         var = (xf - mean[..., None]).pow(2).mean(-1)
     else:
-        mean = torch.zeros(xf.shape[:-1], dtype=torch.float32, device=x.device)
+        mean = torch.zeros(xf.shape[:-1], dtype=xf.dtype, device=x.device)
         var = xf.pow(2).mean(-1)
     return mean, torch.rsqrt(var + eps)
 
@@ -248,14 +252,14 @@ def row_stats_reference(x, *, norm="layer", eps=1e-6):
 def normalize_with_stats(x, stats, norm_weight, norm_bias, norm, dtype):
     """norm(x) * gamma + beta from given (mean, rstd), in fp32, cast once to dtype."""
     mean, rstd = stats
-    y = x.float()
+    y = _stats_precision(x)
     if norm == "layer":
         y = y - mean[:, None]
     y = y * rstd[:, None]
     if norm_weight is not None:
-        y = y * norm_weight.float()
+        y = y * norm_weight.to(y.dtype)
     if norm_bias is not None:
-        y = y + norm_bias.float()
+        y = y + norm_bias.to(y.dtype)
     return y.to(dtype)
 
 
