@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..ops.streams import from_fixed, to_fixed
+from ..ops.streams import from_fixed, stream_checksum, to_fixed
 from ..ops.streams import out_of_range as _stream_out_of_range
 
 
@@ -127,26 +127,7 @@ class BackwardChecks:
             )
 
 
-# An odd multiplier (2**32 / golden ratio): x -> x * C mod 2**32 is a bijection, so the weights spread.
-_CHECKSUM_MULTIPLIER = -1640531535  # 0x9E3779B1 as a signed int32
-
-
-def _checksum_weights(stream: torch.Tensor) -> torch.Tensor:
-    """Odd int32 weights, one per element position of a stream.
-
-    The checksum is a weighted sum, so moving values between positions (permuted token rows, a
-    transposed tile) changes it, where a plain sum would not.
-    """
-    positions = torch.arange(stream.numel(), dtype=torch.int32, device=stream.device)
-    return (positions * _CHECKSUM_MULTIPLIER).bitwise_or_(1).view(stream.shape)
-
-
 def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """Position-sensitive int64 checksum of two int32 streams: sum(stream * weight) for each.
-
-    The products wrap around in int32 (deterministically, two's complement); the sum accumulates
-    in int64 (torch's default for integers). One reduction a stream, no host sync; the weights
-    are made on the fly (nothing is cached between calls).
-    """
-    weights = _checksum_weights(s1)
-    return torch.stack([(s1 * weights).sum(), (s2 * weights).sum()])
+    """Position-sensitive int64 checksum of two int32 streams (ops.streams.stream_checksum): one
+    reduction a stream, no host sync; moved values change it, not only changed ones."""
+    return stream_checksum(s1, s2)

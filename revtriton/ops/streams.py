@@ -122,3 +122,55 @@ def couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int 
         stream = res + h if sign > 0 else res - h
         return stream, (stream if stream.requires_grad else None)
     return exact_couple_from_output(res, h, sign, frac_bits)
+
+
+# ---------------------------------------------------------------- recompute checksum
+
+# An odd multiplier (2**32 / golden ratio): x -> x * C mod 2**32 is a bijection, so the weights spread.
+CHECKSUM_MULTIPLIER = -1640531535  # 0x9E3779B1 as a signed int32
+CHECKSUM_BLOCK = 4096
+
+
+def _check_stream_pair(s1: torch.Tensor, s2: torch.Tensor):
+    if s1.dtype != torch.int32 or s2.dtype != torch.int32 or s1.shape != s2.shape:
+        raise TypeError(f"a checksum takes two int32 streams of one shape, got {s1.dtype} {tuple(s1.shape)} and "
+                        f"{s2.dtype} {tuple(s2.shape)}")
+    if s1.numel() >= 2**31:
+        raise ValueError(f"a stream of {s1.numel()} elements: the checksum's int32 positions need < 2^31")
+
+
+def stream_checksum_reference(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: sum(s * w) for each stream, w = (position * CHECKSUM_MULTIPLIER) | 1 in int32.
+
+    Position-sensitive (moving values between positions changes it, where a plain sum would not);
+    the products wrap in int32 (two's complement), the sums accumulate in int64 (exact)."""
+    _check_stream_pair(s1, s2)
+    positions = torch.arange(s1.numel(), dtype=torch.int32, device=s1.device)
+    weights = (positions * CHECKSUM_MULTIPLIER).bitwise_or_(1).view(s1.shape)
+    return torch.stack([(s1 * weights).sum(), (s2 * weights).sum()])
+
+
+def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """The same checksum in one Triton pass over both streams (kernels/checksum.py), bitwise equal."""
+    from revtriton.kernels import checksum as kernels
+
+    from .launches import launch
+
+    _check_stream_pair(s1, s2)
+    numel = s1.numel()
+    if numel == 0:
+        return torch.zeros(2, dtype=torch.int64, device=s1.device)
+    s1, s2 = s1.contiguous(), s2.contiguous()
+    programs = -(-numel // CHECKSUM_BLOCK)
+    partials = torch.empty(programs, 2, dtype=torch.int64, device=s1.device)  # every program writes its row
+    launch(kernels.weighted_checksum_kernel, (programs,), s1, s2, partials, numel, CHECKSUM_MULTIPLIER,
+           BLOCK=CHECKSUM_BLOCK, num_warps=8)
+    return partials.sum(0)
+
+
+def stream_checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """The exact engine's recompute checksum: one Triton pass on CUDA (about eight torch passes
+    otherwise), the torch reference elsewhere; both give the same bits. No host sync."""
+    if s1.is_cuda:
+        return stream_checksum_triton(s1, s2)
+    return stream_checksum_reference(s1, s2)

@@ -1,0 +1,43 @@
+"""The exact engine's recompute checksum: the one-pass Triton kernel (kernels/checksum.py, used on
+CUDA) against the torch reference, bitwise, under the interpreter; and what it can see."""
+import pytest
+import torch
+
+from revtriton.ops import dispatch
+from revtriton.ops.streams import CHECKSUM_BLOCK, stream_checksum_reference, stream_checksum_triton
+
+pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
+
+INT32 = torch.iinfo(torch.int32)
+
+
+def random_streams(*shape):
+    """Full-range int32 values (products wrap) with the extremes planted."""
+    s1 = torch.randint(INT32.min, INT32.max, shape, dtype=torch.int32)
+    s2 = torch.randint(-2**29, 2**29, shape, dtype=torch.int32)
+    extremes = torch.tensor([INT32.min, INT32.max, -1], dtype=torch.int32)
+    s1.view(-1)[:3] = extremes[:s1.numel()]
+    return s1, s2
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 5, 33), (CHECKSUM_BLOCK,), (3 * CHECKSUM_BLOCK + 17,)])
+def test_triton_checksum_is_bitwise_the_reference(seeded, shape):
+    s1, s2 = random_streams(*shape)
+    got, want = stream_checksum_triton(s1, s2), stream_checksum_reference(s1, s2)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_triton_checksum_sees_moved_values_and_empty_streams(seeded):
+    s1, s2 = random_streams(4, 9, 8)
+    base = stream_checksum_triton(s1, s2)
+    rolled = stream_checksum_triton(s1.roll(1, dims=1), s2)  # token rows moved, same values
+    assert rolled[0] != base[0] and rolled[1] == base[1]
+    empty = torch.zeros(0, 3, dtype=torch.int32)
+    assert torch.equal(stream_checksum_triton(empty, empty), torch.zeros(2, dtype=torch.int64))
+
+
+def test_checksum_refuses_what_it_cannot_sum():
+    with pytest.raises(TypeError, match="int32"):
+        stream_checksum_reference(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(TypeError, match="one shape"):
+        stream_checksum_triton(torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
