@@ -199,8 +199,10 @@ def test_fused_couple_matches_reference_with_launch_budgets(seeded, kind, activa
     got = [x.grad] + [p.grad for p in params if p is not None]
     want = [xd.grad] + [p.grad for p in pd if p is not None]
     # ReLU's kink: a pre-activation within fp16 rounding of 0 can take the other branch than in the
-    # float64 oracle, which moves whole gradient entries (measured up to 1.005e-2 relative).
-    tol = TOL[dtype] * (3 if activation == "relu" and dtype == torch.float16 else 1)
+    # float64 oracle, which moves whole gradient entries (1344 pre-activations here, about one
+    # within fp16 rounding of 0 per run; measured up to 4.4e-2 relative on x's gradient). A wrong
+    # derivative or a lost row scale is off by far more.
+    tol = TOL[dtype] * (8 if activation == "relu" and dtype == torch.float16 else 1)
     leaves = [x] + [p for p in params if p is not None]
     for name, a, b, leaf in zip(["x"] + [f"p{i}" for i in range(len(got) - 1)], got, want, leaves):
         assert a.dtype == leaf.dtype
