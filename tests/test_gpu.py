@@ -157,8 +157,12 @@ def test_launch_budget_of_a_fused_block():
         out = stack(x)
     with count_launches() as backward:
         out.sum().backward()
+    # Per block: the halves' 7 forward launches; in backward the rebuild's 7 + attention 10 + MLP 7.
+    # Exact streams (the default) add the engine's one-pass checksum (forward: input and output;
+    # backward: the rebuilt input), counted apart.
+    assert forward.pop("weighted_checksum_kernel", 0) <= 2 and backward.pop("weighted_checksum_kernel", 0) <= 2
     assert sum(forward.values()) <= 7, forward
-    assert sum(backward.values()) <= 20, backward
+    assert sum(backward.values()) <= 24, backward
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
