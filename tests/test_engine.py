@@ -7,7 +7,7 @@ from revtriton import ReversibleBlock, ReversibleStack, engine
 from revtriton.profiling import peak_memory, saved_bytes
 from revtriton.ops.streams import to_fixed
 from revtriton.models.common import stored_float_streams
-from twins import DropPath, grads_of, max_rel_error, mlp, plain_forward, rounded_forward
+from twins import CountingHalf, DropPath, grads_of, max_rel_error, mlp, plain_forward, rounded_forward
 
 DIM = 16
 
@@ -165,17 +165,6 @@ def test_dropout_and_drop_path_replay_exactly(exact):
         assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     else:
         assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
-
-
-class CountingHalf(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.inner = mlp(dim)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return self.inner(x)
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])

@@ -13,7 +13,7 @@ from torch import nn
 from revtriton import ReversibleBlock, ReversibleStack
 from revtriton.models import to_stored_activations
 from test_engine import Noisy, WidenTokens, loss_of
-from twins import DropPath, grads_of, max_rel_error, mlp
+from twins import CountingHalf, DropPath, grads_of, max_rel_error, mlp
 
 DIM = 8
 MODES = [pytest.param(True, id="exact"), pytest.param(False, id="float")]
@@ -26,7 +26,8 @@ def fresh_seed(seeded):
 
 
 def blocks(depth, dim=DIM, dropout=0.0, drop_path=0.0):
-    return [ReversibleBlock(DropPath(mlp(dim, dropout=dropout), drop_path), DropPath(mlp(dim, dropout=dropout), drop_path))
+    return [ReversibleBlock(DropPath(mlp(dim, dropout=dropout), drop_path),
+                            DropPath(mlp(dim, dropout=dropout), drop_path))
             for _ in range(depth)]
 
 
@@ -82,7 +83,8 @@ def test_training_flag_changed_before_backward_is_named(exact, schedule, depth):
     stack.train()
     y = stack(x)
     stack[depth - 1].g.module.module[4].eval()
-    with pytest.raises(RuntimeError, match=rf"training flag of submodule g\.module\.module\.4 of layer {depth - 1} \(Dropout\)"):
+    flag = rf"training flag of submodule g\.module\.module\.4 of layer {depth - 1} \(Dropout\)"
+    with pytest.raises(RuntimeError, match=flag):
         loss_of(y).backward()
 
 
@@ -149,18 +151,12 @@ def test_optimizer_steps_between_iterations_are_fine(exact):
 # -- 5 and 6. checksums -----------------------------------------------------------------------------
 
 
-class RollRows(nn.Module):
+class RollRows(CountingHalf):
     """Not deterministic in a way a plain sum cannot see: rolls the token rows of its output by a
     different amount at every call (the values are the same, their positions are not)."""
 
-    def __init__(self, dim):
-        super().__init__()
-        self.inner = mlp(dim)
-        self.calls = 0
-
     def forward(self, x):
-        self.calls += 1
-        return self.inner(x).roll(self.calls, dims=-2)
+        return super().forward(x).roll(self.calls, dims=-2)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

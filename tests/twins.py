@@ -57,3 +57,16 @@ def max_rel_error(a_list, b_list):
             continue
         worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
     return worst
+
+
+class CountingHalf(nn.Module):
+    """An MLP half that counts its calls (how often the engine runs each half)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.inner = mlp(dim)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)

@@ -348,9 +348,7 @@ class _Plan:
 
 def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
     """The four launches. Returns (stream [B, T, dim], saved tensors for backward)."""
-    x2 = x.reshape(plan.rows, plan.dim)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemm.as_rows(x, plan.dim)
     n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
                                    norm_bias=norm_bias, out_dtype=plan.dot_dtype)
     qkv = qkv_projection(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,              # launch 2
@@ -358,9 +356,7 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
     o, lse = attention_fwd(q, k, v, causal=plan.causal)                                         # launch 3
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
-    res2 = res.reshape(plan.rows, plan.dim)
-    if res2.stride(1) != 1:
-        res2 = res2.contiguous()
+    res2 = gemm.as_rows(res, plan.dim)
     stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
                                 row_scale=row_scale)
     return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse)
@@ -369,13 +365,12 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
 def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj,
                     row_scale, param_dtypes, need_dx=True):
     """Gradients of sign * H(x) given g = d loss / d stream: ten launches (nine without biases),
-    every weight gradient a raw GEMM (split-K partials when it cannot fill the GPU), every bias / norm-parameter gradient a partial
-    sum reduced in one fixed-order launch at the end (no weight-sized temporaries in torch)."""
+    every weight gradient a raw GEMM (split-K partials when it cannot fill the GPU), every bias and
+    norm-parameter gradient a partial sum reduced in one fixed-order launch at the end (no
+    weight-sized temporaries in torch)."""
     dt, rows = plan.dot_dtype, plan.rows
     gamma_dtype, beta_dtype, w_qkv_dtype, b_qkv_dtype, w_proj_dtype, b_proj_dtype = param_dtypes
-    g2 = g.reshape(rows, plan.dim)
-    if g2.stride(1) != 1 or g2.stride(0) == 0:
-        g2 = g2.contiguous()
+    g2 = gemm.as_rows(g, plan.dim)
     # out-projection: gs = sign * row_scale * g in the operand dtype (db_proj partials on the way),
     # dO = gs @ W_proj, dW_proj = gs^T @ o.
     gs, db_proj = gemm.scale_rows(g2, alpha=plan.sign, row_scale=row_scale, out_dtype=dt,              # launch 1

@@ -61,12 +61,6 @@ def _check_common(res, x, sign, frac_bits, dim):
         raise ValueError(f"res on {res.device} but x on {x.device}")
 
 
-def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """[..., dim] -> [M, dim] with unit column stride (a view when possible)."""
-    t = t.reshape(-1, dim)
-    return t if t.stride(1) == 1 or dim == 1 else t.contiguous()
-
-
 def _flat_row_scale(row_scale, x):
     if row_scale is None:
         return None
@@ -95,11 +89,8 @@ def _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, bias_dtype):
     """The output gradient times sign and row_scale in the operand dtype (one launch), and the
     Partials of its column sums when the last layer has a bias to differentiate."""
     g = grads[0] if frac_bits is None else grads[1]
-    g2 = g.reshape(-1, dim)
-    if g2.stride(1) != 1 or (g2.shape[0] > 1 and g2.stride(0) == 0):
-        g2 = g2.contiguous()
-    return gemm.scale_rows(g2, alpha=sign, row_scale=row_scale, out_dtype=dot_dtype, col_sums=bias_dtype is not None,
-                           sums_dtype=bias_dtype)
+    return gemm.scale_rows(gemm.as_rows(g, dim), alpha=sign, row_scale=row_scale, out_dtype=dot_dtype,
+                           col_sums=bias_dtype is not None, sums_dtype=bias_dtype)
 
 
 class FusedNormMLPCouple(torch.autograd.Function):
@@ -107,8 +98,9 @@ class FusedNormMLPCouple(torch.autograd.Function):
     def forward(ctx, res, x, norm_weight, norm_bias, w1, b1, w2, b2, row_scale, sign, frac_bits, norm, activation,
                 eps, dot_dtype):
         dim = x.shape[-1]
-        x2 = _rows(x, dim)
-        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight,
+        x2 = gemm.as_rows(x, dim)
+        res2 = gemm.as_rows(res, dim)
+        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight,
                                                             norm_bias, w1, b1, w2, b2, norm, activation, eps,
                                                             row_scale, dot_dtype, True)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
@@ -167,7 +159,8 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
         out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype)
         return couple_result(out, frac_bits)
     with torch.no_grad():
-        stream, _ = _norm_mlp_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, norm, activation,
+        res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
+        stream, _ = _norm_mlp_forward(res2, x2, sign, frac_bits, *params, norm, activation,
                                       eps, rs, dot_dtype, False)
     return stream.view(res.shape), None
 
@@ -186,8 +179,9 @@ class FusedSwiGLUCouple(torch.autograd.Function):
     @staticmethod
     def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype):
         dim = x.shape[-1]
-        x2 = _rows(x, dim)
-        stream, (n, mean, rstd, a1, z) = _swiglu_forward(_rows(res, dim), x2, sign, frac_bits, norm_weight, w_gate,
+        x2 = gemm.as_rows(x, dim)
+        res2 = gemm.as_rows(res, dim)
+        stream, (n, mean, rstd, a1, z) = _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate,
                                                          w_up, w_down, eps, row_scale, dot_dtype, True)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.options = (sign, frac_bits, dot_dtype)
@@ -237,6 +231,7 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
         out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype)
         return couple_result(out, frac_bits)
     with torch.no_grad():
-        stream, _ = _swiglu_forward(_rows(res, dim), _rows(x, dim), sign, frac_bits, *params, eps, rs, dot_dtype,
+        res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
+        stream, _ = _swiglu_forward(res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
                                     False)
     return stream.view(res.shape), None

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from . import dispatch
 from .reference import activation_reference
@@ -116,25 +115,25 @@ def _check_same_device(*named):
             f"{n}={t.device}" for n, t in named if isinstance(t, torch.Tensor)))
 
 
-def _check_norm(norm, stats, norm_weight, norm_bias, rows, cols, stats_name="stats"):
-    if norm not in (None,) + NORMS:
-        raise ValueError(f"norm must be one of {(None,) + NORMS}, got {norm!r}")
-    if norm is None:
-        if stats is not None or norm_weight is not None or norm_bias is not None:
-            raise ValueError("stats / norm_weight / norm_bias given without norm=")
-        return
+def _check_stats(stats, norm_weight, rows, cols):
     if stats is None or len(stats) != 2:
-        raise ValueError(f"norm={norm!r} needs {stats_name}=(mean, rstd) from normalize")
+        raise ValueError("stats must be (mean, rstd) from normalize")
     for name, s in zip(("mean", "rstd"), stats):
         _check_vector(s, name, rows, dtypes=(torch.float32,))
     _check_vector(norm_weight, "norm_weight", cols)
-    _check_vector(norm_bias, "norm_bias", cols)
-    if norm == "rms" and norm_bias is not None:
-        raise ValueError("RMSNorm has no bias")
 
 
 def _check_row_scale(row_scale, rows):
     _check_vector(row_scale, "row_scale", rows)
+
+
+def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[..., dim] -> [M, dim] as the launchers take it: unit column stride, no stride-0 (broadcast)
+    rows; a view when the layout already fits, else a contiguous copy."""
+    t = t.reshape(-1, dim)
+    if (dim > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) == 0):
+        t = t.contiguous()
+    return t
 
 
 # ---------------------------------------------------------------- partial sums
@@ -151,9 +150,13 @@ class Partials:
 
 
 def reduce_partials_reference(*partials):
+    """The kernel's order: rows p = 0, 1, ... added one after the other in fp32."""
     for p in partials:
         if p is not None:
-            p.out.view(-1).copy_(p.part.sum(0))
+            acc = torch.zeros(p.part.shape[1], dtype=torch.float32, device=p.part.device)
+            for row in p.part:
+                acc = acc + row
+            p.out.view(-1).copy_(acc)
 
 
 def reduce_partials(*partials):
@@ -399,10 +402,6 @@ def scale_rows_reference(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_su
     return (s.to(out_dtype) if store else None), sums
 
 
-def _col_sum_out(n, dtype, device):
-    return torch.empty(n, dtype=dtype, device=device)
-
-
 def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True, sums_dtype=None):
     """(alpha * row_scale[:, None] * g in out_dtype, or None without ``store``; with ``col_sums``,
     the Partials of the scaled rows' column sums (a bias gradient, sums_dtype)); one launch."""
@@ -421,7 +420,7 @@ def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, 
     rows_per_program = math.ceil(M / programs) if M else 0
     programs = math.ceil(M / rows_per_program) if M else 0
     if col_sums:
-        result = _col_sum_out(D, sums_dtype or torch.float32, g.device)
+        result = torch.empty(D, dtype=sums_dtype or torch.float32, device=g.device)
         if M == 0:
             result.zero_()
         else:
@@ -475,7 +474,7 @@ def linear_act_bwd(grad, weight, preact, *, activation, col_sums=False, sums_dty
     out = torch.empty(M, width, dtype=grad.dtype, device=grad.device)
     partials = None
     if col_sums:
-        result = _col_sum_out(H, sums_dtype or torch.float32, grad.device)
+        result = torch.empty(H, dtype=sums_dtype or torch.float32, device=grad.device)
         if M == 0:
             result.zero_()
         else:
@@ -613,7 +612,7 @@ def norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, o
     _check_matrix(dn, "dn", rows=M, cols=D, unit_col_stride=True)
     if dres is not None:
         _check_matrix(dres, "dres", rows=M, cols=D, unit_col_stride=True)
-    _check_norm(norm, stats, norm_weight, None, M, D)
+    _check_stats(stats, norm_weight, M, D)
     if has_bias and norm == "rms":
         raise ValueError("RMSNorm has no bias")
     if D > MAX_NORM_DIM:

@@ -8,9 +8,6 @@ F.linear, the exact epilogue in torch ops). On CPU: the reference, or Triton und
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from . import backend
 from .dispatch import run_op, triton_dtypes, triton_runs_on
 from .reference import (ACTIVATIONS, NORMS, activation_reference, norm_mlp_reference,  # noqa: F401 (re-exported)
