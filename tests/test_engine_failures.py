@@ -421,33 +421,7 @@ def test_generate_with_use_cache_gives_greedy_tokens(family, seeded):
     assert torch.equal(out, greedy)
 
 
-# -- 2 (in part). a half that closes over a tensor requiring grad -----------------------------------
-
-
-class Conditioned(nn.Module):
-    """A half adding a conditioning tensor set as an attribute (the DiT pattern without extra inputs)."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.inner = mlp(dim)
-        self.condition = None
-
-    def forward(self, x):
-        return self.inner(x) + self.condition
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("exact", MODES)
-def test_captured_tensor_requiring_grad_gets_a_clear_error(exact, schedule):
-    halves = [Conditioned(DIM) for _ in range(2)]
-    stack = stack_of([ReversibleBlock(h, mlp(DIM)) for h in halves], exact, schedule)
-    embedding = nn.Linear(DIM, DIM).to(dtype_of(exact))
-    x = torch.randn(2, 3, DIM, dtype=dtype_of(exact), requires_grad=True)
-    condition = embedding(torch.randn(2, 1, DIM, dtype=dtype_of(exact)))
-    for h in halves:
-        h.condition = condition
-    with pytest.raises(RuntimeError, match="uses a tensor from outside the stack that requires grad"):
-        loss_of(stack(x)).backward()
+# -- 2. conditioning and captured tensors: tests/test_conditioning.py --------------------------------
 
 
 def test_revified_gpt2_on_an_empty_batch_runs_like_its_twin(seeded):

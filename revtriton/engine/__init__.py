@@ -8,8 +8,8 @@ A block keeps two residual streams::
 The forward runs without grad and keeps only each reversible segment's final streams; the
 backward rebuilds every block's input from its output and gets the gradients from the same
 recompute (each half's forward runs exactly once per block in backward). The engine talks to
-halves only through ``couple(res, x, sign, frac_bits)`` (revtriton.halves.base) and knows
-nothing of Triton.
+halves only through ``couple(res, x, sign, frac_bits)`` (revtriton.halves.base; ``cond=c`` too for
+halves that take the stack's conditioning) and knows nothing of Triton.
 
 Exact streams (default) are int32 fixed point, so the inverse is bitwise exact; float streams
 (``exact=False``) may drift, which ``anchor_every`` bounds.

@@ -81,13 +81,46 @@ FIND_UNUSED_HINT = (
 )
 
 
-CAPTURED_TENSOR_HINT = (
-    "revtriton: a half of a reversible stack uses a tensor from outside the stack that requires grad (a "
-    "conditioning or timestep embedding set as an attribute, a tensor captured in a closure): the backward "
-    "rebuilds every block separately, so autograd would go through that tensor's graph once per block. This is "
-    "not supported: compute the conditioning inside the half from its own parameters, pass it detached, or "
-    "train the model as a stored-activation twin (revtriton.to_stored_activations)."
-)
+def captured_tensor_message(where: str) -> str:
+    return (
+        f"revtriton: {where} uses a tensor from outside the stack that requires grad (a conditioning or "
+        f"timestep embedding set as an attribute, a tensor captured in a closure). A reversible stack keeps no "
+        f"graph of its forward and rebuilds every block on its own in backward, so that tensor would get a wrong "
+        f"gradient, or none at all. Pass it to the stack instead: stack(x, cond=c) hands c to every half whose "
+        f"forward has a `cond` parameter (def forward(self, x, cond)) and gives c its gradient, summed over all "
+        f"blocks. (Tensors that need no gradient may be captured; a trainable weight belongs in the block.)"
+    )
+
+
+CAPTURED_TENSOR_HINT = captured_tensor_message("a half of a reversible stack")
+
+
+def reaches_foreign_leaf(output, is_own) -> bool:
+    """Whether the autograd graph of ``output`` reaches a leaf requiring grad for which ``is_own(leaf)``
+    is False.
+
+    Run on each half's output as the backward rebuilds it: its graph may end only at the half's
+    input leaves, the segment's parameters and the conditioning's leaves; any other leaf (also one
+    behind a captured non-leaf's graph) belongs to a tensor the half took from outside the stack.
+    Only the half's own graph is walked unless such a leaf is there (then the walk stops at it).
+    """
+    if output is None or output.grad_fn is None:
+        return False
+    seen, todo = set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _ACCUMULATE_GRAD):  # a leaf
+            if not is_own(node.variable):
+                return True
+            continue
+        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return False
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
 class BackwardChecks:

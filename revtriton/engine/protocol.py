@@ -6,12 +6,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..halves.base import as_half
+from ..halves.base import as_half, half_output
 from .fsdp import block_phase
 
 
 class ReversibleBlock(nn.Module):
-    """A reversible block of two coupling halves F and G (any ``[..., d] -> [..., d]`` modules)."""
+    """A reversible block of two coupling halves F and G (any ``[..., d] -> [..., d]`` modules).
+
+    A half whose ``forward`` has a ``cond`` parameter (``forward(self, x, cond)``) gets the stack's
+    conditioning (``stack(x, cond=c)``): a timestep or class embedding, the adaLN / DiT pattern.
+    """
 
     def __init__(self, f: nn.Module, g: nn.Module):
         super().__init__()
@@ -25,10 +29,10 @@ class ReversibleBlock(nn.Module):
         """One use of the halves by the stack, as one hookable call (see :func:`run_block_phase`)."""
         return block_phase(self, work, *tensors)
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor):
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, cond=None):
         """Plain autograd forward on float streams (stores activations); the stack does not use it."""
-        y1 = x1 + self.f(x2)
-        return y1, x2 + self.g(y1)
+        y1 = x1 + half_output(self.f, x2, cond)
+        return y1, x2 + half_output(self.g, y1, cond)
 
 
 def is_reversible_block(layer) -> bool:

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..halves.base import couple_half
 from ..ops.dispatch import replayed
 from ..ops.streams import stream_grad_dtype
 from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
-from .fsdp import PhaseResult, _AfterToken, run_block_phase
+from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
 from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat, _checksum,
-                     out_of_range)
+                     captured_tensor_message, out_of_range, reaches_foreign_leaf)
 from .hooks import BlockHooks
 from .protocol import is_reversible_block
 from .replay import AutocastState, RngTape
@@ -65,12 +66,24 @@ class SegmentRun:
     watch: StateWatch | None = None  # modes and parameter versions at forward (set when a graph is recorded)
     updated_buffers: dict = field(default_factory=dict)  # layer -> [(module, name)] the forward updated
     grad_anchor: torch.Tensor | None = None  # the segment node's requires-grad dummy input
+    param_ids: frozenset = frozenset()  # ids of the layers' parameters at forward (for the captured-tensor check)
+    cond_is_tuple: bool = False  # the conditioning was given as a tuple of tensors (else one tensor)
+
+    def cond_value(self, tensors):
+        """The conditioning as halves get it, from its tensors (the node's inputs, or their leaves in backward)."""
+        if not tensors:
+            return None
+        return tuple(tensors) if self.cond_is_tuple else tensors[0]
 
 
-def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record: bool):
-    """Run the segment's layers on streams (no grad). Returns final streams, anchors, checksums.
+def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record: bool, cond=None,
+                     check_captured: bool = False):
+    """Run the segment's layers on streams. Returns final streams, anchors, checksums.
 
     ``record``: keep what the backward needs (RNG states, anchors, checksums, updated buffers).
+    ``cond``: the conditioning handed to halves that take it.
+    ``check_captured``: the caller runs a frozen segment (nothing in it requires grad) in grad mode,
+    so a half output that requires grad used a tensor from outside the stack that does.
     """
     fmt, k = run.fmt, run.fmt.frac_bits
     anchors, checksums = [], []
@@ -98,13 +111,17 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 state_f = run.rng.record() if record else None
                 x = values.value(s2)
                 version = _version_of(x)
-                y1, _ = f.couple(s1, x, +1, k)
+                y1, port_f = couple_half(f, s1, x, +1, k, cond)
                 _check_input_untouched(x, version, "F", index)
                 state_g = run.rng.record() if record else None
                 x = values.value(y1)
                 version = _version_of(x)
-                y2, _ = g.couple(s2, x, +1, k)
+                y2, port_g = couple_half(g, s2, x, +1, k, cond)
                 _check_input_untouched(x, version, "G", index)
+                if check_captured:
+                    for half, port in (("F", port_f), ("G", port_g)):
+                        if port is not None:
+                            raise RuntimeError(captured_tensor_message(f"the {half} half of layer {index}"))
                 return (PhaseResult((y1, y2, state_f, state_g)),)
 
             y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
@@ -120,6 +137,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             if record:
                 run.rng_states.append(None)
             s1, s2 = layer(s1, s2)
+            if check_captured and (s1.requires_grad or s2.requires_grad):
+                raise RuntimeError(captured_tensor_message(f"layer {index}"))
         if buffers:
             updated = run.watch.running_stats[i] + [entry for entry in _updated_buffers(buffers, versions)
                                                     if entry not in run.watch.running_stats[i]]
@@ -134,17 +153,21 @@ class ReversibleSegmentFunction(torch.autograd.Function):
     """Autograd node of one reversible segment: saves only its final streams (and anchors)."""
 
     @staticmethod
-    def forward(ctx, run: SegmentRun, x1, x2, *grad_anchor):
+    def forward(ctx, run: SegmentRun, x1, x2, grad_anchor, *cond):
+        # ``cond``: the conditioning's tensors, inputs of the node so that their gradient (every
+        # half's contribution, summed) flows back to whatever computed them.
         fmt = run.fmt
         s1 = fmt.encode(x1)
         s2 = s1 if x2 is x1 else fmt.encode(x2)
-        y1, y2, anchors, checksums = _segment_forward(run, s1, s2, record=True)
+        y1, y2, anchors, checksums = _segment_forward(run, s1, s2, record=True, cond=run.cond_value(cond))
         if run.watch is not None:
             run.watch.record_versions()
         ctx.run = run
         checksum = torch.stack(checksums) if checksums else None
         ctx.has_checksum = checksum is not None
-        ctx.save_for_backward(y1, y2, *anchors, *([checksum] if checksum is not None else []))
+        ctx.num_cond = len(cond)
+        # Saved, not kept on run: autograd then raises if the conditioning is modified in place before backward.
+        ctx.save_for_backward(y1, y2, *cond, *anchors, *([checksum] if checksum is not None else []))
         out1, out2 = fmt.value(y1), fmt.value(y2)
         # Outputs must not alias the saved streams (float mode) or the inputs.
         if out1 is y1 or out1 is x1 or out1 is x2:
@@ -162,15 +185,19 @@ class ReversibleSegmentFunction(torch.autograd.Function):
             run.watch.check()
         saved = ctx.saved_tensors
         y1, y2 = saved[0], saved[1]
+        cond = saved[2 : 2 + ctx.num_cond]
         checksum = saved[-1] if ctx.has_checksum else None
-        anchor_tensors = saved[2 : len(saved) - (1 if ctx.has_checksum else 0)]
+        anchor_tensors = saved[2 + ctx.num_cond : len(saved) - (1 if ctx.has_checksum else 0)]
         anchors = {
             layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
         }
         grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else y1.dtype
         dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
         dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
-        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor))
+        # One leaf per conditioning tensor for the whole segment: every half's rebuild uses it, so its
+        # .grad sums their contributions, in backward order (as autograd sums the uses of a tensor).
+        cond_leaves = tuple(c.detach().requires_grad_() if c.requires_grad else c.detach() for c in cond)
+        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor), cond_leaves)
         try:
             with run.rng.preserved():
                 dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
@@ -182,20 +209,23 @@ class ReversibleSegmentFunction(torch.autograd.Function):
             raise
         if mismatch is not None:  # checked once the whole backward has run (one host sync)
             run.checks.add(run.first_index + len(run.layers) - 1, mismatch)
-        return None, dx1, dx2, None
+        return (None, dx1, dx2, None, *(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves))
 
 
 class _SegmentBackward:
     """The per-layer steps a backward schedule composes: recover (rebuild) and grads."""
 
-    def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True):
+    def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True, cond_leaves=()):
         self.run = run
         self.anchors = anchors
         self.checksum = checksum
         self.num_layers = len(run.layers)
-        # False in torch.autograd.grad(loss, x) and backward(inputs=...): only the streams' grads are
-        # computed, no parameter's .grad is touched.
+        # False in torch.autograd.grad(loss, x) and backward(inputs=...): only the streams' (and the
+        # conditioning's) grads are computed, no parameter's .grad is touched.
         self.accumulate = accumulate
+        self.cond_leaves = cond_leaves
+        self.cond = run.cond_value(cond_leaves)
+        self.grad_leaves = [leaf for leaf in cond_leaves if leaf.requires_grad]
 
     def streams_entering(self, i, rebuilt):
         """The output streams of layer i: the exact anchor when one was kept, else ``rebuilt``."""
@@ -214,16 +244,22 @@ class _SegmentBackward:
                 with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
                     run.rng.set(state_g)
                     y1_value = fmt.value(y1).detach().requires_grad_()
-                    x2, port_g = g.couple(y2, y1_value, -1, k)
+                    x2, port_g = couple_half(g, y2, y1_value, -1, k, self.cond)
                     x2_value = fmt.value(x2).detach().requires_grad_()
                     run.rng.set(state_f)
-                    x1, port_f = f.couple(y1, _AfterToken.apply(x2_value, token), -1, k)
+                    x1, port_f = couple_half(f, y1, _AfterToken.apply(x2_value, token), -1, k, self.cond)
+                # In the phase, where FSDP2's gathered parameters are the module's. ``token`` here may be
+                # FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
+                is_own = self._own_leaf_test(layer, y1_value, x2_value, token_leaf)
+                for half, port in (("G", port_g), ("F", port_f)):
+                    if reaches_foreign_leaf(port, is_own):
+                        raise RuntimeError(captured_tensor_message(f"the {half} half of layer {run.first_index + i}"))
                 # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
                 return PhaseResult((x1, x2, port_g, y1_value, port_f, x2_value)), y1_value
 
             with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
-                token = torch.empty(0, device=y1.device, requires_grad=True)
-                x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token)
+                token_leaf = torch.empty(0, device=y1.device, requires_grad=True)
+                x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token_leaf)
             recovered = Recovered(i, (x1.detach(), x2.detach()), kind="block",
                                   tensors=(port_g, y1_value, port_f, x2_value))
         else:
@@ -233,17 +269,30 @@ class _SegmentBackward:
                 v1 = fmt.value(x1).detach().requires_grad_()
                 v2 = fmt.value(x2).detach().requires_grad_()
                 o1, o2 = layer(v1, v2)
+            is_own = self._own_leaf_test(layer, v1, v2)
+            if reaches_foreign_leaf(o1, is_own) or reaches_foreign_leaf(o2, is_own):
+                raise RuntimeError(captured_tensor_message(f"layer {run.first_index + i}"))
             recovered = Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2))
         if self.checksum is not None:
             recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[i]).any()
         return recovered
 
+    def _own_leaf_test(self, layer, *leaves):
+        """``is_own(leaf)`` for the captured-tensor check of a rebuilt layer: the segment's parameters,
+        the rebuild's input leaves and the conditioning's leaves."""
+        own = {id(leaf) for leaf in (*leaves, *self.cond_leaves)}
+        if _is_fsdp_module(layer):  # FSDP2 swaps in gathered parameters for the phase: other objects
+            own.update(id(p) for p in layer.parameters())
+        param_ids = self.run.param_ids
+        return lambda leaf: id(leaf) in own or id(leaf) in param_ids
+
     def _backward(self, output, grad, leaves):
-        """Backward of a recompute graph: into every parameter's .grad, or only into ``leaves``."""
+        """Backward of a recompute graph: into every parameter's .grad, or only into ``leaves`` and the
+        conditioning's leaves (whose .grad sums every block's contribution)."""
         if self.accumulate:
             torch.autograd.backward(output, grad)
         else:
-            torch.autograd.backward(output, grad, inputs=leaves)
+            torch.autograd.backward(output, grad, inputs=leaves + self.grad_leaves)
 
     def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
         """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from ..halves.base import couple_half, takes_cond
 from ..ops.dispatch import capture_state
 from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
@@ -37,6 +38,11 @@ class ReversibleStack(nn.Module):
         schedule: ``"sequential"`` or ``"pareprop"`` (rebuild block i-1 beside block i's grads).
         streams: ``"duplicate"`` (both streams start as x; output is their mean) or
             ``"split"`` (x's last dim is split into the two streams; output is their concat).
+
+    Conditioning: ``stack(x, cond=c)`` (also ``forward_streams`` and ``inverse``) hands ``c``, a
+    tensor or a tuple of tensors, to every half whose ``forward`` has a ``cond`` parameter (a
+    timestep or class embedding, the adaLN / DiT pattern); its gradient is every half's
+    contribution, summed. Stage transitions and invertible layers do not get it.
 
     Children are registered as ``"0"``, ``"1"``, ... like ``nn.Sequential``, so a stack that
     replaces a model's block list keeps its ``state_dict`` keys.
@@ -109,24 +115,38 @@ class ReversibleStack(nn.Module):
     def _format(self, dtype) -> StreamFormat:
         return StreamFormat(self.frac_bits if self.exact else None, dtype)
 
+    def _check_cond(self, cond):
+        """``cond`` as halves get it (a tensor or a tuple of tensors; None for none), checked."""
+        if cond is None:
+            return None
+        tensors = (cond,) if isinstance(cond, torch.Tensor) else tuple(cond) if isinstance(cond, (tuple, list)) else ()
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError(f"cond must be a tensor or a tuple of tensors, got {type(cond).__name__}")
+        halves = [half for layer in self if is_reversible_block(layer) for half in layer.coupling_halves()]
+        if not any(takes_cond(half) for half in halves):
+            raise ValueError("cond was given but no half of the stack takes it: a half gets the conditioning when its "
+                             "forward has a `cond` parameter (def forward(self, x, cond))")
+        return cond if isinstance(cond, torch.Tensor) else tensors
+
     # -- forward --------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond=None) -> torch.Tensor:
         self._check_float_input("input", x)
         if self.streams == "split":
             if x.shape[-1] % 2:
                 raise ValueError(f"streams='split' needs an even last dim to split in two, got {x.shape[-1]}")
             x1, x2 = x.chunk(2, dim=-1)
-            y1, y2 = self.forward_streams(x1, x2)
+            y1, y2 = self.forward_streams(x1, x2, cond=cond)
             return torch.cat([y1, y2], dim=-1)
-        y1, y2 = self._run(x, x)
+        y1, y2 = self._run(x, x, self._check_cond(cond))
         return (y1 + y2) * 0.5
 
-    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor):
+    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor, cond=None):
         """Run on two streams: float in, float out (differentiable); int32 in, int32 out (exact, no grad)."""
+        cond = self._check_cond(cond)
         if self._fixed_pair("x", x1, x2):
-            return self._run_fixed(x1, x2, inverse=False)
-        return self._run(x1, x2)
+            return self._run_fixed(x1, x2, inverse=False, cond=cond)
+        return self._run(x1, x2, cond)
 
     def _fixed_pair(self, name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
         """Check two streams given together (``name``1, ``name``2); True when they are int32 (exact)."""
@@ -144,7 +164,7 @@ class ReversibleStack(nn.Module):
     # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
     # nested backward) stays eager; users compile F and G regionally.
     @torch.compiler.disable
-    def _run(self, x1, x2):
+    def _run(self, x1, x2, cond=None):
         inputs = (x1, x2)
         guards = ForwardGuards()
         checks = None
@@ -157,37 +177,44 @@ class ReversibleStack(nn.Module):
                 x1 = x2 = x
                 continue
             checks = checks or BackwardChecks()
-            x1, x2 = self._run_segment(index, item, x1, x2, guards, checks)
+            x1, x2 = self._run_segment(index, item, x1, x2, guards, checks, cond)
         failure = guards.first_failure()  # the one host sync of the forward
         if failure is not None:
-            self._raise_guard(failure, inputs)
+            self._raise_guard(failure, inputs, cond)
         return x1, x2
 
-    def _run_segment(self, first_index, layers, x1, x2, guards, checks):
+    def _run_segment(self, first_index, layers, x1, x2, guards, checks, cond):
         fmt = self._format(x1.dtype)
         run = SegmentRun(layers, first_index, fmt, self.anchor_every, self.schedule, guards=guards,
                          rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
-                         checks=checks, dispatch=capture_state())
-        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-        needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad or params)
+                         checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple))
+        cond_tensors = () if cond is None else (cond,) if isinstance(cond, torch.Tensor) else cond
+        params = [p for layer in layers for p in layer.parameters()]
+        needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad
+                                                   or any(p.requires_grad for p in params)
+                                                   or any(c.requires_grad for c in cond_tensors))
         if not needs_graph:
-            with torch.no_grad():
-                s1 = fmt.encode(x1)
-                s2 = s1 if x2 is x1 else fmt.encode(x2)
-                y1, y2, _, _ = _segment_forward(run, s1, s2, record=False)
+            # Nothing here needs a gradient. In grad mode the halves still run with it (which records
+            # nothing when no input requires grad), so an output that requires grad gives away a tensor a
+            # half captured from outside the stack: with no_grad it would silently get no gradient.
+            s1 = fmt.encode(x1)
+            s2 = s1 if x2 is x1 else fmt.encode(x2)
+            y1, y2, _, _ = _segment_forward(run, s1, s2, record=False, cond=cond,
+                                            check_captured=torch.is_grad_enabled())
             return fmt.value(y1), fmt.value(y2)
         # A requires-grad dummy input makes autograd record the node even when x needs no grad
         # (frozen embeddings, LoRA): otherwise the blocks' parameters would silently get no grads.
         grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)
         run.grad_anchor = grad_anchor
+        run.param_ids = frozenset(id(p) for p in params)
         run.watch = StateWatch(layers, first_index)
-        return ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor)
+        return ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor, *cond_tensors)
 
-    def _raise_guard(self, failure, inputs):
+    def _raise_guard(self, failure, inputs, cond=None):
         if failure[0] == "nonfinite":
             raise ValueError("input contains NaN or Inf: exact (fixed-point) streams need finite values")
         _, index, half = failure
-        peak, peak_index = self._float_peak(inputs)
+        peak, peak_index = self._float_peak(inputs, cond)
         suggestion = ""
         if peak is not None and math.isfinite(peak) and peak > 0:
             # 2**(29 - fit) > 1.01 * peak: 1% of slack for the exact model's rounding.
@@ -207,7 +234,7 @@ class ReversibleStack(nn.Module):
         )
 
     @torch.no_grad()
-    def _float_peak(self, inputs):
+    def _float_peak(self, inputs, cond=None):
         """(largest |stream value|, layer where it is reached; -1: the input) of the float model over
         the whole stack, so one suggested frac_bits fits every layer (for the overflow message).
 
@@ -225,8 +252,8 @@ class ReversibleStack(nn.Module):
                 if is_reversible_block(layer):
 
                     def peak_phase(f, g, x1=x1, x2=x2):
-                        x1 = f.couple(x1, x2, +1, None)[0]
-                        return (PhaseResult((x1, g.couple(x2, x1, +1, None)[0])),)
+                        x1 = couple_half(f, x1, x2, +1, None, cond)[0]
+                        return (PhaseResult((x1, couple_half(g, x2, x1, +1, None, cond)[0])),)
 
                     x1, x2 = run_block_phase(layer, peak_phase)
                 elif is_invertible_layer(layer):
@@ -245,13 +272,15 @@ class ReversibleStack(nn.Module):
     # -- inverse --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def inverse(self, y1: torch.Tensor, y2: torch.Tensor):
-        """Rebuild the stack's input streams from its output streams (bitwise in exact mode).
+    def inverse(self, y1: torch.Tensor, y2: torch.Tensor, cond=None):
+        """Rebuild the stack's input streams from its output streams (bitwise in exact mode), with the
+        conditioning the forward had.
 
         Stochastic layers (dropout, drop-path) are run with the current RNG: call it in eval mode.
         """
+        cond = self._check_cond(cond)
         if self._fixed_pair("y", y1, y2):
-            return self._run_fixed(y1, y2, inverse=True)
+            return self._run_fixed(y1, y2, inverse=True, cond=cond)
         fmt = self._format(y1.dtype)
         s1, s2 = fmt.encode(y1), fmt.encode(y2)
         if fmt.exact:  # what forward's guards check, here at once (inverse is not a training hot path)
@@ -260,18 +289,18 @@ class ReversibleStack(nn.Module):
             if bool(out_of_range(s1) | out_of_range(s2)):
                 raise OverflowError(f"y1 / y2 exceed what exact streams hold at frac_bits={self.frac_bits} "
                                     f"(|value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})")
-        s1, s2 = self._invert(fmt, s1, s2)
+        s1, s2 = self._invert(fmt, s1, s2, cond)
         return fmt.value(s1), fmt.value(s2)
 
-    def _invert(self, fmt, s1, s2):
+    def _invert(self, fmt, s1, s2, cond):
         for i in reversed(range(len(self))):
             layer = self[i]
             if is_reversible_block(layer):
 
                 def inverse_phase(f, g, s1=s1, s2=s2):
                     values = fmt.for_block(f)
-                    s2 = g.couple(s2, values.value(s1), -1, fmt.frac_bits)[0]
-                    return (PhaseResult((f.couple(s1, values.value(s2), -1, fmt.frac_bits)[0], s2)),)
+                    s2 = couple_half(g, s2, values.value(s1), -1, fmt.frac_bits, cond)[0]
+                    return (PhaseResult((couple_half(f, s1, values.value(s2), -1, fmt.frac_bits, cond)[0], s2)),)
 
                 s1, s2 = run_block_phase(layer, inverse_phase)
             elif is_invertible_layer(layer):
@@ -285,14 +314,14 @@ class ReversibleStack(nn.Module):
         return s1, s2
 
     @torch.no_grad()
-    def _run_fixed(self, s1, s2, inverse):
+    def _run_fixed(self, s1, s2, inverse, cond=None):
         if not self.exact:
             raise TypeError("int32 streams are fixed-point streams: they need an exact=True stack")
         if s1.dtype != torch.int32 or s2.dtype != torch.int32:
             raise TypeError(f"both streams must be int32, got {s1.dtype} and {s2.dtype}")
         fmt = self._format(None)  # no float input to take a dtype from: each block's parameters'
         if inverse:
-            return self._invert(fmt, s1, s2)
+            return self._invert(fmt, s1, s2, cond)
         for kind, index, item in self._segments():
             if kind == "transition":
                 raise ValueError(
@@ -301,8 +330,8 @@ class ReversibleStack(nn.Module):
                 )
         guards = ForwardGuards()
         run = SegmentRun(list(self), 0, fmt, 0, self.schedule, guards=guards)
-        y1, y2, _, _ = _segment_forward(run, s1, s2, record=False)
+        y1, y2, _, _ = _segment_forward(run, s1, s2, record=False, cond=cond)
         failure = guards.first_failure()
         if failure is not None:
-            self._raise_guard(failure, (s1, s2))
+            self._raise_guard(failure, (s1, s2), cond)
         return y1, y2

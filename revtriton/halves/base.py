@@ -15,8 +15,17 @@ Every half H offers one differentiable operation::
 
 ``port`` is None when nothing requires grad. The engine calls ``torch.autograd.backward(port,
 grad)`` with the gradient w.r.t. the stream's value.
+
+Conditioning (a timestep or class embedding, the adaLN / DiT pattern): ``stack(x, cond=c)`` hands
+``c`` to every half that *takes* conditioning, i.e. whose ``forward`` has a parameter named
+``cond``; the engine calls its ``couple(res, x, sign, frac_bits, cond=c)``, which computes
+``H(x, cond=c)``. Halves without one (the fused transformer halves) are called as before.
+``c`` is an input of the stack's autograd node, so its gradient is the sum of every half's.
 """
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -24,11 +33,41 @@ from torch import nn
 from ..ops.streams import couple_output
 
 
-class CouplingHalf(nn.Module):
-    """Base class of halves: ``forward(x)`` is H(x); ``couple`` adds or subtracts it."""
+@functools.lru_cache(maxsize=None)
+def _has_cond_parameter(forward) -> bool:
+    try:
+        return "cond" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        return False
 
-    def couple(self, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None = None):
-        return couple_output(res, self(x), sign, frac_bits)
+
+def takes_cond(half) -> bool:
+    """Whether a half takes the stack's conditioning (duck-typed halves without the attribute do not)."""
+    return bool(getattr(half, "takes_cond", False))
+
+
+def couple_half(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None, cond=None):
+    """``half.couple(res, x, sign, frac_bits)``, handing ``cond`` to a half that takes it."""
+    if cond is not None and takes_cond(half):
+        return half.couple(res, x, sign, frac_bits, cond=cond)
+    return half.couple(res, x, sign, frac_bits)
+
+
+def half_output(half, x: torch.Tensor, cond=None) -> torch.Tensor:
+    """H(x) with plain autograd (stored-activation twins), with ``cond`` for a half that takes it."""
+    return half(x, cond=cond) if cond is not None and takes_cond(half) else half(x)
+
+
+class CouplingHalf(nn.Module):
+    """Base class of halves: ``forward(x)`` (or ``forward(x, cond)``) is H(x); ``couple`` adds or subtracts it."""
+
+    @property
+    def takes_cond(self) -> bool:
+        """True when ``forward`` has a ``cond`` parameter (see the module doc)."""
+        return _has_cond_parameter(type(self).forward)
+
+    def couple(self, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None = None, cond=None):
+        return couple_output(res, self(x) if cond is None else self(x, cond=cond), sign, frac_bits)
 
 
 class GenericHalf(CouplingHalf):
@@ -40,8 +79,12 @@ class GenericHalf(CouplingHalf):
             raise TypeError(f"a coupling half must be a callable nn.Module, got {type(module).__name__}")
         self.module = module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+    @property
+    def takes_cond(self) -> bool:
+        return _has_cond_parameter(getattr(type(self.module), "forward", None))
+
+    def forward(self, x: torch.Tensor, cond=None) -> torch.Tensor:
+        return self.module(x) if cond is None else self.module(x, cond=cond)
 
 
 def as_half(module) -> CouplingHalf:

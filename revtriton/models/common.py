@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, is_invertible_layer, is_reversible_block
+from ..halves.base import half_output
 from ..ops.streams import from_fixed, quantize_reference, stream_grad_dtype, to_fixed
 
 STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
@@ -92,19 +93,19 @@ class StoredActivationStack(ReversibleStack):
     Made by :func:`to_stored_activations`; not meant to be built directly.
     """
 
-    def _run(self, x1, x2):  # the engine's forward / forward_streams call this
+    def _run(self, x1, x2, cond=None):  # the engine's forward / forward_streams call this
         if self.exact:
-            return stored_exact_streams(list(self), x1, x2, self.frac_bits)
-        return stored_float_streams(list(self), x1, x2)
+            return stored_exact_streams(list(self), x1, x2, self.frac_bits, cond)
+        return stored_float_streams(list(self), x1, x2, cond)
 
 
-def stored_float_streams(layers, x1, x2):
+def stored_float_streams(layers, x1, x2, cond=None):
     """Stored-activation (plain autograd) forward of a stack's layers on float streams."""
     for layer in layers:
         if is_reversible_block(layer):
             f, g = layer.coupling_halves()
-            x1 = x1 + f(x2)
-            x2 = x2 + g(x1)
+            x1 = x1 + half_output(f, x2, cond)
+            x2 = x2 + half_output(g, x1, cond)
         elif is_invertible_layer(layer):
             x1, x2 = layer(x1, x2)
         else:
@@ -112,7 +113,7 @@ def stored_float_streams(layers, x1, x2):
     return x1, x2
 
 
-def stored_exact_streams(layers, x1, x2, frac_bits):
+def stored_exact_streams(layers, x1, x2, frac_bits, cond=None):
     """Stored-activation forward of the *rounded* model that exact streams compute (straight-through).
 
     Gradients are summed in the engine's order: each stream is encoded with its own snap (the
@@ -137,10 +138,10 @@ def stored_exact_streams(layers, x1, x2, frac_bits):
                 s2, v2 = encode(f2)
                 in_segment = True
             f, g = layer.coupling_halves()
-            h = f(_HalfInput.apply(v2.to(dtype)))  # halves see the stack's dtype, as in the engine
+            h = half_output(f, _HalfInput.apply(v2.to(dtype)), cond)  # halves see the stack's dtype, as in the engine
             s1 = s1 + quantize_reference(h.detach(), k)
             v1 = _Snap.apply(v1 + h, from_fixed(s1, k, grad_dtype))
-            h = g(_HalfInput.apply(v1.to(dtype)))
+            h = half_output(g, _HalfInput.apply(v1.to(dtype)), cond)
             s2 = s2 + quantize_reference(h.detach(), k)
             v2 = _Snap.apply(v2 + h, from_fixed(s2, k, grad_dtype))
         elif is_invertible_layer(layer):
