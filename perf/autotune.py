@@ -7,7 +7,10 @@ processes read it. This runs forward + backward of one reversible block of fused
 preset, stream kind, dtype and token count (default: 8192 tokens a step, the production batch of
 perf/workloads.py), so a sweep or a training run starts with every config already chosen.
 
-On a machine without CUDA there is nothing to tune: it says so and exits 0.
+Your own model instead of the presets: ``--model`` (a Hugging Face config or timm name) or its
+dimensions (``--dim --heads --hidden --kv-heads --mlp``), as for ``perf.sweep`` (perf.models).
+
+On a machine without CUDA there is nothing to tune: it checks the options, says so and exits 0.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from revtriton import ReversibleStack
 from revtriton.ops.dispatch import count_launches
 
+from .models import ModelError, add_model_args, model_from_args
 from .stacks import PRESETS, make_blocks
 
 
@@ -31,13 +35,15 @@ def cache_dir() -> Path:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m perf.autotune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--presets", default=",".join(PRESETS), help=f"comma list of {','.join(PRESETS)}")
+    ap = argparse.ArgumentParser(prog=f"python -m {__package__ or 'perf'}.autotune",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default=None, help=f"comma list of {','.join(PRESETS)} (default: all)")
     ap.add_argument("--tokens", default="8192",
                     help="comma list of token counts per step to tune at (each power-of-two bucket tunes once)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the preset's)")
     ap.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp32")
     ap.add_argument("--streams", default="exact,float", help="comma list of exact, float")
+    add_model_args(ap)
     return ap.parse_args(argv)
 
 
@@ -65,20 +71,34 @@ def warm(preset, batch: int, dtype: str, exact: bool, device) -> tuple[float, in
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("perf.autotune: needs a CUDA device (Triton autotunes on the GPU); on this machine the "
-              "reference path runs and there is nothing to tune.")
-        return 0
-    names = [n for n in args.presets.split(",") if n]
-    unknown = [n for n in names if n not in PRESETS]
-    if unknown:
-        print(f"perf.autotune: unknown presets {unknown}; choose from {list(PRESETS)}", file=sys.stderr)
+    try:
+        user = model_from_args(args, dims_define_model=True)
+    except ModelError as err:
+        print(f"perf.autotune: {err}", file=sys.stderr)
         return 2
+    if user is not None:
+        if args.presets:
+            print("perf.autotune: --presets and a model of your own: choose one", file=sys.stderr)
+            return 2
+        shapes = {user.preset.name: user.preset}
+        for note in user.notes:
+            print(f"perf.autotune: approximation: {note}", file=sys.stderr)
+    else:
+        names = [n for n in (args.presets or ",".join(PRESETS)).split(",") if n]
+        unknown = [n for n in names if n not in PRESETS]
+        if unknown:
+            print(f"perf.autotune: unknown presets {unknown}; choose from {list(PRESETS)}", file=sys.stderr)
+            return 2
+        shapes = {n: PRESETS[n].scaled(tokens=args.seq) if args.seq else PRESETS[n] for n in names}
+    if not torch.cuda.is_available():
+        what = f"model {user.describe()}" if user is not None else f"presets {', '.join(shapes)}"
+        print("perf.autotune: needs a CUDA device (Triton autotunes on the GPU); on this machine the "
+              f"reference path runs and there is nothing to tune ({what}).")
+        return 0
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"perf.autotune on {torch.cuda.get_device_name(device)}; cache: {cache_dir()}")
     failures = 0
-    for name in names:
-        preset = PRESETS[name].scaled(tokens=args.seq) if args.seq else PRESETS[name]
+    for name, preset in shapes.items():
         for dtype in [d for d in args.dtypes.split(",") if d]:
             for streams in [s for s in args.streams.split(",") if s]:
                 try:

@@ -44,6 +44,7 @@ class Preset:
     hidden: int
     causal: bool
     unit: str  # "images" (one sample = one image) or "tokens"
+    activation: str | None = None  # the MLP's: None for the family's (vit gelu, gpt2 gelu_tanh, llama swiglu)
 
     def scaled(self, dim: int | None = None, heads: int | None = None, tokens: int | None = None) -> "Preset":
         """The same family at another width / head count / length (the CPU sweeps use small ones)."""
@@ -69,18 +70,29 @@ PRESETS = {
 }
 
 
+FAMILY_ACTIVATION = {"vit": "gelu", "gpt2": "gelu_tanh", "llama": "swiglu"}
+
+
 def make_halves(preset: Preset):
-    """(F, G) of one block of ``preset`` as revtriton halves (fused on CUDA, reference elsewhere)."""
-    if preset.family == "vit":
-        return (LayerNormAttention(preset.dim, preset.heads, causal=False),
-                LayerNormMLP(preset.dim, preset.hidden, activation="gelu"))
-    if preset.family == "gpt2":
-        return (LayerNormAttention(preset.dim, preset.heads, causal=True),
-                LayerNormMLP(preset.dim, preset.hidden, activation="gelu_tanh"))
+    """(F, G) of one block of ``preset`` as revtriton halves (fused on CUDA, reference elsewhere).
+
+    vit / gpt2: LayerNorm + multi-head attention, LayerNorm + MLP (GELU, GELU-tanh or ReLU);
+    llama: RMSNorm + RoPE grouped-query attention, RMSNorm + SwiGLU. Attention is causal when
+    ``preset.causal`` is.
+    """
+    if preset.family not in FAMILY_ACTIVATION:
+        raise ValueError(f"unknown preset family {preset.family!r}")
+    activation = preset.activation or FAMILY_ACTIVATION[preset.family]
     if preset.family == "llama":
-        return (RMSNormAttention(preset.dim, preset.heads, kv_heads=preset.kv_heads, causal=True),
+        if activation != "swiglu":
+            raise ValueError(f"the llama family's MLP is SwiGLU, got activation {activation!r}")
+        return (RMSNormAttention(preset.dim, preset.heads, kv_heads=preset.kv_heads, causal=preset.causal),
                 RMSNormSwiGLU(preset.dim, preset.hidden))
-    raise ValueError(f"unknown preset family {preset.family!r}")
+    if preset.kv_heads != preset.heads:
+        raise ValueError(f"grouped-query attention (kv_heads {preset.kv_heads} < heads {preset.heads}) is in the "
+                         "llama family's halves only (RMSNorm + RoPE attention, SwiGLU)")
+    return (LayerNormAttention(preset.dim, preset.heads, causal=preset.causal),
+            LayerNormMLP(preset.dim, preset.hidden, activation=activation))
 
 
 class ReferenceHalf(CouplingHalf):

@@ -1,5 +1,6 @@
 """perf/: the quick sweep's output and schema, the memory-vs-depth plot, the stacks it compares,
-the max-batch search, torchrun, autotune on CPU and gpu_check.sh without a GPU."""
+the max-batch search, torchrun, autotune on CPU and gpu_check.sh without a GPU; users' own models
+(dimensions, Hugging Face configs, timm), the CPU peak-memory meter, the installed revtriton.perf."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from perf import autotune, engine_bench, sweep
+import perf.__main__ as perf_main
+from perf import autotune, engine_bench, measure, models, sweep
+from perf.memory import LiveBytes, peak_memory
 from revtriton.ops.dispatch import force_triton, interpreter_enabled
 from perf.stacks import PRESETS, VARIANTS, ReferenceHalf, build_stack, make_halves
 
@@ -378,12 +381,13 @@ def test_readme_documents_every_column_and_command():
     for name in sweep.COLUMNS:
         assert f"`{name}`" in readme, name
     for command in ("python -m perf.sweep --quick", "perf/gpu_check.sh OUTDIR --dry-run", "torchrun",
-                    "python -m perf.autotune", "python -m perf.engine_bench"):
+                    "python -m perf.autotune", "python -m perf.engine_bench", "revtriton-perf",
+                    "python -m revtriton.perf", "--model", "--kv-heads", "--mlp swiglu", "timm:"):
         assert command in readme, command
 
 
 def test_failing_points_are_recorded_and_fail_the_run(tmp_path, monkeypatch, capsys):
-    real_build = sweep.build_stack
+    real_build = measure.build_stack
 
     def build(preset, depth, variant, *args, **kwargs):
         if variant == "checkpoint":
@@ -392,7 +396,7 @@ def test_failing_points_are_recorded_and_fail_the_run(tmp_path, monkeypatch, cap
             raise RuntimeError("kernel exploded (simulated)")
         return real_build(preset, depth, variant, *args, **kwargs)
 
-    monkeypatch.setattr(sweep, "build_stack", build)
+    monkeypatch.setattr(measure, "build_stack", build)
     args = ["--device", "cpu", "--presets", "gpt2", "--dim", "32", "--heads", "2", "--seq", "8", "--depths", "2",
             "--batches", "", "--seq-lens", "", "--repeats", "1", "--out", str(tmp_path), "--no-progress",
             "--threads", "1"]
@@ -423,3 +427,259 @@ def test_fused_variant_counts_its_triton_launches():
         assert row["status"] == "ok", row["error"]
         launches[depth] = row["launches_per_step"]
     assert launches[1] > 0 and launches[2] == 2 * launches[1], launches
+
+
+# --------------------------------------------------------------------------------------------
+# CPU peak memory without the profiler
+
+
+def test_live_bytes_counts_a_known_allocation_pattern():
+    old = torch.zeros(4096)  # allocated before the meter: neither counted nor subtracted
+    with LiveBytes() as meter:
+        a = torch.empty(1000)  # 4000 bytes
+        b = torch.empty(2000, dtype=torch.float64)  # 16000
+        assert (meter.live, meter.peak) == (20000, 20000)
+        del a
+        assert meter.live == 16000
+        c = torch.empty(500, dtype=torch.int32)  # 2000: below the peak
+        assert (meter.live, meter.peak) == (18000, 20000)
+        view, reshaped = b[10:], b.view(2, 1000)  # views share the storage: nothing new
+        b.add_(1)
+        old.mul_(2)  # in place on an older storage: nothing new
+        assert meter.live == 18000
+        del b
+        assert meter.live == 18000  # the view keeps the storage alive
+        del view, reshaped
+        assert meter.live == 2000
+        d = old * 2  # a new 16384-byte result of an older tensor
+        assert (meter.live, meter.peak) == (18384, 20000)
+        e = torch.empty(0)
+        e.resize_(10_000)  # grown in place: 40000 bytes
+        assert (meter.live, meter.peak) == (58384, 58384)
+        del old, d, c, e
+        assert meter.live == 0  # everything it counted is freed; the older tensor was never counted
+    assert peak_memory(lambda: torch.ones(3, 1000).sum()) == 12000 + 4  # the ones, then the 4-byte sum
+
+
+def test_live_bytes_agrees_with_the_profiler_on_a_training_step():
+    """The dispatch-mode meter sees what the allocator's events see, on every variant (CPU)."""
+    from revtriton.profiling import peak_memory as profiler_peak
+
+    torch.set_num_threads(1)  # as the sweep on a CPU: attention's scratch buffers are per thread
+    preset = PRESETS["llama"].scaled(dim=64, heads=2, tokens=32)
+    x, grad = torch.randn(4, 32, 64), torch.randn(4, 32, 64)
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model = build_stack(preset, 3, variant)
+
+        def step():
+            model.zero_grad(set_to_none=False)
+            model(x).backward(grad)
+
+        step()
+        ours, theirs = peak_memory(step), profiler_peak(step)
+        # below by what ops allocate and free inside themselves (perf.memory's docstring)
+        assert 0.95 * theirs <= ours <= theirs, (variant, ours, theirs)
+        if variant == "vanilla":  # the peak at the end of forward: every byte seen
+            assert ours == theirs
+
+
+# --------------------------------------------------------------------------------------------
+# Your own model: dimensions, Hugging Face configs, timm; exactly the requested points
+
+
+_USER_COMMAND = ["--dim", "512", "--hidden", "1408", "--heads", "8", "--kv-heads", "2", "--mlp", "swiglu",
+                 "--depths", "2", "4", "--batches", "1", "2", "--quick"]
+
+
+def test_user_model_sweep_runs_exactly_the_requested_points(tmp_path, capfd):
+    """Issue 20's command: its points and no others, a heartbeat per point, and nothing else on stderr
+    (the CPU peak meter prints nothing, unlike the profiler)."""
+    assert sweep.main(_USER_COMMAND + ["--device", "cpu", "--out", str(tmp_path), "--no-plots"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    sweep.validate_results(doc)
+    assert doc["config"]["depths"] == [2, 4] and doc["config"]["batches"] == [1, 2]
+    points = sorted((r["depth"], r["batch"], r["variant"]) for r in doc["rows"])
+    assert points == sorted((d, b, v) for d in (2, 4) for b in (1, 2) for v in VARIANTS)
+    for row in doc["rows"]:
+        assert row["status"] == "ok", row
+        assert (row["preset"], row["family"], row["dim"], row["hidden"], row["heads"], row["kv_heads"]) == (
+            "custom", "llama", 512, 1408, 8, 2)
+        assert row["seq_len"] == 32  # the quick suite's length
+    err = capfd.readouterr().err.splitlines()
+    assert all(line.startswith("perf.sweep: ") for line in err), err  # no profiler lines
+    beats = [line for line in err if line.startswith("perf.sweep: [")]
+    assert len(beats) == len(doc["rows"]) and beats[-1].startswith(f"perf.sweep: [{len(doc['rows'])}/")
+    assert "custom revtriton-pareprop depth 4 batch 2 seq 32: ok" in beats[-1]
+
+
+def test_explicit_axes_run_exactly_their_product():
+    cpu = torch.device("cpu")
+
+    def grid(*argv):
+        cfg = sweep.config_from_args(sweep.parse_args(list(argv)), cpu)
+        return cfg, {(p.preset.name, p.depth, p.batch, p.seq_len) for p in sweep.build_grid(cfg)}
+
+    cfg, shapes = grid("--quick", "--presets", "gpt2", "--depths", "2,4", "--batches", "1")
+    assert shapes == {("gpt2", 2, 1, 32), ("gpt2", 4, 1, 32)} and cfg.grid == "product"
+    assert (cfg.base_depth, cfg.base_batch) == (2, 1)  # the plots' slice: within the sweep
+    _, shapes = grid("--quick", "--presets", "gpt2,vit-b", "--depths", "6")  # no batch sweep added
+    assert shapes == {("gpt2", 6, 4, 32), ("vit-b", 6, 4, 17)}
+    _, shapes = grid("--quick", "--presets", "gpt2,vit-b", "--seq-lens", "16", "48", "--batches", "")
+    assert shapes == {("gpt2", 12, 4, 16), ("gpt2", 12, 4, 48), ("vit-b", 12, 4, 17)}  # images: fixed length
+    cfg, shapes = grid("--suite", "pareprop", "--batches", "8,16")  # a product suite keeps its depths
+    assert {(d, b) for _, d, b, _ in shapes} == {(12, 8), (12, 16), (24, 8), (24, 16)}
+    _, shapes = grid("--quick", "--presets", "llama")  # no axis given: the suite's axes, as before
+    assert {(d, b) for _, d, b, _ in shapes} == {(6, 4), (12, 4), (24, 4), (12, 2)}
+
+
+def test_user_model_options_and_their_errors(tmp_path, capsys):
+    def user(*argv, dims_define_model=False):
+        return models.model_from_args(sweep.parse_args(list(argv)), dims_define_model).preset
+
+    p = user("--dim", "256", "--heads", "4", "--mlp", "gelu", "--no-causal")
+    assert (p.family, p.hidden, p.kv_heads, p.activation, p.causal) == ("vit", 1024, 4, "gelu", False)
+    p = user("--dim", "256", "--heads", "4", "--kv-heads", "1")
+    assert (p.family, p.hidden, p.kv_heads, p.causal) == ("llama", 704, 1, True)  # SwiGLU: 8/3 x dim to 64
+    assert user("--dim", "96", "--heads", "2", "--mlp", "gelu_tanh").family == "gpt2"
+    assert models.model_from_args(sweep.parse_args(["--dim", "64", "--heads", "2"])) is None  # rescales presets
+    f, g = make_halves(user("--dim", "64", "--heads", "4", "--kv-heads", "2", "--hidden", "96"))  # as described
+    assert (type(f).__name__, f.heads, f.kv_heads, f.causal, type(g).__name__, g.up.out_features) == (
+        "RMSNormAttention", 4, 2, True, "RMSNormSwiGLU", 96)
+    f, g = make_halves(user("--dim", "64", "--heads", "4", "--mlp", "relu", "--no-causal"))
+    assert (type(f).__name__, f.causal, type(g).__name__, g.activation) == (
+        "LayerNormAttention", False, "LayerNormMLP", "relu")
+    for argv, message in ((["--dim", "512", "--heads", "8", "--kv-heads", "2", "--mlp", "gelu"], "--mlp swiglu"),
+                          (["--mlp", "swiglu"], "--dim and --heads"),
+                          (["--dim", "100", "--heads", "8", "--mlp", "gelu"], "divide"),
+                          (["--dim", "64", "--heads", "4", "--kv-heads", "3"], "divide"),
+                          (["--model", str(tmp_path / "missing")], "never downloads")):
+        with pytest.raises(models.ModelError, match=message):
+            user(*argv)
+        assert sweep.main(argv + ["--device", "cpu", "--out", str(tmp_path)]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="choose one"):
+        sweep.config_from_args(sweep.parse_args(["--presets", "gpt2", "--mlp", "swiglu", "--dim", "64",
+                                                 "--heads", "2"]), torch.device("cpu"))
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_autotune_takes_a_user_model(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert autotune.main(["--dim", "512", "--hidden", "1408", "--heads", "8", "--kv-heads", "2", "--mlp",
+                          "swiglu"]) == 0
+    out = capsys.readouterr().out
+    assert "needs a CUDA device" in out and "dim 512, heads 8 (2 KV), hidden 1408, swiglu" in out
+    assert autotune.main(["--dim", "512", "--heads", "8", "--kv-heads", "2", "--mlp", "gelu"]) == 2
+    assert "--mlp swiglu" in capsys.readouterr().err
+    assert autotune.main(["--presets", "gpt2", "--mlp", "swiglu", "--dim", "64", "--heads", "2"]) == 2
+
+
+def test_hugging_face_configs_offline(tmp_path, monkeypatch, capfd):
+    """Configs built here and saved (no download): their block shapes, and a sweep of one."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llama = tmp_path / "tiny-llama"
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=3, max_position_embeddings=256).save_pretrained(llama)
+    gpt2 = tmp_path / "tiny-gpt2"
+    transformers.GPT2Config(n_embd=48, n_head=3, n_layer=2, n_positions=64).save_pretrained(gpt2)
+    vit = tmp_path / "tiny-vit"
+    transformers.ViTConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64, image_size=32,
+                           patch_size=8, num_hidden_layers=2).save_pretrained(vit)
+    bert = tmp_path / "tiny-bert"
+    transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                            hidden_act="relu").save_pretrained(bert)
+    expected = {  # name: (family, dim, heads, kv_heads, hidden, activation, causal, tokens, unit, layers)
+        llama: ("llama", 64, 4, 2, 160, None, True, 256, "tokens", 3),
+        gpt2: ("gpt2", 48, 3, 3, 192, "gelu_tanh", True, 64, "tokens", 2),
+        vit: ("vit", 32, 2, 2, 64, "gelu", False, 17, "images", 2),
+        bert / "config.json": ("vit", 32, 4, 4, 64, "relu", False, 512, "tokens", 12),  # the JSON file itself
+    }
+    for where, want in expected.items():
+        model = models.resolve(str(where))
+        p = model.preset
+        assert (p.family, p.dim, p.heads, p.kv_heads, p.hidden, p.activation, p.causal, p.tokens, p.unit,
+                model.layers) == want, where
+        assert p.name == "hf:" + (where.parent.name if where.suffix == ".json" else where.name)
+    assert models.resolve("gpt2").preset.dim == 768  # a model type: its default config, offline
+    args = ["--model", str(llama), "--depths", "2", "--batches", "1", "2", "--quick", "--device", "cpu",
+            "--variants", "vanilla,revtriton-sequential", "--out", str(tmp_path / "out"), "--no-plots"]
+    assert sweep.main(args) == 0
+    (path,) = (tmp_path / "out").glob("*.json")
+    doc = json.loads(path.read_text())
+    sweep.validate_results(doc)
+    assert sorted((r["depth"], r["batch"], r["variant"]) for r in doc["rows"]) == sorted(
+        (2, b, v) for b in (1, 2) for v in ("vanilla", "revtriton-sequential"))
+    assert {(r["preset"], r["dim"], r["heads"], r["kv_heads"], r["hidden"], r["seq_len"]) for r in doc["rows"]} == {
+        ("hf:tiny-llama", 64, 4, 2, 160, 32)}
+    assert doc["config"]["models"]["hf:tiny-llama"]["kv_heads"] == 2
+    err = capfd.readouterr().err
+    assert "model hf:tiny-llama: dim 64, heads 4 (2 KV), hidden 160" in err and "3 layers in the model" in err
+    # the config's figures, overridden from the command line
+    over = models.model_from_args(sweep.parse_args(["--model", str(llama), "--hidden", "96", "--seq", "48"]))
+    assert (over.preset.hidden, over.preset.kv_heads, over.preset.tokens) == (96, 2, 48)
+
+
+@pytest.mark.timm
+def test_timm_model_shape():
+    pytest.importorskip("timm")
+    model = models.resolve("timm:vit_tiny_patch16_224")
+    p = model.preset
+    assert (p.family, p.dim, p.heads, p.hidden, p.tokens, p.unit, p.causal, model.layers) == (
+        "vit", 192, 3, 768, 197, "images", False, 12)
+    assert models.resolve("vit_tiny_patch16_224").preset == p  # a bare timm name
+    with pytest.raises(models.ModelError, match="ViT"):
+        models.resolve("timm:resnet18")
+
+
+def test_timm_names_fail_clearly_without_timm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
+    with pytest.raises(models.ModelError, match="needs timm"):
+        models.resolve("timm:vit_tiny_patch16_224")
+
+
+# --------------------------------------------------------------------------------------------
+# perf outside the checkout: revtriton-perf, python -m revtriton.perf
+
+
+def test_perf_command_dispatches(tmp_path, capsys):
+    assert perf_main.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in perf_main.COMMANDS)
+    assert perf_main.main(["bogus"]) == 2 and "unknown command" in capsys.readouterr().err
+    for argv in (["sweep"], []):  # the sweep is the default command
+        assert perf_main.main(argv + ["--quick", "--device", "cpu", "--presets", "gpt2", "--depths", "2",
+                                      "--batches", "1", "--variants", "vanilla", "--no-plots", "--no-progress",
+                                      "--out", str(tmp_path), "--tag", f"t{len(argv)}"]) == 0
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_built_wheel_runs_the_sweep_outside_the_checkout(tmp_path):
+    """The wheel ships perf as revtriton.perf with its console script; it runs from another folder."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"building the wheel offline needs setuptools >= 77 (pyproject), found {setuptools.__version__}")
+    dist, site, elsewhere = tmp_path / "dist", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    proc = subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = dist.glob("revtriton-*.whl")
+    proc = subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (site / "revtriton" / "perf" / "sweep.py").is_file() and (site / "bin" / "revtriton-perf").is_file()
+    env = dict(os.environ, PYTHONPATH=str(site))  # the wheel's revtriton first; no checkout on the path
+    env.pop("WORLD_SIZE", None)
+    code = ("import sys, runpy, revtriton.perf.sweep as s; assert s.__file__.startswith(sys.argv[1]), s.__file__; "
+            "sys.argv = ['revtriton.perf'] + sys.argv[2:]; runpy.run_module('revtriton.perf', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(site), "sweep", "--quick", "--device", "cpu", "--presets",
+                           "llama", "--depths", "2", "--batches", "1", "--variants", "vanilla,revtriton-sequential",
+                           "--no-plots"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (path,) = (elsewhere / "perf-results").glob("*.json")  # the default folder outside a checkout
+    doc = json.loads(path.read_text())
+    assert [(r["variant"], r["status"]) for r in doc["rows"]] == [("vanilla", "ok"), ("revtriton-sequential", "ok")]
