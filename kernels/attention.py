@@ -5,16 +5,26 @@ Layout: q [B, T, H, D], k and v [B, T, KV, D], any batch / token / head strides,
 o, dq, dk, dv are written in the same [B, T, heads, D] layout; lse and delta are [B, H, T] fp32.
 Grouped-query attention: query head h reads kv head h // (H // KV) (repeat_interleave order).
 
-Backward is deterministic: one launch whose programs are of two kinds, decided by the program's
-row in the grid: a dk/dv program owns one key block of one kv head and loops over every query
-block of every query head in its group (so GQA sums in registers, no atomics); a dq program
-owns one query block of one query head and loops over the key blocks. Both read the row
-log-sum-exp of the forward and delta = rowsum(dO * O) from the preprocessing kernel. With RoPE
-applied to q and k before attention (in the QKV GEMM epilogue), the backward un-rotates dq and
-dk before storing them (the RoPE backward, fused).
+Head dims: every multiple of 8 from 16 to 256. Tiles are HEAD_PAD = next_power_of_2(D) wide and
+the lanes past D are masked (never copied). The backward keeps each half of a head in its own
+half of the tile (lane c holds column (c // HALF_PAD) * D/2 + c % HALF_PAD), so the RoPE pairs
+(d, d + D/2) sit HALF_PAD lanes apart at any head dim; for a power-of-two D that is the identity.
+
+Forward (tutorial-06 family): one program per (query block, batch x head), folded into the grid's
+x dimension; K / V tiles arrive by TMA (tensor descriptors, sm_90 configs: ``USE_TMA``) or
+cp.async pointer loads (sm_80); exp2 online softmax; causal tiles above the diagonal skipped.
+
+Backward (deterministic, no atomics), two launches. The dq pass runs first: program (query block,
+batch x head) computes its rows' delta = rowsum(dO * O) (the pre-pass, fused: it has O and dO
+in hand), stores it, and accumulates dq over the key blocks. The dk/dv pass: program (key block,
+batch x kv head) accumulates dk and dv over the query blocks of every query head in its group, in
+registers (GQA summed without atomics), reading the delta the dq pass wrote. Both order causal
+blocks longest first. With RoPE applied to q and k before attention (in the QKV GEMM epilogue),
+dq and dk are rotated back before they are stored (the RoPE backward, fused).
 
 Every loop runs the blocks that need no mask first and the masked ones (the causal diagonal, or
-the ragged end of the sequence) last, so the common case pays for no mask.
+the ragged end of the sequence) last, so the common case pays for no mask. Batch and head offsets
+are 64-bit; offsets inside one head's [T, D] slab are 32-bit per tile on a 64-bit scalar base.
 """
 from __future__ import annotations
 
@@ -23,9 +33,15 @@ import os
 import triton
 import triton.language as tl
 
-HEAD_DIMS = (16, 32, 64, 128)  # 64 and 128 are compiled ahead of time; 16 and 32 serve small tests
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8))
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def head_pad(head_dim: int) -> int:
+    """Tile width for a head dim: the next power of two."""
+    return triton.next_power_of_2(head_dim)
 
 
 def seq_bucket(seq_len: int) -> int:
@@ -33,35 +49,66 @@ def seq_bucket(seq_len: int) -> int:
     return min(max(triton.next_power_of_2(seq_len), 16), 8192)
 
 
-def _fwd(bm, bn, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _fwd(bm, bn, warps, stages, tma):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=warps, num_stages=stages)
 
 
-def _bwd(fixed, stream, warps, stages):
-    return triton.Config({"BLOCK_FIXED": fixed, "BLOCK_STREAM": stream}, num_warps=warps, num_stages=stages)
+def _bwd(fixed, stream, warps, stages, tma=False):
+    return triton.Config({"BLOCK_FIXED": fixed, "BLOCK_STREAM": stream, "USE_TMA": tma}, num_warps=warps,
+                         num_stages=stages)
 
 
-# Per (arch, head dim <= 64 or 128). Every config compiles for its arch with no local memory and no
-# stack (revtriton.aot); configs that needed 255 registers plus stack were dropped.
+# Per (arch, head-dim bucket 64 / 128 / 256). On sm_90 the streamed tiles (K / V in the forward and
+# the dq pass, Q / dO in the dk/dv pass) arrive by TMA (``USE_TMA``; power-of-two head dims, other
+# head dims fall back to pointer loads); sm_80 uses cp.async pointer loads. 128-row fixed blocks on
+# 8 warps: 16 rows or more a warp (no replicated warps). What the sm_90 compilations give at the
+# production shapes (revtriton.aot, perf/results/static-*.md; issue ratio of the steady loop):
+#   forward 128 x 128 and 64 x 128: the tutorial-06 anchor's ratio at head dim 64 and 128 (1.03 /
+#     0.52), <= 194 registers;
+#   dq pass 128 x 64: 0.68 (64) / 0.41 (128), <= 182 registers;
+#   dk/dv pass, 64: 128 x 64, ratio 0.68-0.72; registers depend on the compiler: 204-226 with
+#     triton 3.9 (3 stages; 237 with 2 under a causal mask), 234-255 with 3.6 (2 stages: 234);
+#   dk/dv pass, 128: two 128 x 128 fp32 accumulators are 128 registers a thread on 8 warps
+#     (FlashAttention-3 gives these warps 240 with setmaxnreg, which Triton cannot): 128 x 32
+#     tiles use all 255 registers (ratio 0.58; no spill with triton 3.9, 64 bytes with 3.6),
+#     128 x 16 tiles 221 / 255 (ratio 0.93); the autotuner keeps the faster on the GPU;
+#   head dim 256 (Gemma): correct, not tuned (the dk/dv pass spills).
 FWD_CONFIGS = {
-    (90, 64): [_fwd(128, 64, 4, 3), _fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 128, 8, 2)],
-    (90, 128): [_fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3)],
-    (80, 64): [_fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3), _fwd(128, 128, 8, 2)],
-    (80, 128): [_fwd(128, 64, 8, 3), _fwd(64, 64, 4, 3)],
+    (90, 64): [_fwd(128, 128, 8, 3, True), _fwd(128, 128, 8, 2, True), _fwd(64, 128, 4, 3, True)],
+    (90, 128): [_fwd(128, 128, 8, 3, True), _fwd(128, 128, 8, 2, True), _fwd(64, 128, 4, 3, True)],
+    (90, 256): [_fwd(64, 64, 4, 2, True), _fwd(64, 32, 4, 2, True)],
+    (80, 64): [_fwd(64, 64, 4, 3, False), _fwd(64, 32, 4, 3, False)],
+    (80, 128): [_fwd(64, 32, 4, 3, False), _fwd(64, 32, 4, 2, False)],
+    (80, 256): [_fwd(64, 32, 4, 2, False)],
 }
-BWD_CONFIGS = {
-    (90, 64): [_bwd(64, 64, 8, 2), _bwd(128, 32, 8, 2), _bwd(64, 32, 4, 3)],
-    (90, 128): [_bwd(64, 32, 8, 2), _bwd(32, 32, 4, 3)],
-    (80, 64): [_bwd(32, 64, 4, 2), _bwd(32, 32, 4, 3), _bwd(32, 32, 4, 2)],
-    (80, 128): [_bwd(64, 32, 8, 2), _bwd(32, 32, 4, 3), _bwd(32, 32, 4, 2)],
+# dk/dv pass: BLOCK_FIXED keys a program, BLOCK_STREAM queries a step; dq pass: BLOCK_FIXED queries,
+# BLOCK_STREAM keys (the tutorial's BLOCK_N1 / BLOCK_M1 and BLOCK_M2 / BLOCK_N2).
+DKDV_CONFIGS = {
+    (90, 64): [_bwd(128, 64, 8, 3, True), _bwd(128, 64, 8, 2, True)],
+    (90, 128): [_bwd(128, 32, 8, 2, True), _bwd(128, 16, 8, 2, True)],
+    (90, 256): [_bwd(64, 32, 4, 2, True)],
+    (80, 64): [_bwd(32, 32, 4, 2)],
+    (80, 128): [_bwd(32, 32, 4, 2)],
+    (80, 256): [_bwd(32, 16, 4, 1)],
 }
-# The interpreter runs programs serially: few, large tiles; one config (no autotune without a GPU).
-FWD_CONFIG_INTERPRETER = _fwd(32, 32, 4, 1)
-BWD_CONFIG_INTERPRETER = _bwd(32, 32, 4, 1)
+DQ_CONFIGS = {
+    (90, 64): [_bwd(128, 64, 8, 2, True), _bwd(128, 64, 8, 3, True)],
+    (90, 128): [_bwd(128, 64, 8, 2, True), _bwd(128, 32, 8, 2, True)],
+    (90, 256): [_bwd(64, 32, 4, 2, True)],
+    (80, 64): [_bwd(64, 32, 4, 2), _bwd(32, 32, 4, 2)],
+    (80, 128): [_bwd(64, 32, 4, 2), _bwd(32, 32, 4, 2)],
+    (80, 256): [_bwd(32, 16, 4, 1)],
+}
+# The interpreter runs programs serially: small tiles, one config (no autotune without a GPU);
+# tests/test_tiles.py runs every table shape, both load paths, by pinning it.
+FWD_CONFIG_INTERPRETER = _fwd(32, 32, 4, 1, True)
+DKDV_CONFIG_INTERPRETER = _bwd(32, 16, 4, 1, True)
+DQ_CONFIG_INTERPRETER = _bwd(16, 32, 4, 1, True)
 
 
 def _table_key(head_dim, arch):
-    return (90 if arch >= 90 else 80, 64 if head_dim is None or head_dim <= 64 else 128)
+    bucket = 64 if head_dim is None or head_dim <= 64 else 128 if head_dim <= 128 else 256
+    return (90 if arch >= 90 else 80, bucket)
 
 
 def config_key(config):
@@ -79,22 +126,25 @@ def _union(table):
 
 
 def fwd_configs(head_dim: int | None = None, arch: int | None = None) -> list:
-    """Forward configs (BLOCK_M query rows per program, BLOCK_N keys per step) for (head dim, arch);
-    both None: the union the kernel is decorated with."""
+    """Forward configs (BLOCK_M query rows per program, BLOCK_N keys per step, USE_TMA) for (head
+    dim, arch); both None: the union the kernel is decorated with."""
     if INTERPRET:
         return [FWD_CONFIG_INTERPRETER]
     return _union(FWD_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch)]
 
 
-def bwd_configs(head_dim: int | None = None, arch: int | None = None) -> list:
-    """Backward configs (BLOCK_FIXED rows a program owns, BLOCK_STREAM rows per loop step)."""
+def dkdv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+    """dk/dv pass configs (BLOCK_FIXED keys a program owns, BLOCK_STREAM queries a loop step)."""
     if INTERPRET:
-        return [BWD_CONFIG_INTERPRETER]
-    return _union(BWD_CONFIGS) if arch is None else BWD_CONFIGS[_table_key(head_dim, arch)]
+        return [DKDV_CONFIG_INTERPRETER]
+    return _union(DKDV_CONFIGS) if arch is None else DKDV_CONFIGS[_table_key(head_dim, arch)]
 
 
-def delta_configs(head_dim: int | None = None, arch: int | None = None) -> list:
-    return [triton.Config({"BLOCK_M": 32 if INTERPRET else 64}, num_warps=4, num_stages=1)]
+def dq_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+    """dq pass configs (BLOCK_FIXED queries a program owns, BLOCK_STREAM keys a loop step)."""
+    if INTERPRET:
+        return [DQ_CONFIG_INTERPRETER]
+    return _union(DQ_CONFIGS) if arch is None else DQ_CONFIGS[_table_key(head_dim, arch)]
 
 
 def device_arch() -> int:
@@ -115,46 +165,124 @@ def prune_by_table(lister):
     return prune
 
 
-@triton.jit
-def rope_rotate(x, cos, sin, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """Rotate-half RoPE of x [ROWS, 2*HALF] (fp32) with cos/sin [ROWS, HALF]; pass -sin to undo it.
+# --------------------------------------------------------------------------------------------
+# Tiles of a head
 
-    Pairs element d with d + HALF: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+
+@triton.jit
+def contiguous_lanes(HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """(column offset of each lane, lane holds a column): lanes in column order, masked past D."""
+    lanes = tl.arange(0, HEAD_PAD)
+    return lanes, lanes < HEAD_DIM
+
+
+@triton.jit
+def split_half_lanes(HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """(column offset of each lane, lane holds a column) with each half of the head in its own
+    half of the tile: RoPE partners are HEAD_PAD / 2 lanes apart (identity for power-of-two D)."""
+    lanes = tl.arange(0, HEAD_PAD)
+    if HEAD_DIM == HEAD_PAD:
+        columns = lanes
+        valid = lanes < HEAD_PAD
+    else:
+        within = lanes % (HEAD_PAD // 2)
+        columns = (lanes // (HEAD_PAD // 2)) * (HEAD_DIM // 2) + within
+        valid = within < HEAD_DIM // 2
+    return columns, valid
+
+
+@triton.jit
+def load_tile(base, rows, stride_t, columns, row_ok, column_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """[len(rows), HEAD_PAD] tile at base + rows * stride_t + columns; zeros where masked."""
+    ptrs = base + (rows[:, None] * stride_t + columns[None, :])
+    if MASK_ROWS:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_ok[:, None] & column_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=column_ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def store_tile(base, rows, stride_t, columns, row_ok, column_ok, value):
+    tl.store(base + (rows[:, None] * stride_t + columns[None, :]), value.to(base.dtype.element_ty),
+             mask=row_ok[:, None] & column_ok[None, :])
+
+
+@triton.jit
+def head_tiles(base, batch, seq_len, heads, stride_b, stride_t, stride_h, HEAD_DIM: tl.constexpr,
+               ROWS: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """TMA descriptor of [batch, seq_len, heads, HEAD_DIM] loading [ROWS, HEAD_PAD] tiles of one head
+    (``.load([b, row, head, 0])``; rows past seq_len and lanes past HEAD_DIM arrive as zeros)."""
+    return tl.make_tensor_descriptor(base, shape=[batch, seq_len, heads, HEAD_DIM],
+                                     strides=[stride_b, stride_t, stride_h, 1], block_shape=[1, ROWS, 1, HEAD_PAD])
+
+
+@triton.jit
+def rope_rotate(x, cos, sin, ROWS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Rotate-half RoPE of x [ROWS, HEADS * 2 * HALF] (fp32; each head's halves HALF lanes apart)
+    with cos / sin [ROWS, HALF] shared by the heads; pass -sin to undo it.
+
+    Pairs lane d with d + HALF of each head: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     """
-    pairs = tl.permute(tl.reshape(x, (ROWS, 2, HALF)), (0, 2, 1))
+    pairs = tl.permute(tl.reshape(x, (ROWS, HEADS, 2, HALF)), (0, 1, 3, 2))
     x1, x2 = tl.split(pairs)
-    rotated = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-    return tl.reshape(tl.permute(rotated, (0, 2, 1)), (ROWS, 2 * HALF))
+    c = tl.expand_dims(cos, 1)
+    s = tl.expand_dims(sin, 1)
+    rotated = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+    return tl.reshape(tl.permute(rotated, (0, 1, 3, 2)), (ROWS, HEADS * 2 * HALF))
 
 
 @triton.jit
-def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, offs_n, offs_d, seq_len,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+def load_rope_tables(COS, SIN, rows, row_ok, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """cos, sin [len(rows), HEAD_PAD / 2] of the tables [T, HEAD_DIM / 2]; zeros past the edge."""
+    half = tl.arange(0, HEAD_PAD // 2)
+    mask = row_ok[:, None] & (half < HEAD_DIM // 2)[None, :]
+    offsets = rows[:, None] * (HEAD_DIM // 2) + half[None, :]
+    return tl.load(COS + offsets, mask=mask, other=0.0), tl.load(SIN + offsets, mask=mask, other=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt, lo, hi,
+               offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, EVEN_D: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Online-softmax steps over key blocks [lo, hi); MASKED: apply the causal and sequence masks."""
     for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if MASKED:
-            col_ok = cols < seq_len
-            k_t = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        if USE_TMA:  # out-of-range rows and lanes arrive as zeros
+            k = tl.reshape(k_desc.load([b, start_n, kvh, 0]), (BLOCK_N, HEAD_PAD))
         else:
-            k_t = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None])
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+            k = load_tile(k_base + start_n.to(tl.int64) * stride_kt, offs_n, stride_kt, lanes, cols < seq_len,
+                          lane_ok, MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
-            valid = col_ok[None, :]
+            valid = cols[None, :] < seq_len
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             s = tl.where(valid, s, float("-inf"))
         # Every row sees key 0 in its first step, so m_new is finite and alpha never NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = tl.reshape(v_desc.load([b, start_n, kvh, 0]), (BLOCK_N, HEAD_PAD))
         else:
-            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v = load_tile(v_base + start_n.to(tl.int64) * stride_vt, offs_n, stride_vt, lanes, cols < seq_len,
+                          lane_ok, MASKED, EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -165,234 +293,289 @@ def _fwd_steps(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, o
 def attention_fwd_kernel(Q, K, V, O, LSE,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-                         heads, group, seq_len, seq_bucket, sm_scale,
-                         HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+                         batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
+                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         USE_TMA: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_M) * B * H,): program -> (query block, batch x head), heaviest causal
+    blocks first."""
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(seq_len, BLOCK_M)
+    pid_m = tiles_m - 1 - pid % tiles_m
+    pid_bh = pid // tiles_m
     b = pid_bh // heads
     h = pid_bh % heads
-    kvh = h // group
+    kvh = h // (heads // kv_heads)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    lanes, lane_ok = contiguous_lanes(HEAD_DIM, HEAD_PAD)
     row_ok = offs_m < seq_len
+    b64 = b.to(tl.int64)
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    m0 = (pid_m * BLOCK_M).to(tl.int64)  # 64-bit block start: T x token stride may pass 2^31
+    rows = tl.arange(0, BLOCK_M)
+    q = load_tile(Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + m0 * stride_qt, rows, stride_qt, lanes, row_ok,
+                  lane_ok, True, EVEN_D)
+    k_base = K + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_desc = None
+    v_desc = None
+    if USE_TMA:
+        k_desc = head_tiles(K, batch, seq_len, kv_heads, stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_N, HEAD_PAD)
+        v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_N, HEAD_PAD)
     qk_scale = sm_scale * 1.4426950408889634  # scores in log2 units: exp2 instead of exp
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     # Key blocks that need no mask first (entirely below the diagonal / inside the sequence),
-    # then the masked ones (the diagonal, or the ragged tail).
+    # then the masked ones (the diagonal, or the ragged tail); causal blocks above are skipped.
     if CAUSAL:
         split = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
         hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
     else:
         split = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, split, offs_m, offs_n,
-                               offs_d, seq_len, qk_scale, False, CAUSAL, DOT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, split, hi, offs_m, offs_n,
-                               offs_d, seq_len, qk_scale, True, CAUSAL, DOT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
+                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
+                               False, CAUSAL, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
+                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
+                               True, CAUSAL, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
 
     acc = acc / l_i[:, None]
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + m0 * stride_ot, rows, stride_ot, lanes, row_ok,
+               lane_ok, acc)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural log of sum_j exp(sm_scale * q.k_j)
-    tl.store(LSE + pid_bh * seq_len + offs_m, lse, mask=row_ok)
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_len + offs_m, lse, mask=row_ok)
 
 
-@triton.autotune(configs=delta_configs(), key=["HEAD_DIM"], cache_results=True)
-@triton.jit
-def attention_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
-                               heads, seq_len, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[b, h, t] = sum_d dO * O (fp32): the softmax-backward row term."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seq_len
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None] * stride_dt + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + pid_bh * seq_len + offs_m, tl.sum(o * do, 1), mask=row_ok)
+# --------------------------------------------------------------------------------------------
+# Backward
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi, offs_n, offs_d,
-                seq_len, qk_scale, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_STREAM: tl.constexpr):
-    """dk, dv contributions of the query blocks [lo, hi) of one query head."""
+def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, stride_qt, stride_dot,
+                lo, hi, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """dk, dv contributions of the query blocks [lo, hi) of one query head. MASKED: the causal
+    mask and the sequence end (rows past it load q = dO = 0, lse = delta = 0: they add zero).
+    Scores are kept transposed ([keys, queries]) so P^T and dS^T feed the dV / dK products as
+    they are (k and v stay in shared memory as the A operands)."""
     for start_m in range(lo, hi, BLOCK_STREAM):
-        offs_m = start_m + tl.arange(0, BLOCK_STREAM)
+        start_m = tl.multiple_of(start_m, BLOCK_STREAM)
+        offs_m = start_m + offs_s
         row_ok = offs_m < seq_len
-        q_t = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [keys, queries]
-        p_t = tl.exp2(s_t - lse[None, :])
-        if CAUSAL_MASK:
-            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if USE_TMA:  # (power-of-two head dims: the tile is the head, in column order)
+            q = tl.reshape(q_desc.load([b.to(tl.int32), start_m, h.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
+            do = tl.reshape(do_desc.load([b.to(tl.int32), start_m, h.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
+        else:
+            q = load_tile(q_base + start_m.to(tl.int64) * stride_qt, offs_s, stride_qt, columns, row_ok, column_ok,
+                          MASKED, EVEN_D)
+            do = load_tile(do_base + start_m.to(tl.int64) * stride_dot, offs_s, stride_dot, columns, row_ok,
+                           column_ok, MASKED, EVEN_D)
+        if MASKED:
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, queries]
+        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dq_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, offs_d, seq_len,
-              qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_STREAM: tl.constexpr):
+def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, lo, hi, offs_m,
+              offs_s, columns, column_ok, seq_len, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+              HEAD_PAD: tl.constexpr):
     """dq contributions of the key blocks [lo, hi); MASKED: apply the causal and sequence masks."""
+    lse2 = lse * 1.4426950408889634
     for start_n in range(lo, hi, BLOCK_STREAM):
-        offs_n = start_n + tl.arange(0, BLOCK_STREAM)
+        start_n = tl.multiple_of(start_n, BLOCK_STREAM)
+        offs_n = start_n + offs_s
         col_ok = offs_n < seq_len
-        k_t = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        v_t = tl.load(v_base + offs_n[None, :] * stride_vt + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        p = tl.exp2(s - lse[:, None])
+        if USE_TMA:  # (power-of-two head dims: the tile is the head, in column order)
+            k = tl.reshape(k_desc.load([b.to(tl.int32), start_n, kvh.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
+            v = tl.reshape(v_desc.load([b.to(tl.int32), start_n, kvh.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
+        else:
+            k = load_tile(k_base + start_n.to(tl.int64) * stride_kt, offs_s, stride_kt, columns, col_ok, column_ok,
+                          MASKED, EVEN_D)
+            v = load_tile(v_base + start_n.to(tl.int64) * stride_vt, offs_s, stride_vt, columns, col_ok, column_ok,
+                          MASKED, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             # (an out-of-range key would add 0 * exp2(-lse), which is NaN when exp2 overflows)
             valid = col_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= offs_n[None, :])
             p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
+@triton.autotune(configs=dq_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "seq_bucket"],
+                 prune_configs_by={"early_config_prune": prune_by_table(dq_configs)}, cache_results=True)
 @triton.jit
-def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, SIN, COS,
-                  stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                  stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                  stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                  pid_n, b, kvh, heads, group, seq_len, sm_scale,
-                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr):
-    """dk, dv of one key block of kv head ``kvh``, summed over its query heads (no atomics)."""
-    offs_n = pid_n * BLOCK_FIXED + tl.arange(0, BLOCK_FIXED)
-    offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < seq_len
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_FIXED, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_FIXED, HEAD_DIM], dtype=tl.float32)
+def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN,
+                            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+                            stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+                            batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
+                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+                            USE_TMA: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_FIXED) * B * H,): program -> (query block, batch x head), longest causal
+    blocks first. Computes its rows' delta = rowsum(dO * O) (fp32), stores it for the dk/dv pass,
+    and dq = sum over key blocks of (P * (dP - delta)) K * scale."""
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(seq_len, BLOCK_FIXED)
+    pid_m = tiles - 1 - pid % tiles
+    pid_bh = pid // tiles
+    b = (pid_bh // heads).to(tl.int64)
+    h = (pid_bh % heads).to(tl.int64)
+    kvh = h // (heads // kv_heads)
+    columns, column_ok = split_half_lanes(HEAD_DIM, HEAD_PAD)
+    offs_m = pid_m * BLOCK_FIXED + tl.arange(0, BLOCK_FIXED)
+    row_ok = offs_m < seq_len
+    offs_s = tl.arange(0, BLOCK_STREAM)
+    m0 = (pid_m * BLOCK_FIXED).to(tl.int64)  # 64-bit block start: T x token stride may pass 2^31
+    rows = tl.arange(0, BLOCK_FIXED)
     qk_scale = sm_scale * 1.4426950408889634
-    # Causal: query blocks crossing the diagonal need the mask, the ones after it do not.
-    # Out-of-range queries need no mask: their q and dO load as zeros and add nothing.
-    lo = 0
-    split = 0
+    row_base = pid_bh.to(tl.int64) * seq_len
+    q = load_tile(Q + b * stride_qb + h * stride_qh + m0 * stride_qt, rows, stride_qt, columns, row_ok, column_ok,
+                  True, EVEN_D)
+    do = load_tile(DO + b * stride_dob + h * stride_doh + m0 * stride_dot, rows, stride_dot, columns, row_ok,
+                   column_ok, True, EVEN_D)
+    o = load_tile(O + b * stride_ob + h * stride_oh + m0 * stride_ot, rows, stride_ot, columns, row_ok, column_ok,
+                  True, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
+    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    # Key blocks that need no mask first (below the diagonal / inside the sequence), then the
+    # masked ones (the diagonal, or the ragged tail).
     if CAUSAL:
-        lo = (pid_n * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM  # earlier queries see none of these keys
-        split = lo + tl.cdiv((pid_n + 1) * BLOCK_FIXED - lo, BLOCK_STREAM) * BLOCK_STREAM
+        split = (pid_m * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM  # (BLOCK_STREAM may exceed BLOCK_FIXED)
+        hi = tl.minimum((pid_m + 1) * BLOCK_FIXED, seq_len)
+    else:
+        split = (seq_len // BLOCK_STREAM) * BLOCK_STREAM
+        hi = seq_len
+    STREAM_TMA: tl.constexpr = USE_TMA and EVEN_D
+    k_desc = None
+    v_desc = None
+    if STREAM_TMA:  # k / v tiles by TMA: no address math in the loop
+        k_desc = head_tiles(K, batch, seq_len, kv_heads, stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_STREAM,
+                            HEAD_PAD)
+        v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_STREAM,
+                            HEAD_PAD)
+    dq = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
+    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, 0, split,
+                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, False, CAUSAL, EVEN_D, STREAM_TMA,
+                   DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, split, hi,
+                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, True, CAUSAL, EVEN_D, STREAM_TMA,
+                   DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+    dq = dq * sm_scale
+    if ROPE:
+        cos, sin = load_rope_tables(COS, SIN, offs_m, row_ok, HEAD_DIM, HEAD_PAD)
+        dq = rope_rotate(dq, cos, -sin, BLOCK_FIXED, 1, HEAD_PAD // 2)
+    store_tile(DQ + b * stride_dqb + h * stride_dqh + m0 * stride_dqt, rows, stride_dqt, columns, row_ok, column_ok,
+               dq)
+
+
+@triton.autotune(configs=dkdv_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "seq_bucket"],
+                 prune_configs_by={"early_config_prune": prune_by_table(dkdv_configs)}, cache_results=True)
+@triton.jit
+def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN,
+                              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                              stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                              stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                              batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
+                              HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                              ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr,
+                              BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_FIXED) * B * KV,): program -> (key block, batch x kv head): dk, dv of the
+    block summed over the query heads of its group in registers (GQA without atomics). Runs after
+    the dq pass, which wrote delta."""
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(seq_len, BLOCK_FIXED)
+    pid_n = pid % tiles  # under a causal mask early key blocks are the long ones: they go first
+    pid_bkv = pid // tiles
+    b = (pid_bkv // kv_heads).to(tl.int64)
+    kvh = (pid_bkv % kv_heads).to(tl.int64)
+    group = heads // kv_heads
+    columns, column_ok = split_half_lanes(HEAD_DIM, HEAD_PAD)
+    offs_n = pid_n * BLOCK_FIXED + tl.arange(0, BLOCK_FIXED)
+    key_ok = offs_n < seq_len
+    offs_s = tl.arange(0, BLOCK_STREAM)
+    n0 = (pid_n * BLOCK_FIXED).to(tl.int64)
+    rows = tl.arange(0, BLOCK_FIXED)
+    qk_scale = sm_scale * 1.4426950408889634
+    k = load_tile(K + b * stride_kb + kvh * stride_kh + n0 * stride_kt, rows, stride_kt, columns, key_ok, column_ok,
+                  True, EVEN_D)
+    v = load_tile(V + b * stride_vb + kvh * stride_vh + n0 * stride_vt, rows, stride_vt, columns, key_ok, column_ok,
+                  True, EVEN_D)
+    dk = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
+    full_end = (seq_len // BLOCK_STREAM) * BLOCK_STREAM  # query blocks before it need no row mask
+    if CAUSAL:
+        # Earlier queries see none of these keys; the stream blocks up to the block's last key
+        # cross the diagonal (BLOCK_STREAM may exceed BLOCK_FIXED: aligned to it).
+        lo = (pid_n * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM
+        diagonal_end = lo + tl.cdiv((pid_n + 1) * BLOCK_FIXED - lo, BLOCK_STREAM) * BLOCK_STREAM
+    else:
+        lo = 0
+        diagonal_end = 0
+    full_end = tl.maximum(full_end, diagonal_end)
+    STREAM_TMA: tl.constexpr = USE_TMA and EVEN_D
+    q_desc = None
+    do_desc = None
+    if STREAM_TMA:  # q / dO tiles by TMA: no address math in the loop
+        q_desc = head_tiles(Q, batch, seq_len, heads, stride_qb, stride_qt, stride_qh, HEAD_DIM, BLOCK_STREAM, HEAD_PAD)
+        do_desc = head_tiles(DO, batch, seq_len, heads, stride_dob, stride_dot, stride_doh, HEAD_DIM, BLOCK_STREAM,
+                             HEAD_PAD)
     for g in range(0, group):
         h = kvh * group + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * heads + h) * seq_len
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, stride_qt, stride_dot,
-                             lo, tl.minimum(split, seq_len), offs_n, offs_d, seq_len, qk_scale, CAUSAL,
-                             DOT_PRECISION, BLOCK_STREAM)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, stride_qt, stride_dot,
-                             split, seq_len, offs_n, offs_d, seq_len, qk_scale, False, DOT_PRECISION, BLOCK_STREAM)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
+                             stride_qt, stride_dot,
+                             lo, diagonal_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                             True, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
+                             HEAD_PAD)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
+                             stride_qt, stride_dot,
+                             diagonal_end, full_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                             False, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
+                             HEAD_PAD)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
+                             stride_qt, stride_dot,
+                             full_end, seq_len, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                             True, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
+                             HEAD_PAD)
     dk = dk * sm_scale
-    if ROPE:
-        half = tl.arange(0, HEAD_DIM // 2)
-        cos = tl.load(COS + offs_n[:, None] * (HEAD_DIM // 2) + half[None, :], mask=col_ok[:, None], other=0.0)
-        sin = tl.load(SIN + offs_n[:, None] * (HEAD_DIM // 2) + half[None, :], mask=col_ok[:, None], other=0.0)
-        dk = rope_rotate(dk, cos, -sin, BLOCK_FIXED, HEAD_DIM // 2)
-    tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-
-
-@triton.jit
-def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, SIN, COS,
-                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                stride_dqb, stride_dqt, stride_dqh,
-                pid_m, b, h, heads, group, seq_len, sm_scale,
-                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr):
-    """dq of one query block of query head ``h``."""
-    kvh = h // group
-    offs_m = pid_m * BLOCK_FIXED + tl.arange(0, BLOCK_FIXED)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seq_len
-    row_base = (b * heads + h) * seq_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
-    qk_scale = sm_scale * 1.4426950408889634
-    dq = tl.zeros([BLOCK_FIXED, HEAD_DIM], dtype=tl.float32)
-    # Key blocks that need no mask first (below the diagonal / inside the sequence), then the
-    # masked ones (the diagonal, or the ragged tail).
-    if CAUSAL:
-        split = (pid_m * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM
-        hi = tl.minimum((pid_m + 1) * BLOCK_FIXED, seq_len)
-    else:
-        split = (seq_len // BLOCK_STREAM) * BLOCK_STREAM
-        hi = seq_len
-    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, 0, split, offs_m, offs_d, seq_len,
-                   qk_scale, False, CAUSAL, DOT_PRECISION, BLOCK_STREAM)
-    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, split, hi, offs_m, offs_d, seq_len,
-                   qk_scale, True, CAUSAL, DOT_PRECISION, BLOCK_STREAM)
-    dq = dq * sm_scale
-    if ROPE:
-        half = tl.arange(0, HEAD_DIM // 2)
-        cos = tl.load(COS + offs_m[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-        sin = tl.load(SIN + offs_m[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-        dq = rope_rotate(dq, cos, -sin, BLOCK_FIXED, HEAD_DIM // 2)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.autotune(configs=bwd_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "seq_bucket"],
-                 prune_configs_by={"early_config_prune": prune_by_table(bwd_configs)}, cache_results=True)
-@triton.jit
-def attention_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, COS, SIN,
-                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                         stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                         stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt, stride_dkh,
-                         stride_dvb, stride_dvt, stride_dvh,
-                         heads, kv_heads, group, seq_len, seq_bucket, sm_scale, dkdv_programs,
-                         HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_FIXED), B*KV + B*H): rows < B*KV are dk/dv programs, the rest dq programs."""
-    pid_block = tl.program_id(0)
-    pid_row = tl.program_id(1)
-    if pid_row < dkdv_programs:
-        _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, SIN, COS,
-                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                      stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                      stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                      pid_block, pid_row // kv_heads, pid_row % kv_heads, heads, group, seq_len, sm_scale,
-                      HEAD_DIM, CAUSAL, ROPE, DOT_PRECISION, BLOCK_FIXED, BLOCK_STREAM)
-    else:
-        row = pid_row - dkdv_programs
-        _dq_program(Q, K, V, DO, LSE, DELTA, DQ, SIN, COS,
-                    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                    stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                    stride_dqb, stride_dqt, stride_dqh,
-                    pid_block, row // heads, row % heads, heads, group, seq_len, sm_scale,
-                    HEAD_DIM, CAUSAL, ROPE, DOT_PRECISION, BLOCK_FIXED, BLOCK_STREAM)
+    if ROPE:  # (tables loaded where used: kept across the loops they would hold registers)
+        cos, sin = load_rope_tables(COS, SIN, offs_n, key_ok, HEAD_DIM, HEAD_PAD)
+        dk = rope_rotate(dk, cos, -sin, BLOCK_FIXED, 1, HEAD_PAD // 2)
+    store_tile(DK + b * stride_dkb + kvh * stride_dkh + n0 * stride_dkt, rows, stride_dkt, columns, key_ok,
+               column_ok, dk)
+    store_tile(DV + b * stride_dvb + kvh * stride_dvh + n0 * stride_dvt, rows, stride_dvt, columns, key_ok,
+               column_ok, dv)

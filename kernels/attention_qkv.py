@@ -5,8 +5,10 @@
 The normalized rows n come from kernels/norm.py's normalize pass (the norm runs once per row,
 in the GEMM operand dtype), so the main loop only loads and multiplies. The output
 is the packed [M, (H + 2 KV) * D] buffer the attention kernel reads through strides. A column
-tile is exactly one head (BLOCK_N = D), so the RoPE epilogue rotates the tiles of the q and k
-heads in registers (token index = row % tokens) and leaves the v heads alone.
+tile holds HEADS_PER_TILE whole heads, each HEAD_PAD = next_power_of_2(D) lanes wide with its two
+halves HEAD_PAD / 2 lanes apart (kernels/attention.py ``split_half_lanes``; the identity for a
+power-of-two D), so the RoPE epilogue rotates the q and k heads of a tile in registers (token
+index = row % tokens) and leaves the v heads alone.
 """
 from __future__ import annotations
 
@@ -15,24 +17,28 @@ import os
 import triton
 import triton.language as tl
 
-from .attention import _table_key, _union, prune_by_table, rope_rotate
+from .attention import _table_key, _union, prune_by_table, rope_rotate, split_half_lanes
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _qkv(bm, bk, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps, num_stages=stages)
+def _qkv(bm, bk, heads_per_tile, warps, stages):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "HEADS_PER_TILE": heads_per_tile, "GROUP_M": 8},
+                         num_warps=warps, num_stages=stages)
 
 
-# BLOCK_N is the head dim (one head per column tile, set by the launcher); per (arch, head dim).
-# No config uses local memory or stack (revtriton.aot).
+# Per (arch, head-dim bucket): tiles BLOCK_M x (HEADS_PER_TILE * HEAD_PAD) x BLOCK_K, 128 or more
+# columns wide at every head dim. No config uses local memory or stack (revtriton.aot).
 QKV_CONFIGS = {
-    (90, 64): [_qkv(128, 64, 4, 3), _qkv(128, 32, 4, 4), _qkv(64, 64, 4, 3)],
-    (90, 128): [_qkv(128, 64, 8, 3), _qkv(64, 64, 4, 3)],
-    (80, 64): [_qkv(128, 64, 4, 3), _qkv(128, 32, 4, 4), _qkv(64, 64, 4, 3)],
-    (80, 128): [_qkv(128, 32, 8, 3), _qkv(64, 64, 8, 3), _qkv(64, 32, 4, 3)],
+    (90, 64): [_qkv(128, 64, 2, 8, 4), _qkv(128, 64, 2, 8, 3), _qkv(64, 64, 2, 4, 4)],
+    (90, 128): [_qkv(128, 64, 1, 8, 4), _qkv(64, 64, 1, 4, 4)],
+    (90, 256): [_qkv(128, 64, 1, 8, 3), _qkv(64, 64, 1, 4, 3)],
+    (80, 64): [_qkv(128, 32, 2, 8, 4), _qkv(128, 32, 2, 4, 3), _qkv(64, 32, 2, 4, 4)],
+    (80, 128): [_qkv(128, 32, 1, 8, 3), _qkv(64, 32, 1, 4, 4)],
+    (80, 256): [_qkv(64, 32, 1, 8, 3)],
 }
-QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)
+QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "HEADS_PER_TILE": 2, "GROUP_M": 4},
+                                       num_warps=4, num_stages=1)
 
 
 def qkv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
@@ -45,15 +51,15 @@ def qkv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
                  prune_configs_by={"early_config_prune": prune_by_table(qkv_configs)}, cache_results=True)
 @triton.jit(do_not_specialize=["M_BUCKET"])
 def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
-                         M, N, K, tokens, rope_tiles, M_BUCKET,
+                         M, N, K, tokens, total_heads, rope_heads, M_BUCKET,
                          stride_xm, stride_wn, stride_wk, stride_om,
-                         HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    BLOCK_N: tl.constexpr = HEAD_DIM
+                         HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HEADS_PER_TILE: tl.constexpr, GROUP_M: tl.constexpr):
+    BLOCK_N: tl.constexpr = HEADS_PER_TILE * HEAD_PAD
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_n = tl.cdiv(total_heads, HEADS_PER_TILE)
     # Grouped ordering: GROUP_M row tiles share the W column tiles in L2.
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
@@ -62,17 +68,26 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
     pid_n = (pid % per_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
-    col_ok = offs_n < N
+    # Lane -> (head, column of that head): heads side by side, each in HEAD_PAD lanes.
+    lanes_in_head, lane_ok = split_half_lanes(HEAD_DIM, HEAD_PAD)
+    head_of_lane = pid_n * HEADS_PER_TILE + tl.arange(0, BLOCK_N) // HEAD_PAD
+    if HEAD_DIM == HEAD_PAD:
+        tile_cols = tl.arange(0, BLOCK_N)  # contiguous: pid_n * BLOCK_N + lane
+        col_ok = head_of_lane < total_heads
+    else:
+        tile_cols = (tl.reshape(tl.broadcast_to(lanes_in_head[None, :], (HEADS_PER_TILE, HEAD_PAD)), (BLOCK_N,)) +
+                     (tl.arange(0, BLOCK_N) // HEAD_PAD) * HEAD_DIM)
+        col_ok = (head_of_lane < total_heads) & tl.reshape(
+            tl.broadcast_to(lane_ok[None, :], (HEADS_PER_TILE, HEAD_PAD)), (BLOCK_N,))
     # Raw operands (the rows were normalized once, in the GEMM operand dtype): the main loop only
     # loads and multiplies. 64-bit scalar bases, 32-bit tile offsets; rows / columns past the edge
-    # are clamped (valid addresses, never stored), so only K is masked.
+    # are clamped to valid addresses (never stored), so only K is masked.
     row0 = (pid_m * BLOCK_M).to(tl.int64)
-    col0 = (pid_n * BLOCK_N).to(tl.int64)
+    col0 = (pid_n * HEADS_PER_TILE * HEAD_DIM).to(tl.int64)
     load_m = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
-    load_n = tl.minimum(offs_n, N - 1) - pid_n * BLOCK_N
+    load_n = tl.where(col_ok, tile_cols, 0)
     x_ptrs = X + row0 * stride_xm + (load_m[:, None] * stride_xm + offs_k[None, :])
     w_ptrs = W + col0 * stride_wn + (load_n[None, :] * stride_wn + offs_k[:, None] * stride_wk)
 
@@ -86,14 +101,16 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
         w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + col0 + tile_cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if ROPE:
-        if pid_n < rope_tiles:  # q and k heads; v heads pass through
+        if pid_n * HEADS_PER_TILE < rope_heads:  # a tile with q or k heads; v heads pass through
             pos = offs_m % tokens
-            half = tl.arange(0, HEAD_DIM // 2)
-            cos = tl.load(COS + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-            sin = tl.load(SIN + pos[:, None] * (HEAD_DIM // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-            acc = rope_rotate(acc, cos, sin, BLOCK_M, HEAD_DIM // 2)
-    out_ptrs = OUT + row0 * stride_om + col0 + (tl.arange(0, BLOCK_M)[:, None] * stride_om +
-                                                tl.arange(0, BLOCK_N)[None, :])
+            half = tl.arange(0, HEAD_PAD // 2)
+            table = pos[:, None] * (HEAD_DIM // 2) + half[None, :]
+            table_ok = row_ok[:, None] & (half < HEAD_DIM // 2)[None, :]
+            cos = tl.load(COS + table, mask=table_ok, other=0.0)
+            sin = tl.load(SIN + table, mask=table_ok, other=0.0)
+            rotated = rope_rotate(acc, cos, sin, BLOCK_M, HEADS_PER_TILE, HEAD_PAD // 2)
+            acc = tl.where((head_of_lane < rope_heads)[None, :], rotated, acc)
+    out_ptrs = OUT + row0 * stride_om + col0 + (tl.arange(0, BLOCK_M)[:, None] * stride_om + tile_cols[None, :])
     tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

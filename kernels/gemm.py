@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .configs import gemm_configs, prune_for_device
+from .couple import quantize
 
 ACT_NONE, ACT_GELU_TANH, ACT_GELU, ACT_RELU, ACT_SWIGLU = 0, 1, 2, 3, 4
 RES_NONE, RES_FLOAT, RES_EXACT = 0, 1, 2
@@ -37,7 +38,6 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 GELU_TANH_C = tl.constexpr(0.044715)
 INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-SATURATION = tl.constexpr(2147483520.0)  # 2**31 - 128, the largest float32 below 2**31
 COL_SUM_ROWS = tl.constexpr(64)  # rows of C per column-sum partial row; every config's BLOCK_M is a multiple
 
 # Everything that changes the compiled kernel is part of the tuning key, with M and K as
@@ -103,25 +103,6 @@ def activation_grad(x, ACT: tl.constexpr):
     else:
         g = tl.where(x > 0.0, 1.0, 0.0)
     return g
-
-
-@triton.jit
-def round_half_even(v):
-    """Round to the nearest integer, ties to even, in exact fp32 steps (no libdevice rint)."""
-    r = tl.floor(v)
-    diff = v - r
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    up = (diff > 0.5) | ((diff == 0.5) & odd)
-    return tl.where(up, r + 1.0, r)
-
-
-@triton.jit
-def quantize(h, frac_scale):
-    """round(h * 2^k) as int32: ties to even, saturated, NaN -> +saturation (ops.streams.quantize_reference)."""
-    v = round_half_even(h * frac_scale)
-    v = tl.where(v != v, SATURATION, v)
-    v = tl.minimum(tl.maximum(v, -SATURATION), SATURATION)
-    return v.to(tl.int32)
 
 
 @triton.jit

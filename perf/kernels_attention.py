@@ -1,11 +1,13 @@
 """``python -m perf.kernels_attention``: flash attention and the fused attention block on a GPU.
 
-Cases (bf16): ViT-B-like (dim 768, 12 heads, 197 tokens, full attention) and GPT-2-like
-(dim 768, 12 heads, 1024 tokens, causal). For each:
+Cases (bf16): ViT-B-like (dim 768, 12 heads, 197 tokens, full attention), GPT-2-like
+(dim 768, 12 heads, 1024 tokens, causal), LLaMA-like (head dim 128, 4096 tokens, causal) and
+Phi-like (head dim 80: a padded head). For each:
 
 * flash attention forward and backward (revtriton.ops.fused_attention) in TFLOP/s against
-  ``torch.nn.functional.scaled_dot_product_attention`` on the same q, k, v (bar: >= 0.9 x);
-* a whole fused block (F = LayerNormAttention, G = LayerNormMLP, exact streams) forward
+  ``torch.nn.functional.scaled_dot_product_attention`` on the same q, k, v with its flash backend
+  (bar: >= 0.9 x);
+* for the first two, a whole fused block (F = LayerNormAttention, G = LayerNormMLP, exact streams) forward
   (two couple calls) and backward (recompute with grad + the two half backwards), against the
   same block in PyTorch eager ops (the reference path run on the GPU, float streams).
 
@@ -21,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-CASES = {  # name: (batch, tokens, dim, heads, causal)
-    "vit-b": (64, 197, 768, 12, False),
-    "gpt2": (8, 1024, 768, 12, True),
+CASES = {  # name: (batch, tokens, dim, heads, causal, whole-block benchmark too)
+    "vit-b": (64, 197, 768, 12, False, True),
+    "gpt2": (8, 1024, 768, 12, True, True),
+    "llama-d128": (2, 4096, 4096, 32, True, False),
+    "phi-d80": (4, 2048, 2560, 32, True, False),
 }
 BAR_ATTENTION = 0.9
 
@@ -42,6 +46,7 @@ def _bench(fn):
 
 def bench_attention(name, batch, tokens, dim, heads, causal, device):
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from revtriton.ops import fused_attention as fa
 
@@ -58,11 +63,12 @@ def bench_attention(name, batch, tokens, dim, heads, causal, device):
                  attention_flops(batch, tokens, heads, head_dim, causal, backward=True)))
 
     qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
-    ms = _bench(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal))
-    rows.append((name, "attention_fwd", "sdpa", ms, attention_flops(batch, tokens, heads, head_dim, causal)))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
-    doh = torch.randn_like(out)
-    ms = _bench(lambda: torch.autograd.grad(out, (qh, kh, vh), doh, retain_graph=True))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ms = _bench(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal))
+        rows.append((name, "attention_fwd", "sdpa", ms, attention_flops(batch, tokens, heads, head_dim, causal)))
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+        doh = torch.randn_like(out)
+        ms = _bench(lambda: torch.autograd.grad(out, (qh, kh, vh), doh, retain_graph=True))
     rows.append((name, "attention_bwd", "sdpa", ms,
                  attention_flops(batch, tokens, heads, head_dim, causal, backward=True)))
     return rows
@@ -137,16 +143,17 @@ def main(argv=None):
     print(f"perf.kernels_attention on {gpu}")
     rows = []
     for name in args.cases.split(","):
-        batch, tokens, dim, heads, causal = CASES[name]
+        batch, tokens, dim, heads, causal, block = CASES[name]
         rows += bench_attention(name, batch, tokens, dim, heads, causal, device)
-        rows += bench_block(name, batch, tokens, dim, heads, causal, device)
+        if block:
+            rows += bench_block(name, batch, tokens, dim, heads, causal, device)
     by_key = {(r[0], r[1], r[2]): r for r in rows}
-    print(f"{'case':8s} {'what':14s} {'impl':10s} {'ms':>9s} {'TFLOP/s':>8s} {'vs baseline':>11s}")
+    print(f"{'case':10s} {'what':14s} {'impl':10s} {'ms':>9s} {'TFLOP/s':>8s} {'vs baseline':>11s}")
     for case, what, impl, ms, flops in rows:
         base = by_key.get((case, what, "sdpa" if what.startswith("attention") else "eager"))
         ratio = base[3] / ms if base is not None else float("nan")
         tflops = flops / ms / 1e9 if flops else float("nan")
-        print(f"{case:8s} {what:14s} {impl:10s} {ms:9.3f} {tflops:8.1f} {ratio:11.2f}")
+        print(f"{case:10s} {what:14s} {impl:10s} {ms:9.3f} {tflops:8.1f} {ratio:11.2f}")
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             writer = csv.writer(fh)

@@ -392,12 +392,15 @@ def _fused_attention(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
     ops.append(_gemm("do_input_grad", m, d, d, reads=[("g bf16", m * d * BF16), ("W_proj", d * d * BF16)],
                      writes=[("do bf16", m * d * BF16)]))
     ops += _weight_grad("dw_proj", d, d, m, reads=[("g bf16", m * d * BF16), ("o", m * d * BF16)])
-    ops.append(_op("attention_bwd_delta", "reduction", reads=[("o", q_el * BF16), ("do", q_el * BF16)],
-                   writes=[("delta", lse)]))
-    ops.append(_op("attention_bwd", "attention", flops=attention_core_flops(shape, 7), backward=True,
+    # dq pass (delta = rowsum(dO * O) fused: QK^T, dP, dQ), then the dk/dv pass (QK^T, dV, dP, dK)
+    ops.append(_op("attention_bwd_dq", "attention", flops=attention_core_flops(shape, 3), backward=True,
+                   reads=[("q", q_el * BF16), ("k", kv_el * BF16), ("v", kv_el * BF16), ("o", q_el * BF16),
+                          ("do", q_el * BF16), ("lse", lse), ("cos/sin", rope)],
+                   writes=[("dq", q_el * BF16), ("delta", lse)]))
+    ops.append(_op("attention_bwd_dkdv", "attention", flops=attention_core_flops(shape, 4), backward=True,
                    reads=[("q", q_el * BF16), ("k", kv_el * BF16), ("v", kv_el * BF16), ("do", q_el * BF16),
                           ("lse", lse), ("delta", lse), ("cos/sin", rope)],
-                   writes=[("dq", q_el * BF16), ("dk", kv_el * BF16), ("dv", kv_el * BF16)]))
+                   writes=[("dk", kv_el * BF16), ("dv", kv_el * BF16)]))
     ops.append(_gemm("dn_qkv_input_grad", m, d, nq, reads=[("dqkv", m * nq * BF16), ("W_qkv", nq * d * BF16)],
                      writes=[("dn fp32", m * d * FP32)]))
     ops.append(_norm_bwd_op(shape))
@@ -431,8 +434,8 @@ def fused_ops(shape: Shape, half: str, phase: str, *, master_fp32: bool = True) 
     the norm backward with dgamma/dbeta partials, one reduction of every partial sum.
     Attention forward / recompute: [weight casts], normalize, QKV GEMM (raw operands, bias and
     RoPE epilogue), flash attention forward, out-projection couple GEMM. Backward: the gradient
-    scaled and cast once (db_proj partials), dO GEMM, dW_proj, delta, the attention backward (RoPE
-    backward inside), dN GEMM, the norm backward, dW_qkv over the normalized rows, db_qkv column
+    scaled and cast once (db_proj partials), dO GEMM, dW_proj, the attention backward's dq pass (delta
+    fused) and dk/dv pass (RoPE backward inside), dN GEMM, the norm backward, dW_qkv over the normalized rows, db_qkv column
     sums, one reduction, and the cast back of the weight gradients (fp32 master weights only).
     """
     _check(half, phase)

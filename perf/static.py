@@ -43,7 +43,8 @@ RULES = ("compiles", "registers", "no_spill", "shared_memory", "pipelined", "wgm
          "no_warp_replication", "issue_ratio")
 MAX_ISSUE_RATIO = 0.8
 GEMM_KERNELS = ("fused_gemm_kernel", "qkv_rope_gemm_kernel", "anchor_matmul_kernel")
-ATTENTION_KERNELS = ("attention_fwd_kernel", "attention_bwd_kernel", "anchor_attention_fwd_kernel")
+ATTENTION_KERNELS = ("attention_fwd_kernel", "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel",
+                     "anchor_attention_fwd_kernel")
 
 
 GPUS = (roofline.H100, roofline.H200)  # sm_90: the arch whose compilation the issue model reads
@@ -51,7 +52,7 @@ GPUS = (roofline.H100, roofline.H200)  # sm_90: the arch whose compilation the i
 # are torch-side: weight casts, the engine's passes, small reductions).
 TRITON_OPS = {"normalize", "gemm1_act", "gemm1_swiglu", "gemm2_couple", "scale_grad", "dh_act_bwd", "dw2", "dw1",
               "dn_input_grad", "norm_bwd", "reduce_partials", "qkv_rope_gemm", "attention_fwd", "proj_couple",
-              "do_input_grad", "dw_proj", "attention_bwd_delta", "attention_bwd", "dn_qkv_input_grad", "dw_qkv",
+              "do_input_grad", "dw_proj", "attention_bwd_dq", "attention_bwd_dkdv", "dn_qkv_input_grad", "dw_qkv",
               "db_qkv_col_sums"}
 
 
@@ -136,8 +137,10 @@ def launch_flops(m: workloads.Model, launch: aot.Launch) -> float:
     pairs = m.batch * m.heads * m.seq * m.seq * (0.5 if m.causal else 1.0)
     if name == "attention_fwd_kernel":
         return 4.0 * pairs * m.head_dim  # QK^T and PV
-    if name == "attention_bwd_kernel":
-        return 14.0 * pairs * m.head_dim  # dk/dv pass: QK^T, dV, dP, dK; dq pass: QK^T, dP, dQ
+    if name == "attention_bwd_dq_kernel":
+        return 6.0 * pairs * m.head_dim  # QK^T, dP, dQ
+    if name == "attention_bwd_dkdv_kernel":
+        return 8.0 * pairs * m.head_dim  # QK^T, dV, dP, dK
     return 0.0
 
 
@@ -305,6 +308,39 @@ def predictions(rows: list, results: dict, anchors: dict) -> list:
     return out
 
 
+def attention_against_fa2(rows: list, results: dict, anchors: dict) -> list:
+    """Per GPU, production model and phase: the attention core's predicted time (forward: one
+    launch; backward: the dq and dk/dv passes) over its FlashAttention-2-class roofline time (the
+    same FLOPs at the roofline's FA2 efficiency, its bytes at HBM bandwidth, plus launch costs)."""
+    out = []
+    for gpu in GPUS:
+        base = roofline.default_efficiency(gpu)
+        sums = {}
+        for (model, half, mode, phase, _), (row, t) in best_configs(rows, results, gpu, anchors).items():
+            if kernel_kind(row["kernel"]) != "attention" or mode != "exact" or phase == "recompute":
+                continue
+            if not workloads.MODELS[model].production:
+                continue
+            eff = base.attention_fwd if phase == "forward" else base.attention_bwd
+            fa2 = (max(row["bytes"] / (gpu.bandwidth * base.memory), row["flops"] / (gpu.peak_flops * eff))
+                   + base.launch_overhead_s) * 1e6
+            predicted, bound = sums.get((model, phase), (0.0, 0.0))
+            sums[(model, phase)] = (predicted + t, bound + fa2)
+        for (model, phase), (predicted, bound) in sorted(sums.items()):
+            out.append({"gpu": gpu.name, "model": model, "head_dim": workloads.MODELS[model].head_dim,
+                        "phase": phase, "predicted_us": predicted, "fa2_us": bound, "ratio": predicted / bound})
+    return out
+
+
+def format_attention(report: dict) -> str:
+    lines = [f"{'gpu':9s} {'model':10s} {'head dim':>8s} {'phase':9s} {'predicted':>9s} {'FA2-class':>9s} "
+             f"{'ratio':>6s}"]
+    for a in report["attention_vs_fa2"]:
+        lines.append(f"{a['gpu']:9s} {a['model']:10s} {a['head_dim']:8d} {a['phase']:9s} {a['predicted_us']:9.1f} "
+                     f"{a['fa2_us']:9.1f} {a['ratio']:5.2f}x")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the run
 
 def build(workers: int | None = None) -> dict:
@@ -319,7 +355,8 @@ def build(workers: int | None = None) -> dict:
     gates = {key: gate(r, ratio_limit(r["kernel"], head_dims.get(key), anchors)) for key, r in results.items()}
     return {"triton": triton.__version__, "seconds": round(time.time() - start, 1), "rules": list(RULES),
             "max_issue_ratio": MAX_ISSUE_RATIO, "launches": rows, "results": results, "gates": gates,
-            "anchors": {str(k): v for k, v in anchors.items()}, "predicted": predictions(rows, results, anchors)}
+            "anchors": {str(k): v for k, v in anchors.items()}, "predicted": predictions(rows, results, anchors),
+            "attention_vs_fa2": attention_against_fa2(rows, results, anchors)}
 
 
 def variants(report: dict) -> dict:
@@ -360,7 +397,7 @@ def summary(report: dict) -> dict:
             "broken": {rule: why for rule, why in report["gates"][key].items() if why}}
     return {"triton": report["triton"], "rules": report["rules"], "anchors": report["anchors"],
             "failures": {rule: failures(report, rule) for rule in RULES}, "kernels": kernels,
-            "predicted": report["predicted"]}
+            "predicted": report["predicted"], "attention_vs_fa2": report["attention_vs_fa2"]}
 
 
 def format_kernels(report: dict) -> str:
@@ -446,6 +483,9 @@ def to_markdown(report: dict) -> str:
         "## Gates\n\n```\n" + format_summary(report) + "\n```",
         "## Calibration anchors (sm_90 issue-model ratio)\n\n```\n" + format_anchors(report) + "\n```",
         "## Predicted time per half and phase (sum of launches, best config each)\n\n```\n" + format_halves(report)
+        + "\n```",
+        "## Attention core against FlashAttention-2-class time (predicted over the same FLOPs at the roofline's "
+        "FA2 efficiency; forward: one launch, backward: dq + dk/dv passes)\n\n```\n" + format_attention(report)
         + "\n```",
         "## Roofline per half and phase (perf.roofline: FLOPs, minimum bytes, bound and estimate; exact "
         "streams; the production shapes)\n\n"

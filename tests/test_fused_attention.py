@@ -66,6 +66,44 @@ def test_attention_matches_reference_fp16(seeded, tokens, causal, heads, kv_head
         assert rel_err(g, r) <= 1e-2, f"d{name}: {rel_err(g, r)}"
 
 
+# Issue 18's grid, covered pairwise: every sequence length (1, 17, 128, 197, 300), head dim
+# (16, 40, 64, 80, 96, 128, 256: powers of two and padded ones), GQA group (1, 2, 8), causal and
+# not, RoPE on and off, fp32 and fp16 (bf16 dots are wrong in the interpreter itself: numpy has
+# no bf16, so a bf16 tl.dot there is off by ~1e10; bf16 runs in tests/test_gpu.py on a GPU).
+HEAD_DIM_CASES = [  # tokens, head_dim, heads, kv_heads, causal, rope, dtype
+    (1, 16, 2, 2, False, False, torch.float32),
+    (17, 40, 4, 2, True, True, torch.float32),
+    (128, 64, 8, 1, False, True, torch.float32),
+    (197, 80, 2, 1, False, True, torch.float32),
+    (300, 96, 2, 2, True, True, torch.float32),
+    (17, 128, 8, 1, True, True, torch.float16),
+    (33, 256, 2, 1, True, True, torch.float32),
+    (197, 40, 4, 4, True, False, torch.float16),
+    (300, 80, 2, 2, False, False, torch.float16),
+    (128, 96, 8, 1, True, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("tokens,head_dim,heads,kv_heads,causal,rope,dtype", HEAD_DIM_CASES)
+def test_attention_head_dims_lengths_and_groups(seeded, tokens, head_dim, heads, kv_heads, causal, rope, dtype):
+    q, k, v = packed_qkv(1, tokens, heads, kv_heads, head_dim, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    o, lse = fa.attention_fwd(q, k, v, causal=causal)
+    ref_o, ref_lse = fa.attention_fwd_reference(q.double(), k.double(), v.double(), causal=causal)
+    assert o.dtype == dtype and rel_err(o, ref_o) <= tol and rel_err(lse, ref_lse) <= tol
+    do = torch.randn_like(o)
+    tables = fa.rope_tables(tokens, head_dim, 500.0, q.device) if rope else None
+    grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=tables)
+    ref_tables = tuple(t.double() for t in tables) if rope else None
+    ref = fa.attention_bwd_reference(q.double(), k.double(), v.double(), do.double(), causal=causal, rope=ref_tables)
+    for name, g, r in zip("qkv", grads, ref):
+        assert g.dtype == dtype
+        if tokens == 1 and name in "qk":  # one key: dq = dk = 0 exactly, up to rounding noise
+            assert g.abs().max() <= 1e-5
+        else:
+            assert rel_err(g, r) <= tol, f"d{name}: {rel_err(g, r):.2e}"
+
+
 def test_attention_backward_is_deterministic_and_writes_into_packed_buffers(seeded):
     q, k, v = packed_qkv(1, 40, 4, 2, 32, torch.float32)
     o, lse = fa.attention_fwd(q, k, v, causal=True)
@@ -104,8 +142,9 @@ def test_attention_launches(seeded):
 
 def test_attention_bad_inputs():
     q, k, v = packed_qkv(1, 8, 4, 2, 32, torch.float32)
-    with pytest.raises(ValueError, match="head dim 48"):
-        fa.attention_fwd(*packed_qkv(1, 8, 2, 2, 48, torch.float32), causal=False)
+    for head_dim in (12, 44, 264):  # not a multiple of 8, or past 256
+        with pytest.raises(ValueError, match=f"head dim {head_dim} .*multiple of 8 from 16 to 256"):
+            fa.attention_fwd(*packed_qkv(1, 8, 2, 2, head_dim, torch.float32), causal=False)
     with pytest.raises(ValueError, match="kv_heads"):
         fa.attention_fwd(*packed_qkv(1, 8, 4, 3, 32, torch.float32), causal=False)
     with pytest.raises(ValueError, match="batch, tokens, heads, head_dim"):
@@ -145,6 +184,20 @@ def test_qkv_projection_matches_reference(seeded, norm, rope, bias, dtype):
         plain = fa.qkv_projection_reference(n, w, b, **{**kwargs, "rope": None})
         qk = (heads + kv_heads) * head_dim
         assert rel_err(got[:, :qk], plain[:, :qk]) > 1e-2 and rel_err(got[:, qk:], plain[:, qk:]) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 1, 40), (2, 2, 80), (5, 1, 24), (1, 1, 128)])
+def test_qkv_projection_padded_heads_and_tiles_across_q_k_v(seeded, heads, kv_heads, head_dim):
+    """Column tiles hold two heads (interpreter config) of HEAD_PAD lanes: odd head counts put a k
+    and a v head in one tile (only the k head is rotated); padded head dims keep each half of a
+    head in its own half of the tile so RoPE pairs (d, d + D/2)."""
+    batch, tokens = 2, 13
+    dim = heads * head_dim
+    n = torch.randn(batch * tokens, dim)
+    w = torch.randn((heads + 2 * kv_heads) * head_dim, dim) / dim**0.5
+    b = 0.2 * torch.randn(w.shape[0])
+    kwargs = dict(heads=heads, kv_heads=kv_heads, tokens=tokens, rope=fa.rope_tables(tokens, head_dim, 50.0, n.device))
+    assert rel_err(fa.qkv_projection(n, w, b, **kwargs), fa.qkv_projection_reference(n, w, b, **kwargs)) <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +257,28 @@ def test_fused_half_float_matches_reference(seeded, tokens, causal, heads, kv_he
         norm=norm, eps=1e-6, row_scale=row_scale)
     assert nf <= 4 and nb <= 10, (nf, nb)  # backward: 10 launches (README), no torch-side weight-sized ops
     assert rel_err(s, s_ref) <= 1e-5
+    for got, want in zip(grads, grads_ref):
+        assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("frac_bits", [None, 16], ids=["float", "exact"])
+def test_fused_half_at_a_padded_head_dim_matches_reference(seeded, frac_bits):
+    """Phi-style head dim 80 (tiles 128 wide, lanes past 80 masked), GQA 2, RoPE, causal."""
+    batch, tokens, heads, kv_heads, dim = 2, 19, 2, 1, 160
+    params = make_half_params(dim, heads, kv_heads, "rms", True)
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    if frac_bits is None:
+        res = torch.randn(batch, tokens, dim, requires_grad=True)
+    else:
+        res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
+    g = torch.randn(batch, tokens, dim)
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=500.0, norm="rms")
+    (s, grads, nf, nb), (s_ref, grads_ref, _, _) = couple_both_ways(res, x, 1, frac_bits, params, g, **options)
+    assert nf == 4 and nb <= 10
+    if frac_bits is None:
+        assert rel_err(s, s_ref) <= 1e-5
+    else:
+        assert (s - s_ref).abs().max().item() <= 1
     for got, want in zip(grads, grads_ref):
         assert rel_err(got, want) <= 1e-5
 
@@ -310,8 +385,10 @@ def test_fused_half_bad_inputs_raise_clearly():
         call(torch.randn(1, 4, 64), 3, None)
     with pytest.raises(ValueError, match=r"kv_heads \(3\) must divide heads \(4\)"):
         call(torch.randn(1, 4, 64), 4, 3)
-    with pytest.raises(ValueError, match="head dim 48 is not supported"):
-        call(torch.randn(1, 4, 96), 2, None)
+    with pytest.raises(ValueError, match="head dim 44 is not supported .*multiple of 8"):
+        call(torch.randn(1, 4, 88), 2, None)
+    with pytest.raises(ValueError, match="head dim 272 is not supported"):
+        call(torch.randn(1, 4, 272), 1, None)
     with pytest.raises(ValueError, match="rank 2"):
         call(torch.randn(4, 64), 4, None)
     with pytest.raises(ValueError, match="w_proj"):
@@ -401,16 +478,16 @@ def test_stack_of_fused_blocks_reconstructs_bitwise_at_depth_12(seeded, kind):
 
 
 def test_unsupported_head_dim_falls_back_to_the_reference_with_one_warning(seeded):
-    """Head dim 80 (Phi-style) has no Triton attention kernel yet: the half runs the reference
+    """Head dim 44 (not a multiple of 8) has no Triton attention kernel: the half runs the reference
     path, warns once per shape, and never raises (issue 13, case 14)."""
     import warnings
 
     from revtriton.ops import backend
     from revtriton.ops.attention import norm_attention_couple
 
-    params = make_half_params(160, 2, 2, "layer", True)  # 2 heads of 80
+    params = make_half_params(88, 2, 2, "layer", True)  # 2 heads of 44
     args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
-    x, res = torch.randn(2, 5, 160), torch.randn(2, 5, 160)
+    x, res = torch.randn(2, 5, 88), torch.randn(2, 5, 88)
     backend._warned_unsupported.clear()
     with force_triton(), count_launches() as launches, pytest.warns(RuntimeWarning, match="does not support"):
         stream, _ = norm_attention_couple(res, x, 1, None, *args, heads=2)

@@ -25,6 +25,8 @@ HALVES = {
     "layernorm_attention_causal": lambda: LayerNormAttention(256, 4, causal=True),
     "rmsnorm_attention_gqa_rope": lambda: RMSNormAttention(256, 4, kv_heads=2),
     "rmsnorm_attention_hd128": lambda: RMSNormAttention(256, 2),
+    "rmsnorm_attention_hd80_gqa": lambda: RMSNormAttention(320, 4, kv_heads=2),  # a padded head dim
+    "layernorm_attention_hd256": lambda: LayerNormAttention(512, 2),
 }
 # fp32 operands go through TF32 tensor cores in tl.dot; bf16 has 8 mantissa bits.
 TOL = {torch.float32: 1e-2, torch.bfloat16: 4e-2}
@@ -225,6 +227,26 @@ def triton_backend(request, tmp_path, monkeypatch):
     backend.reset()
     yield
     backend.reset()
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,causal", [(64, 4, 4, False), (128, 4, 1, True), (80, 4, 2, True),
+                                                              (256, 2, 2, False)])
+def test_flash_attention_bf16_matches_sdpa(head_dim, heads, kv_heads, causal):
+    """bf16 attention on the compiled kernels (TMA on sm_90): the interpreter cannot check bf16 dots."""
+    from revtriton.ops import fused_attention as fa
+
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 333, heads + 2 * kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
+    o, lse = fa.attention_fwd(q, k, v, causal=causal)
+    ref_o, ref_lse = fa.attention_fwd_reference(q.float(), k.float(), v.float(), causal=causal)
+    assert rel(o, ref_o) <= TOL[torch.bfloat16] and rel(lse, ref_lse) <= 1e-2
+    do = torch.randn_like(o)
+    tables = fa.rope_tables(333, head_dim, 10000.0, q.device)
+    grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=tables)
+    ref = fa.attention_bwd_reference(q.float(), k.float(), v.float(), do.float(), causal=causal, rope=tables)
+    for name, g, r in zip("qkv", grads, ref):
+        assert rel(g, r) <= TOL[torch.bfloat16], name
 
 
 def test_dispatch_choice_is_at_least_098_of_the_faster_path():

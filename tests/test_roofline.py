@@ -102,7 +102,9 @@ def test_gqa_changes_kv_bytes_not_flops():
 def test_attention_backward_matmul_counts():
     s = SHAPES["vit_b"]
     fwd = rl.attention_core_flops(s, 2)
-    assert _one(rl.fused_ops(s, "attention", "backward"), "attention_bwd").flops * 2 == 7 * fwd
+    bwd = rl.fused_ops(s, "attention", "backward")
+    assert _one(bwd, "attention_bwd_dq").flops * 2 == 3 * fwd  # QK^T, dP, dQ
+    assert _one(bwd, "attention_bwd_dkdv").flops * 2 == 4 * fwd  # QK^T, dV, dP, dK
     assert _one(rl.unfused_ops(s, "attention", "backward"), "sdpa_flash_bwd").flops * 2 == 5 * fwd
 
 

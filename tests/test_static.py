@@ -90,7 +90,7 @@ def test_every_kernel_and_config_is_compiled(report):
     rows = [r for r in report["launches"] if r["model"] != "anchor"]
     assert {r["kernel"] for r in rows} == {
         "fused_gemm_kernel", "normalize_kernel", "scale_rows_kernel", "norm_bwd_kernel", "sum_partials_kernel",
-        "qkv_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_delta_kernel", "attention_bwd_kernel"}
+        "qkv_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"}
     from revtriton.kernels import configs
 
     for arch in (90, 80):
@@ -146,8 +146,32 @@ def test_model_ranks_the_public_anchors(report):
     gemm = [min(loop["ratio"] for loop in res["loops"]) for res in report["results"].values()
             if res.get("kernel") == "fused_gemm_kernel" and res["arch"] == 90 and res.get("loops")]
     assert min(deep) < min(gemm)
-    attention_d128 = [res["loops"] for r in report["launches"] if r["model"] == "llama7b"
-                      and r["kernel"] == "attention_fwd_kernel" and r["arch"] == 90
-                      for res in [report["results"][r["key"]]]]
-    assert attention_d128 and ratio["tutorial06_attention_fwd/d128/128x128w8s3"] < min(
-        min(loop["ratio"] for loop in loops) for loops in attention_d128)
+
+
+def _best_attention_ratio(report, model, kernel):
+    """The steady-state loop ratio of the kernel's best sm_90 config at a production model."""
+    ratios = [min(loop["ratio"] for loop in res["loops"]) for r in report["launches"]
+              if r["model"] == model and r["kernel"] == kernel and r["arch"] == 90
+              for res in [report["results"][r["key"]]] if res.get("loops")]
+    assert ratios, (model, kernel)
+    return min(ratios)
+
+
+@pytest.mark.parametrize("model,head_dim", [("gpt2", 64), ("vit_b", 64), ("llama7b", 128), ("llama3_8b", 128)])
+def test_attention_loops_meet_the_public_anchors(report, model, head_dim):
+    """Issue 18: the forward's steady loop no worse than the tutorial-06 anchor at its head dim,
+    and each backward pass (dq, dk/dv) at most 0.8."""
+    anchor = {int(k): v for k, v in report["anchors"].items()}[head_dim]
+    assert _best_attention_ratio(report, model, "attention_fwd_kernel") <= anchor + 0.01
+    for kernel in ("attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"):
+        assert _best_attention_ratio(report, model, kernel) <= 0.8, kernel
+
+
+def test_attention_is_predicted_within_12_of_flashattention2(report):
+    """Issue 18: the attention core's predicted forward and backward within 1.2x of the same FLOPs
+    at the roofline's FlashAttention-2 efficiency, at head dims 64 and 128."""
+    rows = report["attention_vs_fa2"]
+    assert {(a["model"], a["phase"]) for a in rows} >= {(m, p) for m in ("gpt2", "llama7b", "llama3_8b")
+                                                          for p in ("forward", "backward")}
+    slow = [a for a in rows if a["ratio"] > 1.2]
+    assert not slow, slow

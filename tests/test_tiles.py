@@ -3,7 +3,7 @@
 Under ``TRITON_INTERPRET=1`` the kernels are decorated with one interpreter config (32 x 32
 attention tiles, 64 x 64 x 64 GEMM tiles), so bugs that only show when BLOCK_FIXED !=
 BLOCK_STREAM, BLOCK_M != BLOCK_N or with 128-row tiles would never run. Here each distinct
-shape of kernels/attention.py FWD_CONFIGS / BWD_CONFIGS, kernels/attention_qkv.py QKV_CONFIGS
+shape of kernels/attention.py FWD_CONFIGS / DKDV_CONFIGS / DQ_CONFIGS, kernels/attention_qkv.py QKV_CONFIGS
 and the kernels/configs.py GEMM lists is pinned on its autotuner (``configs = [that config]``,
 the single-config path Triton takes without benchmarking) and checked against the pure-torch
 references, causal and not. The shape lists are read from the tables at collection time, so a
@@ -34,9 +34,10 @@ def shapes(table, names):
     return found
 
 
-FWD = shapes(ka.FWD_CONFIGS, ("BLOCK_M", "BLOCK_N"))
-BWD = shapes(ka.BWD_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM"))
-QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K"))
+FWD = shapes(ka.FWD_CONFIGS, ("BLOCK_M", "BLOCK_N", "USE_TMA"))  # both load paths (TMA on sm_90)
+DKDV = shapes(ka.DKDV_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
+DQ = shapes(ka.DQ_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
+QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K", "HEADS_PER_TILE"))
 GEMM = shapes([kc.GEMM_CONFIGS_SM90, kc.GEMM_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
 GEMM_DUAL = shapes([kc.GEMM_DUAL_CONFIGS_SM90, kc.GEMM_DUAL_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
 GEMM_ACT_GRAD = shapes([kc.GEMM_ACT_GRAD_CONFIGS_SM90, kc.GEMM_ACT_GRAD_CONFIGS_SM80],
@@ -68,9 +69,11 @@ def pin(monkeypatch):
 
 def test_tables_have_the_shapes_the_tests_expect():
     # If a table is emptied or renamed this file would silently test nothing.
-    assert len(FWD) >= 3 and len(BWD) >= 5 and len(QKV) >= 4
+    assert len(FWD) >= 3 and len(DKDV) >= 3 and len(DQ) >= 3 and len(QKV) >= 4
     assert len(GEMM) >= 5 and len(GEMM_DUAL) >= 4 and len(GEMM_ACT_GRAD) >= 4
-    assert any(f != s for f, s in BWD) and any(m != n for m, n in FWD)
+    assert any(f != s for f, s, _ in DKDV) and any(f != s for f, s, _ in DQ) and any(m != n for m, n, _ in FWD)
+    for table in (FWD, DKDV, DQ):  # both load paths: TMA (sm_90) and pointers (sm_80)
+        assert {tma for *_, tma in table} == {True, False}
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,9 +98,13 @@ def test_attention_forward_at_every_table_tile(seeded, pin, shape, causal):
 
 
 @pytest.mark.parametrize("causal,rope", [(False, False), (True, True)], ids=["full", "causal-rope"])
-@pytest.mark.parametrize("shape", list(BWD), ids=ids)
-def test_attention_backward_at_every_table_tile(seeded, pin, shape, causal, rope):
-    pin(ka.attention_bwd_kernel, BWD[shape])
+@pytest.mark.parametrize("pass_shape", [("dkdv",) + s for s in DKDV] + [("dq",) + s for s in DQ], ids=ids)
+def test_attention_backward_at_every_table_tile(seeded, pin, pass_shape, causal, rope):
+    which, shape = pass_shape[0], pass_shape[1:]
+    if which == "dkdv":
+        pin(ka.attention_bwd_dkdv_kernel, DKDV[shape])
+    else:
+        pin(ka.attention_bwd_dq_kernel, DQ[shape])
     q, k, v = attention_inputs()
     o, lse = fa.attention_fwd_reference(q, k, v, causal=causal)
     do = torch.randn_like(o)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from . import dispatch, gemm, limits
 from .streams import check_frac_bits, couple_result, function_outputs
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # kernels/attention.py HEAD_DIMS
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))  # kernels/attention.py HEAD_DIMS: multiples of 8, 16..256
 
 
 def _attention_kernels():
@@ -30,7 +30,7 @@ def _attention_kernels():
 def check_head_dim(head_dim: int):
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim} is not supported by the Triton attention kernels "
-                         f"(supported: {SUPPORTED_HEAD_DIMS})")
+                         f"(supported: every multiple of 8 from 16 to 256)")
 
 
 def _check_attention_inputs(q, k, v):
@@ -128,6 +128,30 @@ def rope_unrotate_reference(t, cos, sin):
 # Flash attention: launchers
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A tensor descriptor (TMA) needs a 16-byte aligned base and 16-byte multiples for every stride
+    but the last."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((stride * size) % 16 == 0 for stride in t.stride()[:-1])
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)  # the current device: the launch's
+
+
+def _ensure_descriptor_allocator(device: torch.device):
+    """Kernels that build tensor descriptors on the device need scratch memory from an allocator
+    Triton calls at launch; set one (torch's caching allocator) unless the user already did."""
+    if device.type != "cuda":
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    # (a context variable: the autograd engine's backward thread sets its own on its first launch)
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_descriptor_scratch)
+
+
 def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None):
     """Flash attention forward: (o [B, T, H, D], lse [B, H, T] fp32). One launch.
 
@@ -142,21 +166,25 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
         out = torch.empty(batch, tokens, heads, head_dim, device=q.device, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
+    if q.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
+        # K / V arrive by TMA on sm_90: odd views are copied once to an aligned layout.
+        k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
+        _ensure_descriptor_allocator(q.device)
     lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
     kernels = _attention_kernels()
-    limits.check_int32_offsets("attention_fwd", batch, q=q, k=k, v=v, out=out, lse=lse)
-    limits.check_grid("attention_fwd", (1, batch * heads), per_batch_y=heads)
-    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
+    limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
     dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse,
                     *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out),
-                    heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
-                    HEAD_DIM=head_dim, CAUSAL=bool(causal), DOT_PRECISION=_dot_precision(q.dtype))
+                    batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
+                    HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=bool(causal),
+                    DOT_PRECISION=_dot_precision(q.dtype))
     return out, lse
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
                   dq=None, dk=None, dv=None):
-    """Flash attention backward: (dq, dk, dv). Two launches (delta preprocessing, then dk/dv and dq).
+    """Flash attention backward: (dq, dk, dv). Two launches: dq (with the delta pre-pass fused), then dk/dv.
 
     Deterministic (no atomics). ``rope=(cos, sin)`` ([T, D/2] fp32): q and k were rotated before
     attention, so dq and dk are rotated back (the RoPE backward) before they are stored.
@@ -186,21 +214,25 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
     else:
         cos = sin = lse  # unused pointers
+    if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
+        q, k, v, do = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v, do))
+        _ensure_descriptor_allocator(q.device)
     kernels = _attention_kernels()
+    pad = kernels.head_pad(head_dim)
     delta = torch.empty_like(lse)
-    limits.check_int32_offsets("attention_bwd", batch, q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
-    dkdv_programs = batch * kv_heads
-    limits.check_grid("attention_bwd", (1, dkdv_programs + batch * heads), per_batch_y=kv_heads + heads)
-    delta_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]), batch * heads)  # noqa: E731
-    dispatch.launch(kernels.attention_bwd_delta_kernel, delta_grid,
-                    o, do, delta, *_strides_bth(o), *_strides_bth(do), heads, tokens, HEAD_DIM=head_dim)
-    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]), dkdv_programs + batch * heads)  # noqa: E731
-    dispatch.launch(kernels.attention_bwd_kernel, grid, q, k, v, do, lse, delta, dq, dk, dv, cos, sin,
+    dq_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * heads,)  # noqa: E731
+    dkdv_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
+    limits.check_grid("attention_bwd", dq_grid({"BLOCK_FIXED": 16}))
+    options = dict(HEAD_DIM=head_dim, HEAD_PAD=pad, CAUSAL=bool(causal), ROPE=rope is not None,
+                   DOT_PRECISION=_dot_precision(q.dtype))
+    # dq first: it writes delta = rowsum(dO * O), which the dk/dv pass reads.
+    dispatch.launch(kernels.attention_bwd_dq_kernel, dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin,
+                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o), *_strides_bth(do),
+                    *_strides_bth(dq), batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, **options)
+    dispatch.launch(kernels.attention_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin,
                     *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
-                    *_strides_bth(dq), *_strides_bth(dk), *_strides_bth(dv),
-                    heads, kv_heads, heads // kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, dkdv_programs,
-                    HEAD_DIM=head_dim, CAUSAL=bool(causal), ROPE=rope is not None,
-                    DOT_PRECISION=_dot_precision(q.dtype))
+                    *_strides_bth(dk), *_strides_bth(dv), batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens),
+                    sm_scale, **options)
     return dq, dk, dv
 
 
@@ -275,12 +307,14 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
         return out
     kernels = _qkv_kernels()
     cos, sin = rope if rope is not None else (out, out)
-    grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * triton_cdiv(N, head_dim),)  # noqa: E731
+    total_heads = heads + 2 * kv_heads
+    column_tiles = lambda meta: triton_cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
+    grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
     dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
-                    M, N, dim, tokens, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
+                    M, N, dim, tokens, total_heads, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
                     HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
-                    DOT_PRECISION=_dot_precision(w_qkv.dtype))
+                    HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype))
     return out
 
 
