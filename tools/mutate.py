@@ -177,9 +177,9 @@ MUTANTS = [
            "the trace no longer records that rebuild(i) runs after grads(i+2) on its lane"),
     Mutant("recompute-without-autocast", "revtriton/engine/segment.py",
            "with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):\n"
-           "                token = ",
+           "                token_leaf = ",
            "with torch.enable_grad(), replayed(run.dispatch):\n"
-           "                token = ",
+           "                token_leaf = ",
            ("tests/test_engine.py", "-k", "gradients_equal_rounded_model_bitwise"),
            "the backward's recompute ignores the forward's autocast state"),
     # ---- the static performance model and launch limits (issue 17)
@@ -192,11 +192,11 @@ MUTANTS = [
            '(triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads // 2,)',
            ("tests/test_fused_attention.py", "-k", "fp32_gqa"),
            "the dk/dv grid covers half the kv heads: their dk, dv are never written"),
-    Mutant("split-half-lanes-contiguous", "kernels/attention.py",
+    Mutant("split-half-lanes-swapped", "kernels/attention.py",
            "columns = (lanes // (HEAD_PAD // 2)) * (HEAD_DIM // 2) + within",
-           "columns = lanes",
+           "columns = (1 - lanes // (HEAD_PAD // 2)) * (HEAD_DIM // 2) + within",
            ("tests/test_fused_attention.py", "-k", "head_dims"),
-           "padded head dims lay the head out contiguously: the RoPE backward pairs the wrong lanes"),
+           "a padded head's two halves swap lanes: the RoPE backward rotates dq and dk the wrong way"),
     # ---- conditioning and captured tensors (issue 13, case 2)
     Mutant("cond-gradient-dropped", "revtriton/engine/segment.py",
            "*(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves)",
