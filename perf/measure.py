@@ -4,8 +4,9 @@ step times, peak memory (perf.memory), Triton launches and the largest batch wit
 A point is one (preset, depth, batch, sequence length, variant, halves). :func:`run_point` builds
 a fresh model (seed ``cfg.seed``) and input, runs ``cfg.warmup`` steps (the last one counts Triton
 launches: autotuning is over by then) and ``cfg.repeats`` timed steps (CUDA events on a GPU,
-``perf_counter`` on a CPU), then one step under :func:`perf.memory.peak_memory`, and returns the
-row (schema: perf.schema.COLUMNS) with status ok, oom or error.
+``perf_counter`` on a CPU; the row keeps their median, min and max), then one step under
+:func:`perf.memory.peak_memory`, and returns the row (schema: perf.schema.COLUMNS) with status ok,
+oom or error.
 """
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ def measure(point: Point, cfg, device: torch.device, ddp: Distributed) -> dict:
     step_s = statistics.median(times) / 1e3
     tokens = point.batch * point.seq_len
     figures = {
-        "step_time_ms": statistics.median(times), "step_time_min_ms": min(times),
+        "step_time_ms": statistics.median(times), "step_time_min_ms": min(times), "step_time_max_ms": max(times),
+        "step_time_repeats": len(times),
         "throughput": (point.batch if point.preset.unit == "images" else tokens) / step_s,
         "tokens_per_s": tokens / step_s, "peak_mem_bytes": int(peak), "peak_mem_total_bytes": total,
         "launches_per_step": int(launches),

@@ -17,25 +17,44 @@ import revtriton
 
 from .measure import triton_version
 from .schema import CSV_COLUMNS, SCHEMA_VERSION, validate_results
+from .stacks import canonical_variant
 
-def add_ratios(rows: list[dict]) -> None:
-    """Fill the ratio columns from the vanilla / checkpoint / sequential rows at the same point."""
+# What the PaReprop-vs-sequential column says where it has no ratio to show: PaReprop overlaps the
+# two halves' recomputation on two CUDA streams; elsewhere its schedule runs on one stream, in order.
+NO_STREAMS_NOTE = {"cpu": "n/a (CPU: one stream)"}
+
+
+def add_ratios(rows: list[dict], *, device_type: str) -> None:
+    """Fill the ratio columns from the coupled-stored / checkpoint / prenorm-stored / sequential
+    rows at the same point (rows of older files may say ``vanilla``: the same as coupled-stored).
+
+    ``speedup_vs_sequential`` only where PaReprop has two streams to overlap (``device_type``
+    cuda); elsewhere revtriton rows get ``speedup_vs_sequential_note`` instead of a ratio.
+    """
+    def key(row):
+        return (row["preset"], row["depth"], row["batch"], row["seq_len"], row["dtype"], row["rank"])
+
     by_point = {}
     for row in rows:
         if row["status"] == "ok":
-            key = (row["preset"], row["depth"], row["batch"], row["seq_len"], row["dtype"], row["rank"])
-            by_point[key + (row["variant"], row["halves"])] = row
+            by_point[key(row) + (canonical_variant(row["variant"]), row["halves"])] = row
     for row in rows:
         if row["status"] != "ok":
             continue
-        key = (row["preset"], row["depth"], row["batch"], row["seq_len"], row["dtype"], row["rank"])
-        for baseline, column in (("vanilla", "vanilla"), ("checkpoint", "checkpoint")):
-            base = by_point.get(key + (baseline, "reference"))
+        for baseline, column in (("coupled-stored", "vanilla"), ("checkpoint", "checkpoint"),
+                                 ("prenorm-stored", "prenorm")):
+            base = by_point.get(key(row) + (baseline, "reference"))
             if base is not None:
                 row[f"time_vs_{column}"] = row["step_time_ms"] / base["step_time_ms"]
                 row[f"mem_vs_{column}"] = row["peak_mem_bytes"] / max(1, base["peak_mem_bytes"])
-        seq = by_point.get(key + ("revtriton-sequential", row["halves"]))
-        if seq is not None and row["variant"].startswith("revtriton"):
+        if not row["variant"].startswith("revtriton"):
+            continue
+        if device_type != "cuda":
+            row["speedup_vs_sequential"] = None
+            row["speedup_vs_sequential_note"] = NO_STREAMS_NOTE.get(device_type, f"n/a ({device_type}: one stream)")
+            continue
+        seq = by_point.get(key(row) + ("revtriton-sequential", row["halves"]))
+        if seq is not None:
             row["speedup_vs_sequential"] = seq["step_time_ms"] / row["step_time_ms"]
 
 
@@ -128,13 +147,35 @@ def _fmt(value, kind):
     return str(value)
 
 
+def _spread(row):
+    """``min / median / max`` step ms over the repeats ("-" for rows of older files)."""
+    spread = [row.get(k) for k in ("step_time_min_ms", "step_time_ms", "step_time_max_ms")]
+    if any(v is None for v in spread):
+        return "-"
+    return " / ".join(_fmt(v, "ms") for v in spread)
+
+
+def _cell(row, key, kind):
+    if kind == "spread":
+        return _spread(row)
+    value = row.get(key)
+    if value is None and key == "speedup_vs_sequential" and row.get("speedup_vs_sequential_note"):
+        return row["speedup_vs_sequential_note"]  # e.g. n/a (CPU: one stream): no ratio to show
+    return _fmt(value, kind)
+
+
+# (title, row key, format). "coupled-stored" is the two-stream coupling under plain autograd
+# (formerly "vanilla"; its ratio columns keep the JSON names time_vs_vanilla / mem_vs_vanilla);
+# "prenorm" is a standard pre-norm block with stored activations.
 TABLE_COLUMNS = [("preset", "preset", None), ("variant", "variant", None), ("halves", "halves", None),
                  ("depth", "depth", None), ("batch", "batch", None), ("seq", "seq_len", None),
-                 ("step ms", "step_time_ms", "ms"), ("throughput/s", "throughput", "rate"),
+                 ("step ms", "step_time_ms", "ms"), ("step ms min / med / max", "step_time_ms", "spread"),
+                 ("throughput/s", "throughput", "rate"),
                  ("peak MiB", "peak_mem_bytes", "mib"), ("launches", "launches_per_step", None),
-                 ("max batch", "max_batch", None), ("t/vanilla", "time_vs_vanilla", "ratio"),
-                 ("mem/vanilla", "mem_vs_vanilla", "ratio"), ("t/ckpt", "time_vs_checkpoint", "ratio"),
-                 ("mem/ckpt", "mem_vs_checkpoint", "ratio"), ("vs seq", "speedup_vs_sequential", "ratio"),
+                 ("max batch", "max_batch", None), ("t/coupled-stored", "time_vs_vanilla", "ratio"),
+                 ("mem/coupled-stored", "mem_vs_vanilla", "ratio"), ("t/ckpt", "time_vs_checkpoint", "ratio"),
+                 ("mem/ckpt", "mem_vs_checkpoint", "ratio"), ("t/prenorm", "time_vs_prenorm", "ratio"),
+                 ("mem/prenorm", "mem_vs_prenorm", "ratio"), ("PaReprop vs seq", "speedup_vs_sequential", "ratio"),
                  ("status", "status", None)]
 
 
@@ -144,7 +185,7 @@ def markdown_table(rows) -> str:
     for row in rows:
         if row["rank"] != 0:
             continue
-        lines.append("| " + " | ".join(_fmt(row[key], kind) for _, key, kind in TABLE_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_cell(row, key, kind) for _, key, kind in TABLE_COLUMNS) + " |")
     return "\n".join(lines)
 
 

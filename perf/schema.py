@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import math
 
-from .stacks import HALVES, VARIANTS
+from .stacks import HALVES, VARIANT_ALIASES, VARIANTS
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "error", "skipped")
@@ -24,7 +24,8 @@ COLUMNS = {
     "preset": ("string", "preset name (perf.stacks.PRESETS), or the user model's (perf.models)"),
     "family": ("string", "the halves' kind: vit or gpt2 (LayerNorm + attention, GELU MLP; bidirectional or causal), "
                          "llama (RMSNorm + RoPE grouped-query attention, SwiGLU)"),
-    "variant": ("string", "vanilla | checkpoint | revtriton-sequential | revtriton-pareprop"),
+    "variant": ("string", ("coupled-stored | checkpoint | revtriton-sequential | revtriton-pareprop | prenorm-stored "
+                           "(older files: vanilla = coupled-stored)")),
     "halves": ("string", "reference (PyTorch eager, SDPA) or fused (revtriton's Triton halves)"),
     "exact": ("boolean", "revtriton streams: int32 fixed point (true) or float (false); baselines: false"),
     "depth": ("integer", "number of blocks (one block = F attention half + G MLP half)"),
@@ -40,6 +41,8 @@ COLUMNS = {
     "error": (["string", "null"], "first line of the error when status is not ok"),
     "step_time_ms": (["number", "null"], "median step time (forward + backward), ms"),
     "step_time_min_ms": (["number", "null"], "fastest step, ms"),
+    "step_time_max_ms": (["number", "null"], "slowest step, ms (with min and the median: the spread over repeats)"),
+    "step_time_repeats": (["integer", "null"], "timed steps the median, min and max are over"),
     "throughput": (["number", "null"], "samples of the preset's unit per second (see throughput_unit)"),
     "throughput_unit": ("string", "images/s (ViT) or tokens/s"),
     "tokens_per_s": (["number", "null"], "batch * seq_len / step time"),
@@ -48,15 +51,25 @@ COLUMNS = {
     "launches_per_step": (["integer", "null"], "Triton kernel launches in one step (0 on the reference path)"),
     "max_batch": (["integer", "null"], "largest batch whose step fits mem_budget_bytes (GPU, or --mem-budget-gb)"),
     "mem_budget_bytes": (["integer", "null"], "the budget max_batch was searched under"),
-    "time_vs_vanilla": (["number", "null"], "step time / vanilla's at the same point"),
-    "mem_vs_vanilla": (["number", "null"], "peak_mem_bytes / vanilla's at the same point"),
+    "time_vs_vanilla": (["number", "null"], "step time / coupled-stored's (formerly vanilla) at the same point"),
+    "mem_vs_vanilla": (["number", "null"], "peak_mem_bytes / coupled-stored's (formerly vanilla) at the same point"),
     "time_vs_checkpoint": (["number", "null"], "step time / checkpoint's at the same point"),
     "mem_vs_checkpoint": (["number", "null"], "peak_mem_bytes / checkpoint's at the same point"),
-    "speedup_vs_sequential": (["number", "null"], "revtriton-sequential's step time / this one's (same halves)"),
+    "time_vs_prenorm": (["number", "null"], "step time / prenorm-stored's (a standard pre-norm block) at the same point"),
+    "mem_vs_prenorm": (["number", "null"], "peak_mem_bytes / prenorm-stored's at the same point"),
+    "speedup_vs_sequential": (["number", "null"], ("revtriton-sequential's step time / this one's (same halves); "
+                                                   "CUDA only: on a CPU PaReprop runs on one stream, i.e. sequentially")),
+    "speedup_vs_sequential_note": (["string", "null"], ("why speedup_vs_sequential is null for a revtriton row, "
+                                                        "e.g. 'n/a (CPU: one stream)'")),
 }
+# Columns added after schema version 1 first shipped: rows of older files may lack them (read as
+# null); rows written now always have them.
+OPTIONAL_COLUMNS = ("step_time_max_ms", "step_time_repeats", "time_vs_prenorm", "mem_vs_prenorm",
+                    "speedup_vs_sequential_note")
 # Columns every CSV row repeats so a CSV file stands alone.
 CSV_META_COLUMNS = ("device_name", "torch_version", "triton_version", "date")
 CSV_COLUMNS = CSV_META_COLUMNS + tuple(COLUMNS)
+LEGACY_CSV_COLUMNS = tuple(c for c in CSV_COLUMNS if c not in OPTIONAL_COLUMNS)  # files of older sweeps
 
 
 def _json_type(types):
@@ -65,16 +78,17 @@ def _json_type(types):
 
 ROW_SCHEMA = {
     "type": "object",
-    "required": list(COLUMNS),
+    "required": [name for name in COLUMNS if name not in OPTIONAL_COLUMNS],
     "additionalProperties": False,
     "properties": {name: {"type": _json_type(types), "description": text} for name, (types, text) in COLUMNS.items()},
 }
-ROW_SCHEMA["properties"]["variant"]["enum"] = list(VARIANTS)
+ROW_SCHEMA["properties"]["variant"]["enum"] = list(VARIANTS) + list(VARIANT_ALIASES)  # old files: vanilla
 ROW_SCHEMA["properties"]["halves"]["enum"] = list(HALVES)
 ROW_SCHEMA["properties"]["status"]["enum"] = list(STATUSES)
 for _name in ("depth", "batch", "seq_len", "dim", "heads", "kv_heads", "hidden"):
     ROW_SCHEMA["properties"][_name]["minimum"] = 1
-for _name in ("rank", "peak_mem_bytes", "peak_mem_total_bytes", "launches_per_step", "max_batch"):
+for _name in ("rank", "peak_mem_bytes", "peak_mem_total_bytes", "launches_per_step", "max_batch",
+              "step_time_repeats"):
     ROW_SCHEMA["properties"][_name]["minimum"] = 0
 
 PLOT_SCHEMA = {
@@ -166,6 +180,15 @@ def _schema_errors(value, schema, path, errors):
             _schema_errors(item, schema["items"], f"{path}[{i}]", errors)
 
 
+def _spread_errors(row: dict, path: str) -> list[str]:
+    """min <= median <= max where the row has all three (older rows have no max)."""
+    spread = [row.get(k) for k in ("step_time_min_ms", "step_time_ms", "step_time_max_ms")]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in spread)
+    if numbers and not spread[0] <= spread[1] <= spread[2]:
+        return [f"{path}: step times not ordered min <= median <= max: {spread}"]
+    return []
+
+
 def validate_results(doc: dict) -> None:
     """Raise ValueError listing every way ``doc`` departs from :data:`RESULTS_SCHEMA`."""
     errors: list[str] = []
@@ -180,6 +203,7 @@ def validate_results(doc: dict) -> None:
                 errors.append(f"$.rows[{i}]: status ok but {missing} are null")
         elif row.get("status") in ("oom", "error", "skipped") and row.get("step_time_ms") is not None:
             errors.append(f"$.rows[{i}]: status {row['status']} but step_time_ms is set")
+        errors.extend(_spread_errors(row, f"$.rows[{i}]"))
     if errors:
         raise ValueError("results do not follow the schema:\n  " + "\n  ".join(errors[:50]))
 
@@ -200,15 +224,17 @@ def _csv_value(text: str, types):
 
 
 def read_csv(path) -> list[dict]:
-    """Rows of a results CSV, typed by :data:`COLUMNS` (checks the header)."""
+    """Rows of a results CSV, typed by :data:`COLUMNS` (checks the header). An older file's header
+    (:data:`LEGACY_CSV_COLUMNS`, without the optional columns) is accepted: those read as null."""
     with open(path, newline="") as handle:
         reader = csv.DictReader(handle)
-        if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+        if tuple(reader.fieldnames or ()) not in (CSV_COLUMNS, LEGACY_CSV_COLUMNS):
             raise ValueError(f"{path}: header {reader.fieldnames} != {list(CSV_COLUMNS)}")
         rows = []
         for line, raw in enumerate(reader, start=2):
             try:
-                rows.append({name: (raw[name] if name in CSV_META_COLUMNS else _csv_value(raw[name], COLUMNS[name][0]))
+                rows.append({name: (raw[name] if name in CSV_META_COLUMNS else
+                                    None if name not in raw else _csv_value(raw[name], COLUMNS[name][0]))
                              for name in CSV_COLUMNS})
             except ValueError as err:
                 raise ValueError(f"{path}:{line}: {err}") from None
@@ -221,6 +247,7 @@ def validate_csv(path) -> list[dict]:
     errors: list[str] = []
     for i, row in enumerate(rows):
         _schema_errors({k: v for k, v in row.items() if k in COLUMNS}, ROW_SCHEMA, f"csv[{i}]", errors)
+        errors.extend(_spread_errors(row, f"csv[{i}]"))
     if errors:
         raise ValueError(f"{path} does not follow the schema:\n  " + "\n  ".join(errors[:50]))
     return rows

@@ -1,13 +1,21 @@
 """The benchmark stacks: presets (ViT-B-like, GPT-2-like, LLaMA-like) and the variants perf/ compares.
 
-Every variant runs the same blocks (``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``, both streams start
-as the input, the output is their mean) and differs only in how backward gets its activations:
+Every coupled variant runs the same blocks (``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``, both
+streams start as the input, the output is their mean) and differs only in how backward gets its
+activations:
 
-* ``vanilla``: plain autograd over :meth:`ReversibleBlock.forward`, every activation stored,
-  reference halves (PyTorch eager, SDPA attention);
+* ``coupled-stored`` (formerly ``vanilla``, still accepted: :data:`VARIANT_ALIASES`): plain
+  autograd over :meth:`ReversibleBlock.forward`, every activation stored, reference halves
+  (PyTorch eager, SDPA attention);
 * ``checkpoint``: the same, with ``torch.utils.checkpoint`` around each block;
 * ``revtriton-sequential`` / ``revtriton-pareprop``: :class:`ReversibleStack` with that backward
   schedule.
+
+``prenorm-stored`` is the block people train today, for comparison: one stream,
+``x = x + F(x); x = x + G(x)`` (F = norm + attention, G = norm + MLP: a standard pre-norm
+transformer block), plain autograd, every activation stored. It is built from the very same
+halves (same modules, same seed, same parameters and count) as the coupled stacks of that width
+and depth; what differs is the wiring: one stream instead of two coupled ones.
 
 Halves are ``reference`` (the pure-torch ops, on any device) or ``fused`` (revtriton's halves as
 they dispatch: the Triton kernels on CUDA). Fused halves exist only on CUDA; on the CPU the
@@ -26,9 +34,16 @@ from revtriton import (LayerNormAttention, LayerNormMLP, ReversibleBlock, Revers
                        RMSNormSwiGLU)
 from revtriton.halves.base import CouplingHalf
 
-VARIANTS = ("vanilla", "checkpoint", "revtriton-sequential", "revtriton-pareprop")
-BASELINES = ("vanilla", "checkpoint")
+VARIANTS = ("coupled-stored", "checkpoint", "revtriton-sequential", "revtriton-pareprop", "prenorm-stored")
+BASELINES = ("coupled-stored", "checkpoint", "prenorm-stored")  # plain autograd, reference halves
+# Old names still accepted on the command line, by build_stack and in result files.
+VARIANT_ALIASES = {"vanilla": "coupled-stored"}
 HALVES = ("reference", "fused")
+
+
+def canonical_variant(name: str) -> str:
+    """``name`` with an old alias (``vanilla``) replaced by today's variant name."""
+    return VARIANT_ALIASES.get(name, name)
 
 
 @dataclass(frozen=True)
@@ -145,16 +160,39 @@ class StoredActivationStack(nn.Module):
         return (x1 + x2) * 0.5
 
 
+class PreNormStack(nn.Module):
+    """A standard pre-norm transformer: ``x = x + F(x); x = x + G(x)`` per block, plain autograd.
+
+    Takes the coupled stacks' blocks and uses their halves as they are (F: norm + attention, G:
+    norm + MLP), so the parameters, their names and (under the same seed) their values are those
+    of the coupled stack of the same preset and depth; one stream of width ``dim``.
+    """
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block.f(x)
+            x = x + block.g(x)
+        return x
+
+
 def build_stack(preset: Preset, depth: int, variant: str, halves: str = "reference", exact: bool = True,
                 frac_bits: int = 16) -> nn.Module:
-    """A module mapping ``[batch, tokens, dim] -> [batch, tokens, dim]`` for one benchmark variant."""
+    """A module mapping ``[batch, tokens, dim] -> [batch, tokens, dim]`` for one benchmark variant
+    (or an alias of one: ``vanilla`` is ``coupled-stored``)."""
+    variant = canonical_variant(variant)
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        raise ValueError(f"variant must be one of {VARIANTS} (or an alias: {sorted(VARIANT_ALIASES)}), got {variant!r}")
     if halves == "fused" and variant in BASELINES:
         raise ValueError(f"the {variant} baseline runs the reference halves (PyTorch eager, SDPA)")
     blocks = make_blocks(preset, depth, halves)
-    if variant == "vanilla":
+    if variant == "coupled-stored":
         return StoredActivationStack(blocks)
+    if variant == "prenorm-stored":
+        return PreNormStack(blocks)
     if variant == "checkpoint":
         return StoredActivationStack(blocks, checkpoint_blocks=True)
     schedule = variant.split("-", 1)[1]
@@ -163,6 +201,7 @@ def build_stack(preset: Preset, depth: int, variant: str, halves: str = "referen
 
 def variant_available(variant: str, halves: str, device: torch.device) -> bool:
     """Fused halves only on CUDA; the baselines always run the reference halves."""
+    variant = canonical_variant(variant)
     if halves == "fused":
         return device.type == "cuda" and variant not in BASELINES
     return True

@@ -1,11 +1,14 @@
 """``python -m perf.sweep``: what revtriton buys on this device, as memory and speed sweeps.
 
 For each preset (ViT-B-like, GPT-2-like, LLaMA-like; see perf/stacks.py), depth, batch and
-sequence length, every variant (vanilla stored activations, checkpoint per block, revtriton
-sequential and PaReprop backward; reference or fused halves) runs a training step
-(forward + backward) and records:
+sequence length, every variant (coupled-stored: the two-stream coupling under plain autograd with
+its activations stored, formerly "vanilla"; checkpoint per block; revtriton sequential and PaReprop
+backward, reference or fused halves; prenorm-stored: a standard pre-norm transformer block with
+stored activations, the baseline most models train with) runs a training step (forward + backward)
+and records:
 
-* step time: median over ``repeats`` steps after ``warmup`` steps (CUDA events on a GPU);
+* step time: median over ``repeats`` steps after ``warmup`` steps (CUDA events on a GPU), and the
+  spread: the fastest and slowest of those steps;
 * throughput: images/s (ViT) or tokens/s, and tokens/s for every preset;
 * peak memory of a step above what was allocated when it started (parameters, their .grad
   buffers kept from the warm-up, the input): ``perf.memory.peak_memory`` (CUDA allocator
@@ -13,7 +16,9 @@ sequential and PaReprop backward; reference or fused halves) runs a training ste
   the absolute ``torch.cuda.max_memory_allocated``;
 * Triton launches per step (``revtriton.ops.dispatch.count_launches``);
 * on a GPU, the largest batch whose step fits a memory budget;
-* ratios against vanilla, checkpointing and the sequential schedule at the same point;
+* ratios against coupled-stored, checkpointing and prenorm-stored at the same point, and PaReprop
+  against the sequential schedule where PaReprop has two CUDA streams to overlap (on a CPU it runs
+  in order on one: the table says "n/a (CPU: one stream)" instead of a ratio);
 * for ``fused`` halves (revtriton's halves as dispatched), which implementation each op got
   (``revtriton.ops.backend``: fused Triton or the cuBLAS + SDPA library path, measured on first
   use) and both timings: ``backend_choices`` in the JSON, printed after the table.
@@ -54,7 +59,8 @@ from .report import (_fmt, _label, add_ratios, backend_choices, make_document, m
                      markdown_table, plot_series, print_backend_choices, rank_summary, write_results)
 from .schema import (COLUMNS, CSV_COLUMNS, CSV_META_COLUMNS, RESULTS_SCHEMA, ROW_SCHEMA, SCHEMA_VERSION,  # noqa: F401
                      STATUSES, read_csv, validate_csv, validate_results)
-from .stacks import BASELINES, HALVES, PRESETS, VARIANTS, Preset, build_stack, variant_available  # noqa: F401
+from .stacks import (BASELINES, HALVES, PRESETS, VARIANT_ALIASES, VARIANTS, Preset, build_stack,  # noqa: F401
+                     canonical_variant, variant_available)
 
 
 def _default_out() -> Path:
@@ -129,7 +135,7 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
         reduced = {**common, "dim": 128, "heads": 4, "threads": 1}
         if suite == "pareprop":
             return SweepConfig(**{**reduced, "presets": ["vit-b", "gpt2"], "grid": "product",
-                                  "variants": [["vanilla", "reference"], ["revtriton-sequential", "reference"],
+                                  "variants": [["coupled-stored", "reference"], ["revtriton-sequential", "reference"],
                                                ["revtriton-pareprop", "reference"]]},
                                base_seq=cpu_seq, depths=[12, 24], batches=[2, 4], base_depth=12, base_batch=2,
                                warmup=1, repeats=3)
@@ -144,7 +150,7 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
     if suite == "pareprop":
         fused = [pair for pair in variants if pair[1] == "fused"]
         return SweepConfig(**{**common, "presets": ["vit-b", "gpt2"], "grid": "product",
-                              "variants": [["vanilla", "reference"]] + fused},
+                              "variants": [["coupled-stored", "reference"]] + fused},
                            base_seq=real_seq, depths=[12, 24], batches=[8, 16, 32], base_depth=12, base_batch=8,
                            warmup=3, repeats=10)
     return SweepConfig(**{**common, "seq_lens": [256, 512, 2048]}, base_seq=real_seq, depths=[6, 12, 24, 48],
@@ -220,7 +226,8 @@ def parse_args(argv=None):
     ap.add_argument("--base-batch", type=int)
     ap.add_argument("--base-depth", type=int)
     ap.add_argument("--seq", type=int, help="base sequence length for every preset / your model")
-    ap.add_argument("--variants", help=f"comma list of {','.join(VARIANTS)} (variant/fused for fused halves)")
+    ap.add_argument("--variants", help=f"comma list of {','.join(VARIANTS)} (variant/fused for fused halves; "
+                                       f"old names: {', '.join(f'{a} = {v}' for a, v in VARIANT_ALIASES.items())})")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--dtype", choices=("fp32", "bf16"))
@@ -300,12 +307,13 @@ def config_from_args(args, device, user: UserModel | None = None) -> SweepConfig
         pairs = []
         for item in args.variants.split(","):
             variant, _, halves = item.partition("/")
-            halves = halves or "reference"
+            variant, halves = canonical_variant(variant), halves or "reference"
             if variant not in VARIANTS or halves not in HALVES:
                 raise SystemExit(f"perf.sweep: unknown variant {item!r}; use {VARIANTS} with an optional /fused")
             if not variant_available(variant, halves, device):
                 raise SystemExit(f"perf.sweep: {item} is not available on {device.type} (fused halves need CUDA)")
-            pairs.append([variant, halves])
+            if [variant, halves] not in pairs:  # vanilla and coupled-stored are one variant
+                pairs.append([variant, halves])
         cfg.variants = pairs
     if args.float_streams:
         cfg.exact = False
@@ -408,7 +416,7 @@ def main(argv=None) -> int:
     def write_partial(rows):
         if ddp.rank == 0 and not ddp.active:
             partial = [dict(r) for r in rows]
-            add_ratios(partial)
+            add_ratios(partial, device_type=device.type)
             write_results(make_document(partial, cfg, info, 1, created, time.monotonic() - begin, {}, False),
                           out_dir, stem)
 
@@ -424,7 +432,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         if ddp.rank != 0:
             return 0
-    add_ratios(rows)
+    add_ratios(rows, device_type=device.type)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {} if args.no_plots else make_plots(rows, cfg, out_dir, stem)
     doc = make_document(rows, cfg, info, ddp.world_size, created, time.monotonic() - begin, plots, True)

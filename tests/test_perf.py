@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import io
 import json
 import os
@@ -17,13 +18,14 @@ import pytest
 import torch
 
 import perf.__main__ as perf_main
-from perf import autotune, engine_bench, measure, models, sweep
+from perf import autotune, engine_bench, measure, models, schema, sweep
 from perf.memory import LiveBytes, peak_memory
 from revtriton.ops.dispatch import force_triton, interpreter_enabled
 from perf.stacks import PRESETS, VARIANTS, ReferenceHalf, build_stack, make_halves
 
 REPO = Path(__file__).resolve().parents[1]
 REVERSIBLE = ("revtriton-sequential", "revtriton-pareprop")
+COUPLED = tuple(v for v in VARIANTS if v != "prenorm-stored")  # the same two-stream function
 
 
 @pytest.fixture(autouse=True)
@@ -97,19 +99,25 @@ def test_quick_sweep_rows_have_every_column(quick):
         assert row["step_time_ms"] > 0 and row["peak_mem_bytes"] > 0
         assert row["launches_per_step"] == 0  # the reference path launches no Triton kernel
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["seq_len"] / row["step_time_ms"] * 1e3)
-        if row["variant"] == "vanilla":
+        if row["variant"] == "coupled-stored":
             assert row["time_vs_vanilla"] == 1.0 and row["mem_vs_vanilla"] == 1.0
-        assert (row["speedup_vs_sequential"] is not None) == (row["variant"] in REVERSIBLE)
+        if row["variant"] == "prenorm-stored":
+            assert row["time_vs_prenorm"] == 1.0 and row["mem_vs_prenorm"] == 1.0
+        assert row["time_vs_prenorm"] is not None and row["mem_vs_prenorm"] is not None
+        # On a CPU PaReprop has one stream: no PaReprop-vs-sequential ratio, a note saying why.
+        assert row["speedup_vs_sequential"] is None
+        assert row["speedup_vs_sequential_note"] == ("n/a (CPU: one stream)" if row["variant"] in REVERSIBLE else None)
     # The printed Markdown table has every point and the ratio columns.
     lines = [line for line in quick["stdout"].splitlines() if line.startswith("|")]
-    assert "t/vanilla" in lines[0] and "mem/ckpt" in lines[0] and "peak MiB" in lines[0]
+    assert "t/coupled-stored" in lines[0] and "mem/ckpt" in lines[0] and "peak MiB" in lines[0]
+    assert "t/prenorm" in lines[0] and "min / med / max" in lines[0]
     assert len(lines) == 2 + len(doc["rows"])
 
 
 def test_quick_sweep_revtriton_memory_is_flat_and_below_vanilla(quick):
     doc = quick["doc"]
     for preset in doc["config"]["presets"]:
-        vanilla_12, vanilla_24 = _peak(doc, preset, "vanilla", 12), _peak(doc, preset, "vanilla", 24)
+        vanilla_12, vanilla_24 = _peak(doc, preset, "coupled-stored", 12), _peak(doc, preset, "coupled-stored", 24)
         assert vanilla_24 > 1.6 * vanilla_12, (preset, vanilla_12, vanilla_24)  # stored activations grow
         for variant in REVERSIBLE:
             rev_12, rev_24 = _peak(doc, preset, variant, 12), _peak(doc, preset, variant, 24)
@@ -145,6 +153,7 @@ def test_validate_results_rejects_broken_documents(quick):
         "no device name": lambda d: d["device"].pop("name"),
         "schema version": lambda d: d.update(schema_version=99),
         "plot without series": lambda d: d["plots"]["memory_vs_depth"].pop("series"),
+        "spread out of order": lambda d: d["rows"][0].update(step_time_max_ms=d["rows"][0]["step_time_ms"] / 2),
     }
     for name, breaking in breakages.items():
         doc = copy.deepcopy(good)
@@ -152,6 +161,101 @@ def test_validate_results_rejects_broken_documents(quick):
         with pytest.raises(ValueError, match="schema"):
             sweep.validate_results(doc)
         print("rejected:", name)
+
+
+def test_quick_sweep_records_the_spread_of_step_times(quick):
+    """min / median / max over the timed steps, in the rows and the printed table."""
+    doc = quick["doc"]
+    table = [line for line in quick["stdout"].splitlines() if line.startswith("| ")][1:]
+    for row, line in zip(doc["rows"], table):
+        assert row["step_time_repeats"] == doc["config"]["repeats"]
+        assert 0 < row["step_time_min_ms"] <= row["step_time_ms"] <= row["step_time_max_ms"], row
+        spread = " / ".join(sweep._fmt(row[k], "ms") for k in ("step_time_min_ms", "step_time_ms", "step_time_max_ms"))
+        assert f"| {spread} |" in line
+
+
+def test_cpu_table_labels_the_pareprop_ratio_and_cuda_rows_get_one(quick):
+    """Only two CUDA streams let PaReprop overlap anything: on a CPU the column says so."""
+    lines = [line.split(" | ") for line in quick["stdout"].splitlines() if line.startswith("| ")]
+    column = lines[0].index("PaReprop vs seq")
+    for cells in lines[2:]:
+        want = "n/a (CPU: one stream)" if cells[1] in REVERSIBLE else "-"
+        assert cells[column] == want, cells
+    rows = [dict(r) for r in quick["doc"]["rows"]]
+    sweep.add_ratios(rows, device_type="cuda")  # the same figures as if from a GPU
+    for row in rows:
+        if row["variant"] in REVERSIBLE:
+            (seq,) = [r for r in rows if r["variant"] == "revtriton-sequential" and
+                      all(r[k] == row[k] for k in ("preset", "depth", "batch", "seq_len", "halves"))]
+            assert row["speedup_vs_sequential"] == pytest.approx(seq["step_time_ms"] / row["step_time_ms"])
+        else:
+            assert row["speedup_vs_sequential"] is None
+    assert "n/a" not in sweep.markdown_table(rows).split("\n", 2)[2]
+
+
+def test_old_results_with_vanilla_and_without_new_columns_stay_valid(quick, tmp_path):
+    """Files written before the rename and the spread columns still validate and re-report."""
+    old = copy.deepcopy(quick["doc"])
+    for row in old["rows"]:
+        for name in schema.OPTIONAL_COLUMNS:
+            row.pop(name)
+        if row["variant"] == "coupled-stored":
+            row["variant"] = "vanilla"
+    old["rows"] = [r for r in old["rows"] if r["variant"] != "prenorm-stored"]
+    sweep.validate_results(old)
+    sweep.add_ratios(old["rows"], device_type="cpu")  # vanilla rows are the coupled-stored baseline
+    assert all(r["time_vs_vanilla"] is not None for r in old["rows"])
+    table = sweep.markdown_table(old["rows"])
+    assert "| vanilla |" in table and "n/a (CPU: one stream)" in table
+    text = quick["json"].with_suffix(".csv").read_text().splitlines()
+    with open(tmp_path / "old.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=schema.LEGACY_CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in csv.DictReader(text):
+            writer.writerow({**row, "variant": "vanilla" if row["variant"] == "coupled-stored" else row["variant"]})
+    rows = sweep.validate_csv(tmp_path / "old.csv")
+    assert {r["variant"] for r in rows} >= {"vanilla"} and all(r["step_time_max_ms"] is None for r in rows)
+
+
+def test_vanilla_is_an_alias_of_coupled_stored():
+    cpu = torch.device("cpu")
+    cfg = sweep.config_from_args(sweep.parse_args(["--variants", "vanilla,coupled-stored,prenorm-stored"]), cpu)
+    assert cfg.variants == [["coupled-stored", "reference"], ["prenorm-stored", "reference"]]
+    assert "vanilla" not in VARIANTS and sweep.VARIANT_ALIASES["vanilla"] == "coupled-stored"
+    preset = PRESETS["gpt2"].scaled(dim=32, heads=2, tokens=4)
+    x = torch.randn(2, 4, 32)
+    torch.manual_seed(3)
+    old = build_stack(preset, 2, "vanilla")
+    torch.manual_seed(3)
+    new = build_stack(preset, 2, "coupled-stored")
+    assert type(old) is type(new) and torch.equal(old(x), new(x))
+    assert sweep.variant_available("vanilla", "reference", cpu) and not sweep.variant_available("vanilla", "fused", cpu)
+
+
+@pytest.mark.parametrize("family", list(PRESETS))
+def test_prenorm_stored_is_a_standard_pre_norm_block_with_the_same_parameters(family):
+    """prenorm-stored: x + F(x), then + G(.), one stream, built from the same halves (same seed: the
+    same parameters, in the same order, as the coupled stacks of that width and depth)."""
+    preset = PRESETS[family].scaled(dim=32, heads=4, tokens=6)
+    torch.manual_seed(5)
+    prenorm = build_stack(preset, 3, "prenorm-stored")
+    for variant in COUPLED:
+        torch.manual_seed(5)
+        coupled = build_stack(preset, 3, variant, exact=False)
+        assert sum(p.numel() for p in prenorm.parameters()) == sum(p.numel() for p in coupled.parameters())
+        ours, theirs = list(prenorm.parameters()), list(coupled.parameters())  # in the same order
+        assert len(ours) == len(theirs) and all(torch.equal(p, q) for p, q in zip(ours, theirs)), variant
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    want = x
+    for block in prenorm.blocks:
+        want = want + block.f(want)  # attention half: norm + attention
+        want = want + block.g(want)  # MLP half: norm + MLP
+    out = prenorm(x)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in prenorm.parameters())
+    with pytest.raises(ValueError, match="reference halves"):
+        build_stack(preset, 2, "prenorm-stored", "fused")
 
 
 def test_validate_csv_rejects_bad_files(quick, tmp_path):
@@ -184,7 +288,7 @@ def test_memory_vs_depth_plot_shows_reversible_flat_and_vanilla_growing(quick):
             assert depths == sorted(doc["config"]["depths"]), (preset, variant)
             for depth, peak in points:  # the plotted data is the table's
                 assert peak == _peak(doc, preset, variant, depth)
-        vanilla = [m for _, m in series["vanilla"]]
+        vanilla = [m for _, m in series["coupled-stored"]]
         assert all(b > 1.6 * a for a, b in zip(vanilla, vanilla[1:])), vanilla
         for variant in REVERSIBLE:
             peaks = [m for _, m in series[variant]]
@@ -204,14 +308,14 @@ def test_variants_compute_the_same_function_and_gradients():
     preset = PRESETS["llama"].scaled(dim=32, heads=4, tokens=6)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     results = {}
-    for variant in VARIANTS:
+    for variant in COUPLED:
         torch.manual_seed(7)
         model = build_stack(preset, 3, variant, exact=False).double()
         xi = x.clone().requires_grad_(True)
         out = model(xi)
         out.backward(torch.cos(out.detach()))
         results[variant] = (out.detach(), xi.grad, [p.grad for p in model.parameters()])
-    ref_out, ref_dx, ref_grads = results["vanilla"]
+    ref_out, ref_dx, ref_grads = results["coupled-stored"]
     for variant, (out, dx, grads) in results.items():
         assert torch.allclose(out, ref_out, rtol=1e-10, atol=1e-12), variant
         assert torch.allclose(dx, ref_dx, rtol=1e-10, atol=1e-12), variant
@@ -281,7 +385,7 @@ def test_max_batch_on_cpu_with_a_budget(tmp_path):
     sweep.validate_results(doc)
     by_variant = {r["variant"]: r for r in doc["rows"]}
     assert all(r["mem_budget_bytes"] == 3 * 2**20 for r in by_variant.values())
-    vanilla, rev = by_variant["vanilla"]["max_batch"], by_variant["revtriton-sequential"]["max_batch"]
+    vanilla, rev = by_variant["coupled-stored"]["max_batch"], by_variant["revtriton-sequential"]["max_batch"]
     assert vanilla >= 1 and rev > 2 * vanilla, (vanilla, rev)  # activations at depth 8 vs one block's
 
 
@@ -329,7 +433,7 @@ def test_sweep_under_torchrun_records_every_rank(tmp_path):
     sweep.validate_results(doc)
     assert doc["world_size"] == 2
     assert sorted((r["rank"], r["variant"]) for r in doc["rows"]) == [
-        (0, "revtriton-sequential"), (0, "vanilla"), (1, "revtriton-sequential"), (1, "vanilla")]
+        (0, "coupled-stored"), (0, "revtriton-sequential"), (1, "coupled-stored"), (1, "revtriton-sequential")]
     assert all(r["status"] == "ok" and r["peak_mem_bytes"] > 0 for r in doc["rows"])
     assert "per-rank extremes" in proc.stdout
 
@@ -405,7 +509,7 @@ def test_failing_points_are_recorded_and_fail_the_run(tmp_path, monkeypatch, cap
     doc = json.loads(path.read_text())
     sweep.validate_results(doc)
     status = {r["variant"]: (r["status"], r["error"]) for r in doc["rows"]}
-    assert status["vanilla"] == ("ok", None) and status["revtriton-sequential"] == ("ok", None)
+    assert status["coupled-stored"] == ("ok", None) and status["revtriton-sequential"] == ("ok", None)
     assert status["checkpoint"][0] == "oom" and "simulated" in status["checkpoint"][1]
     assert status["revtriton-pareprop"] == ("error", "RuntimeError: kernel exploded (simulated)")
     assert "kernel exploded" in capsys.readouterr().err
@@ -480,7 +584,7 @@ def test_live_bytes_agrees_with_the_profiler_on_a_training_step():
         ours, theirs = peak_memory(step), profiler_peak(step)
         # below by what ops allocate and free inside themselves (perf.memory's docstring)
         assert 0.95 * theirs <= ours <= theirs, (variant, ours, theirs)
-        if variant == "vanilla":  # the peak at the end of forward: every byte seen
+        if variant == "coupled-stored":  # the peak at the end of forward: every byte seen
             assert ours == theirs
 
 
@@ -511,7 +615,7 @@ def test_user_model_sweep_runs_exactly_the_requested_points(tmp_path, capfd):
     assert all(line.startswith("perf.sweep: ") for line in err), err  # no profiler lines
     beats = [line for line in err if line.startswith("perf.sweep: [")]
     assert len(beats) == len(doc["rows"]) and beats[-1].startswith(f"perf.sweep: [{len(doc['rows'])}/")
-    assert "custom revtriton-pareprop depth 4 batch 2 seq 32: ok" in beats[-1]
+    assert f"custom {VARIANTS[-1]} depth 4 batch 2 seq 32: ok" in beats[-1]
 
 
 def test_explicit_axes_run_exactly_their_product():
@@ -611,7 +715,7 @@ def test_hugging_face_configs_offline(tmp_path, monkeypatch, capfd):
     doc = json.loads(path.read_text())
     sweep.validate_results(doc)
     assert sorted((r["depth"], r["batch"], r["variant"]) for r in doc["rows"]) == sorted(
-        (2, b, v) for b in (1, 2) for v in ("vanilla", "revtriton-sequential"))
+        (2, b, v) for b in (1, 2) for v in ("coupled-stored", "revtriton-sequential"))
     assert {(r["preset"], r["dim"], r["heads"], r["kv_heads"], r["hidden"], r["seq_len"]) for r in doc["rows"]} == {
         ("hf:tiny-llama", 64, 4, 2, 160, 32)}
     assert doc["config"]["models"]["hf:tiny-llama"]["kv_heads"] == 2
@@ -682,4 +786,5 @@ def test_built_wheel_runs_the_sweep_outside_the_checkout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (path,) = (elsewhere / "perf-results").glob("*.json")  # the default folder outside a checkout
     doc = json.loads(path.read_text())
-    assert [(r["variant"], r["status"]) for r in doc["rows"]] == [("vanilla", "ok"), ("revtriton-sequential", "ok")]
+    assert [(r["variant"], r["status"]) for r in doc["rows"]] == [("coupled-stored", "ok"),
+                                                                  ("revtriton-sequential", "ok")]
