@@ -224,6 +224,20 @@ def head_tiles(base, batch, seq_len, heads, stride_b, stride_t, stride_h, HEAD_D
 
 
 @triton.jit
+def load_head_rows(desc, base, b, head, start, stride_t, rows, row_ok, columns, column_ok, MASKED: tl.constexpr,
+                   EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Rows start .. start + ROWS of one head as a [ROWS, HEAD_PAD] tile: by TMA (``desc``, see
+    :func:`head_tiles`: rows past the end and lanes past the head arrive as zeros), or by pointer
+    loads from ``base`` (the head's first row; masked as :func:`load_tile` is asked)."""
+    if USE_TMA:
+        tile = tl.reshape(desc.load([b.to(tl.int32), start, head.to(tl.int32), 0]), (ROWS, HEAD_PAD))
+    else:
+        tile = load_tile(base + start.to(tl.int64) * stride_t, rows, stride_t, columns, row_ok, column_ok, MASKED,
+                         EVEN_D)
+    return tile
+
+
+@triton.jit
 def rope_rotate(x, cos, sin, ROWS: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
     """Rotate-half RoPE of x [ROWS, HEADS * 2 * HALF] (fp32; each head's halves HALF lanes apart)
     with cos / sin [ROWS, HALF] shared by the heads; pass -sin to undo it.
@@ -260,11 +274,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if USE_TMA:  # out-of-range rows and lanes arrive as zeros
-            k = tl.reshape(k_desc.load([b, start_n, kvh, 0]), (BLOCK_N, HEAD_PAD))
-        else:
-            k = load_tile(k_base + start_n.to(tl.int64) * stride_kt, offs_n, stride_kt, lanes, cols < seq_len,
-                          lane_ok, MASKED, EVEN_D)
+        k = load_head_rows(k_desc, k_base, b, kvh, start_n, stride_kt, offs_n, cols < seq_len, lanes, lane_ok, MASKED,
+                           EVEN_D, USE_TMA, BLOCK_N, HEAD_PAD)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             valid = cols[None, :] < seq_len
@@ -277,11 +288,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = tl.reshape(v_desc.load([b, start_n, kvh, 0]), (BLOCK_N, HEAD_PAD))
-        else:
-            v = load_tile(v_base + start_n.to(tl.int64) * stride_vt, offs_n, stride_vt, lanes, cols < seq_len,
-                          lane_ok, MASKED, EVEN_D)
+        v = load_head_rows(v_desc, v_base, b, kvh, start_n, stride_vt, offs_n, cols < seq_len, lanes, lane_ok, MASKED,
+                           EVEN_D, USE_TMA, BLOCK_N, HEAD_PAD)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -368,14 +376,10 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
         start_m = tl.multiple_of(start_m, BLOCK_STREAM)
         offs_m = start_m + offs_s
         row_ok = offs_m < seq_len
-        if USE_TMA:  # (power-of-two head dims: the tile is the head, in column order)
-            q = tl.reshape(q_desc.load([b.to(tl.int32), start_m, h.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
-            do = tl.reshape(do_desc.load([b.to(tl.int32), start_m, h.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
-        else:
-            q = load_tile(q_base + start_m.to(tl.int64) * stride_qt, offs_s, stride_qt, columns, row_ok, column_ok,
-                          MASKED, EVEN_D)
-            do = load_tile(do_base + start_m.to(tl.int64) * stride_dot, offs_s, stride_dot, columns, row_ok,
-                           column_ok, MASKED, EVEN_D)
+        q = load_head_rows(q_desc, q_base, b, h, start_m, stride_qt, offs_s, row_ok, columns, column_ok, MASKED,
+                           EVEN_D, USE_TMA, BLOCK_STREAM, HEAD_PAD)
+        do = load_head_rows(do_desc, do_base, b, h, start_m, stride_dot, offs_s, row_ok, columns, column_ok, MASKED,
+                            EVEN_D, USE_TMA, BLOCK_STREAM, HEAD_PAD)
         if MASKED:
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
@@ -405,14 +409,10 @@ def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, str
         start_n = tl.multiple_of(start_n, BLOCK_STREAM)
         offs_n = start_n + offs_s
         col_ok = offs_n < seq_len
-        if USE_TMA:  # (power-of-two head dims: the tile is the head, in column order)
-            k = tl.reshape(k_desc.load([b.to(tl.int32), start_n, kvh.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
-            v = tl.reshape(v_desc.load([b.to(tl.int32), start_n, kvh.to(tl.int32), 0]), (BLOCK_STREAM, HEAD_PAD))
-        else:
-            k = load_tile(k_base + start_n.to(tl.int64) * stride_kt, offs_s, stride_kt, columns, col_ok, column_ok,
-                          MASKED, EVEN_D)
-            v = load_tile(v_base + start_n.to(tl.int64) * stride_vt, offs_s, stride_vt, columns, col_ok, column_ok,
-                          MASKED, EVEN_D)
+        k = load_head_rows(k_desc, k_base, b, kvh, start_n, stride_kt, offs_s, col_ok, columns, column_ok, MASKED,
+                           EVEN_D, USE_TMA, BLOCK_STREAM, HEAD_PAD)
+        v = load_head_rows(v_desc, v_base, b, kvh, start_n, stride_vt, offs_s, col_ok, columns, column_ok, MASKED,
+                           EVEN_D, USE_TMA, BLOCK_STREAM, HEAD_PAD)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:

@@ -15,16 +15,11 @@ from revtriton import ReversibleBlock, ReversibleStack
 from revtriton.models import to_stored_activations
 from revtriton.ops.streams import from_fixed, to_fixed
 from test_engine import WidenTokens, loss_of
-from twins import max_rel_error, mlp
+from revtriton.schedules import SCHEDULES
+from twins import MODES, max_rel_error, mlp
 
 DIM = 8
-MODES = [pytest.param(True, id="exact"), pytest.param(False, id="float")]
-SCHEDULES = ["sequential", "pareprop"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(seeded):
-    return seeded
+pytestmark = pytest.mark.usefixtures("seeded")  # fresh random inputs in every test (conftest)
 
 
 class AdaLN(nn.Module):

@@ -13,16 +13,11 @@ from torch import nn
 from revtriton import ReversibleBlock, ReversibleStack
 from revtriton.models import to_stored_activations
 from test_engine import Noisy, WidenTokens, loss_of
-from twins import CountingHalf, DropPath, grads_of, max_rel_error, mlp
+from revtriton.schedules import SCHEDULES
+from twins import MODES, CountingHalf, DropPath, grads_of, max_rel_error, mlp
 
 DIM = 8
-MODES = [pytest.param(True, id="exact"), pytest.param(False, id="float")]
-SCHEDULES = ["sequential", "pareprop"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_seed(seeded):
-    return seeded
+pytestmark = pytest.mark.usefixtures("seeded")  # fresh random inputs in every test (conftest)
 
 
 def blocks(depth, dim=DIM, dropout=0.0, drop_path=0.0):

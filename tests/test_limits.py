@@ -33,12 +33,51 @@ def _record_attention(batch, tokens, heads, kv_heads, head_dim, causal=True):
 def test_llama3_batch_past_int32_offsets_launches():
     # LLaMA-3-8B: 32 query heads, 8 KV heads, head dim 128, 8192 tokens: the packed qkv is 6144
     # wide, 50.3M elements a sequence; from batch 43 on it spans more than 2^31 elements, which the
-    # int32 offsets of the earlier kernels could not address (they refused it). 64-bit bases now.
+    # earlier launchers refused (int32 offsets). Now they launch (the arithmetic: the next test).
     launches = _record_attention(43, 8192, 32, 8, 128)
     assert [launch.kernel_name for launch in launches] == [
         "attention_fwd_kernel", "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel"]
-    q = launches[0].args[0]
-    assert q.storage_offset() + sum((n - 1) * s for n, s in zip(q.shape, q.stride())) > 2 ** 31
+
+
+# Three sequences whose batch stride fits int32 but whose third starts past 2^31 elements: only
+# 64-bit batch offsets reach it (int32 ones wrap to a wrong address, or crash). The storage is
+# virtual (torch.empty of ~6 GB fp16; only the touched pages are committed), so it runs anywhere;
+# a subprocess turns a crash into a failure.
+_PAST_INT32 = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from revtriton.ops import fused_attention as fa
+torch.manual_seed(0)
+T, H, KV, D = 24, 2, 1, 16
+row = (H + 2 * KV) * D
+stride = (2 ** 30 // row + 1) * row  # < 2^31; sequence 2 starts at 2 * stride > 2^31
+storage = torch.empty(2 * stride + T * row, dtype=torch.float16)
+packed = storage.as_strided((3, T, H + 2 * KV, D), (stride, row, D, 1))
+src = torch.randn(3, T, H + 2 * KV, D, dtype=torch.float16)
+packed.copy_(src)
+assert packed[2].storage_offset() > 2 ** 31
+split = lambda t: (t[:, :, :H], t[:, :, H:H + KV], t[:, :, H + KV:])
+q, k, v = split(packed)
+o, lse = fa.attention_fwd(q, k, v, causal=True)
+do = torch.randn_like(o)
+tables = fa.rope_tables(T, D, 100.0, q.device)
+grads = fa.attention_bwd(q, k, v, o, lse, do, causal=True, rope=tables)
+rq, rk, rv = (t.float() for t in split(src))
+ref_o, _ = fa.attention_fwd_reference(rq, rk, rv, causal=True)
+ref = fa.attention_bwd_reference(rq, rk, rv, do.float(), causal=True, rope=tables)
+errors = [(o.float() - ref_o).abs().max().item()] + [(g.float() - r).abs().max().item() for g, r in zip(grads, ref)]
+print(errors)
+sys.exit(0 if max(errors) < 2e-2 else 1)
+"""
+
+
+def test_sequences_past_2_31_elements_are_read_and_written_at_the_right_place():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PAST_INT32], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
 
 
 def test_huge_batch_fits_the_grid_x_dimension():

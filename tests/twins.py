@@ -1,8 +1,12 @@
 """Oracles: the same coupling architecture run with plain stored-activation autograd."""
+import pytest
 import torch
 from torch import nn
 
 from revtriton.models.common import stored_exact_streams, stored_float_streams
+
+# Both stream modes as test parameters: exact (int32 fixed point) and float.
+MODES = [pytest.param(True, id="exact"), pytest.param(False, id="float")]
 
 
 def mlp(dim, hidden=None, dropout=0.0):
