@@ -35,16 +35,17 @@ def _source_tree_kernels() -> None:
 
 _source_tree_kernels()
 
-from .convert import revify  # noqa: E402
-from .engine import ReversibleBlock, ReversibleStack  # noqa: E402
+from .convert import PRESERVE_MODES, revify, train_adapters_only  # noqa: E402
+from .engine import Coupling, ReversibleBlock, ReversibleStack  # noqa: E402
 from .halves import (  # noqa: E402
-    CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
+    Adapter, CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
 from .models import (  # noqa: E402
     GPTConfig, RevGPT, RevMViT, RevViT, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible, to_stored_activations)
 from .schedules import ScheduleTrace  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["revify", "ReversibleBlock", "ReversibleStack", "CouplingHalf", "GenericHalf", "LayerNormAttention",
+__all__ = ["revify", "train_adapters_only", "PRESERVE_MODES", "Coupling", "ReversibleBlock", "ReversibleStack",
+           "Adapter", "CouplingHalf", "GenericHalf", "LayerNormAttention",
            "LayerNormMLP", "RMSNormAttention", "RMSNormSwiGLU", "as_half", "GPTConfig", "RevGPT", "RevMViT", "RevViT",
            "rev_gpt", "rev_llama", "rev_mvit", "rev_vit", "to_reversible", "to_stored_activations", "ScheduleTrace"]

@@ -16,40 +16,72 @@ How it works:
 * For Hugging Face models the base model's forward is replaced by one that runs embeddings ->
   stack -> final norm; the LM head and its loss (``labels=...``) are the library's own.
 
-The function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two streams
-(both start as the block input; the output is their mean) instead of ``x + F(x) + G(x + F(x))``.
-Pretrained weights are a starting point: fine-tune after converting.
+By default the function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two
+streams (both start as the block input; the output is their mean) instead of
+``x + F(x) + G(x + F(x))``, and pretrained weights are only a starting point. ``preserve=`` keeps
+the trained function instead (MEFT, Liao, Tan and Monz, NeurIPS 2023): scaled couplings with the
+pretrained layer as one half and a zero-initialised adapter as the other, where the layer's input
+reaches it unchanged up to a term of ``2**-scale_bits`` (see :data:`PRESERVE_MODES`).
 """
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .engine import ReversibleStack, block_phase
+from .engine import Coupling, ReversibleStack, block_phase
+from .halves.adapter import Adapter
 from .ops.attention import multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
-from .ops.streams import couple_output
+from .ops.streams import MAX_SCALE_SHIFT, couple_output
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
              "transformers LlamaForCausalLM", "transformers LlamaModel")
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
-           schedule: str = "sequential") -> nn.Module:
+           schedule: str = "sequential", preserve: str | None = None, scale_bits: int = 6,
+           adapter_size: int = 64, ordinary_top: int = 0) -> nn.Module:
     """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
 
-    The keyword arguments are :class:`~revtriton.engine.ReversibleStack` options.
+    ``exact``, ``frac_bits``, ``anchor_every`` and ``schedule`` are
+    :class:`~revtriton.engine.ReversibleStack` options.
+
+    Args:
+        preserve: None (the two-stream coupling of the block's halves: the function changes) or a
+            function-preserving conversion, ``"meft1"``, ``"meft2"`` or ``"meft3"`` (see
+            :data:`PRESERVE_MODES`): right after conversion the model computes what it did, up to
+            the ``2**-scale_bits`` term, and zero-initialised adapters (``adapter_size`` hidden
+            units, submodules ``revtriton_adapters`` of each block) are the new trainable part.
+        scale_bits: the coupling scale is ``2**-scale_bits``. Larger keeps the function closer;
+            exact streams keep ``scale_bits`` bits per element of each scaled stream per block
+            for the inverse, float streams amplify their inverse's rounding by ``2**scale_bits``
+            per block (use ``anchor_every``, and float64 or exact streams).
+        ordinary_top: the top K blocks stay ordinary (stored-activation) blocks, run after the
+            reversible ones on the stream that carries the function.
+
+    Train everything, or only the adapters with :func:`train_adapters_only` (PEFT-style); LoRA
+    (PEFT) on the pretrained projections works after revify.
     Raises TypeError for an unsupported architecture and NotImplementedError for a supported
     one using a feature the reversible blocks do not reproduce (the message names it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"revify takes an nn.Module, got {type(model).__name__}")
+    if preserve is not None and preserve not in PRESERVE_MODES:
+        raise ValueError(f"preserve must be None or one of {tuple(PRESERVE_MODES)}, got {preserve!r}")
+    for name, value, low in (("scale_bits", scale_bits, 1), ("adapter_size", adapter_size, 1),
+                             ("ordinary_top", ordinary_top, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if scale_bits > MAX_SCALE_SHIFT:
+        raise ValueError(f"scale_bits must be <= {MAX_SCALE_SHIFT}, got {scale_bits}")
     options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
+    conversion = _Conversion(options, preserve, scale_bits, adapter_size, ordinary_top)
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
         if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(model).__mro__):
-            convert(model, options)
+            convert(model, conversion)
             return model
     cls = type(model)
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
@@ -65,8 +97,16 @@ class _RevifiedBlock:
     _half_classes: tuple = ()
 
     def coupling_halves(self):
-        f_cls, g_cls = self._half_classes
-        return f_cls(self), g_cls(self)
+        attention, mlp = (cls(self) for cls in self._half_classes)
+        mode = getattr(self, "_revtriton_preserve", None)
+        if mode is None:
+            return attention, mlp
+        adapters = self.revtriton_adapters
+        if mode == "meft1":
+            return _WholeLayer(attention, mlp), adapters["g"]
+        if mode == "meft2":
+            return adapters["f"], _WholeLayer(attention, mlp)
+        return _SublayerWithAdapter(attention, adapters["f"]), _SublayerWithAdapter(mlp, adapters["g"])
 
     def reversible_phase(self, work, *tensors):
         """One use of the halves by the stack as one hookable call (FSDP2), as ReversibleBlock."""
@@ -77,6 +117,133 @@ class _RevifiedBlock:
             f"{type(self).__name__} is a block of a ReversibleStack made by revtriton.revify and runs only inside "
             f"the stack; per-block calls (attention masks, is_causal, gradient checkpointing) are not supported"
         )
+
+
+class _OrdinaryBlock:
+    """Mixin of one of the top blocks that ``ordinary_top`` leaves ordinary: the pretrained layer,
+    ``x + A(x)`` then ``+ M(...)``, a stage transition of the stack (stored activations)."""
+
+    _half_classes: tuple = ()
+    _class_prefix = "RevifiedOrdinary"
+
+    def forward(self, x):
+        attention, mlp = (cls(self) for cls in self._half_classes)
+        return _WholeLayer(attention, mlp)(x)
+
+
+# -- function-preserving conversion (MEFT) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreserveMode:
+    """A function-preserving conversion: which halves, which streams are scaled, swap, readout."""
+
+    halves: str  # "layer, adapter" (F, G)
+    scaled: tuple  # (scale1 scaled, scale2 scaled)
+    swap: bool
+    readout: str  # the stream that carries the pretrained function
+    adapters: tuple  # adapter slots: "f" (F's), "g" (G's)
+
+
+#: With ``L(x) = x + A(x) + M(x + A(x))`` the pretrained layer, ``A`` / ``M`` its attention and MLP
+#: branches, ``Ad`` a zero-initialised adapter and ``s = 2**-scale_bits``; both streams start as h0.
+#:
+#: * ``"meft1"``: ``y1 = s*x1 + L(x2)``, ``y2 = x2 + Ad(y1)``, outputs swapped. Layer i's input is
+#:   ``h_i`` plus ``s`` times the one before; the output is the second stream. Scales one stream.
+#: * ``"meft2"``: ``y1 = x1 + Ad(x2)``, ``y2 = s*x2 + L(y1)``, outputs swapped; reads the first stream.
+#: * ``"meft3"``: ``y1 = s*x1 + x2 + A(x2) + Ad_A(x2)``, ``y2 = s*x2 + y1 + M(y1) + Ad_M(y1)``
+#:   (attention and MLP sublayers as the halves, an adapter beside each); reads the second stream.
+#:   Scales both streams (twice the kept bits of meft1 / meft2 in exact mode).
+PRESERVE_MODES = {
+    "meft1": PreserveMode("layer, adapter", (True, False), True, "second", ("g",)),
+    "meft2": PreserveMode("adapter, layer", (False, True), True, "first", ("f",)),
+    "meft3": PreserveMode("attention+adapter, mlp+adapter", (True, True), False, "second", ("f", "g")),
+}
+
+
+@dataclass(frozen=True)
+class _Conversion:
+    options: dict
+    preserve: str | None
+    scale_bits: int
+    adapter_size: int
+    ordinary_top: int
+
+    def coupling(self) -> Coupling | None:
+        if self.preserve is None:
+            return None
+        mode, scale = PRESERVE_MODES[self.preserve], 2.0**-self.scale_bits
+        return Coupling(scale if mode.scaled[0] else 1.0, scale if mode.scaled[1] else 1.0, mode.swap)
+
+    def stack_options(self) -> dict:
+        readout = "mean" if self.preserve is None else PRESERVE_MODES[self.preserve].readout
+        return dict(self.options, readout=readout)
+
+
+class _WholeLayer:
+    """The pretrained layer as one half: ``L(x) = mid + M(mid)``, ``mid = x + A(x)`` (torch epilogue)."""
+
+    def __init__(self, attention, mlp):
+        self.attention, self.mlp = attention, mlp
+
+    def __call__(self, x):
+        mid = x + self.attention(x)
+        return mid + self.mlp(mid)
+
+    def couple(self, res, x, sign, frac_bits=None, scale=None):
+        return couple_output(res, self(x), sign, frac_bits, scale)
+
+
+class _SublayerWithAdapter(_WholeLayer):
+    """A sublayer with its skip and an adapter beside it as one half: ``x + A(x) + Ad(x)``."""
+
+    def __init__(self, branch, adapter):
+        self.branch, self.adapter = branch, adapter
+
+    def __call__(self, x):
+        return x + self.branch(x) + self.adapter(x)
+
+
+def _add_adapters(block: nn.Module, dim: int, conversion: _Conversion):
+    """Register the preserve mode's zero-initialised adapters on a block, on its device and dtype."""
+    reference = next(p for p in block.parameters() if p.is_floating_point())
+    slots = PRESERVE_MODES[conversion.preserve].adapters
+    block.revtriton_adapters = nn.ModuleDict(
+        {slot: Adapter(dim, conversion.adapter_size).to(device=reference.device, dtype=reference.dtype)
+         for slot in slots})
+
+
+def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins, base):
+    """Swap each block's class (reversible, or ordinary for the top ``ordinary_top``), add the preserve
+    mode's adapters and couplings, and replace the block list by a ReversibleStack."""
+    blocks = getattr(owner, attribute)
+    if isinstance(blocks, ReversibleStack):
+        raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
+    if conversion.ordinary_top >= len(blocks):
+        raise ValueError(f"ordinary_top={conversion.ordinary_top} leaves no reversible block of {len(blocks)}")
+    reversible, ordinary = mixins
+    first_ordinary = len(blocks) - conversion.ordinary_top
+    coupling = conversion.coupling()
+    for i, block in enumerate(blocks):
+        if i >= first_ordinary:
+            _swap_class(block, ordinary, *base)
+            continue
+        _swap_class(block, reversible, *base)
+        if coupling is not None:
+            block._revtriton_preserve = conversion.preserve
+            block.coupling = coupling
+            _add_adapters(block, dim, conversion)
+    setattr(owner, attribute, ReversibleStack(list(blocks), **conversion.stack_options()))
+
+
+def train_adapters_only(model: nn.Module) -> nn.Module:
+    """Freeze everything but the adapters a preserving ``revify`` added (PEFT-style fine-tuning)."""
+    names = [name for name, _ in model.named_parameters() if ".revtriton_adapters." in f".{name}"]
+    if not names:
+        raise ValueError("the model has no revtriton adapters: convert it with revify(model, preserve=...) first")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".revtriton_adapters." in f".{name}")
+    return model
 
 
 _BLOCK_BASES = {}  # swapped class name -> (module, class name, mixin), for unpickling in a fresh process
@@ -99,7 +266,7 @@ def _swap_class(module: nn.Module, mixin: type, base_module: str, base_name: str
     cls = type(module)
     if issubclass(cls, mixin):
         return
-    name = f"Revified{cls.__name__}"
+    name = f"{getattr(mixin, '_class_prefix', 'Revified')}{cls.__name__}"
     if (cls, mixin) not in _swapped:
         new_cls = _swapped_class(name, mixin, cls)
         _swapped[(cls, mixin)] = new_cls
@@ -118,13 +285,6 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
         globals()[name] = _swapped[key]
         return _swapped[key]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _replace_block_list(owner: nn.Module, attribute: str, options: dict):
-    blocks = getattr(owner, attribute)
-    if isinstance(blocks, ReversibleStack):
-        raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
-    setattr(owner, attribute, ReversibleStack(list(blocks), **options))
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,6 +434,10 @@ class _TimmBlock(_RevifiedBlock):
     _half_classes = (_TimmAttentionHalf, _TimmMlpHalf)
 
 
+class _TimmOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _TimmBlock._half_classes
+
+
 def _check_timm_block(i, block):
     from timm.layers import Mlp
     from timm.models.vision_transformer import Attention, Block
@@ -297,13 +461,12 @@ def _check_timm_block(i, block):
         raise NotImplementedError(f"{where}: MLP activation {type(m.act).__name__} not supported (GELU, ReLU)")
 
 
-def _convert_timm_vit(model, options):
+def _convert_timm_vit(model, conversion):
     for i, block in enumerate(model.blocks):
         _check_timm_block(i, block)
-    for block in model.blocks:
-        _swap_class(block, _TimmBlock, "timm.models.vision_transformer", "Block")
     model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
-    _replace_block_list(model, "blocks", options)
+    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
+                    ("timm.models.vision_transformer", "Block"))
 
 
 # -- Hugging Face GPT-2 ----------------------------------------------------------------------
@@ -358,7 +521,11 @@ class _GPT2Block(_RevifiedBlock):
     _half_classes = (_GPT2AttentionHalf, _GPT2MlpHalf)
 
 
-def _convert_gpt2(model, options):
+class _GPT2OrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _GPT2Block._half_classes
+
+
+def _convert_gpt2(model, conversion):
     from transformers.pytorch_utils import Conv1D
 
     _PLAIN_PROJECTIONS.add(Conv1D)
@@ -376,8 +543,8 @@ def _convert_gpt2(model, options):
         raise NotImplementedError(f"revify: {type(model).__name__} with {', '.join(bad)} is not supported")
     for block in base.h:
         block._revtriton_activation = activation
-        _swap_class(block, _GPT2Block, "transformers.models.gpt2.modeling_gpt2", "GPT2Block")
-    _replace_block_list(base, "h", options)
+    _convert_blocks(base, "h", config.hidden_size, conversion, (_GPT2Block, _GPT2OrdinaryBlock),
+                    ("transformers.models.gpt2.modeling_gpt2", "GPT2Block"))
     _swap_class(base, _RevifiedGPT2Model, "transformers.models.gpt2.modeling_gpt2", "GPT2Model")
     _disable_cache(model)
 
@@ -434,6 +601,10 @@ class _LlamaBlock(_RevifiedBlock):
     _half_classes = (_LlamaAttentionHalf, _LlamaMlpHalf)
 
 
+class _LlamaOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _LlamaBlock._half_classes
+
+
 def _rope_theta(config):
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
@@ -446,7 +617,7 @@ def _rope_theta(config):
     return float(theta)
 
 
-def _convert_llama(model, options):
+def _convert_llama(model, conversion):
     base = model.model if hasattr(model, "model") else model
     config = base.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
@@ -471,8 +642,8 @@ def _convert_llama(model, options):
             raise NotImplementedError("revify: RoPE with attention scaling is not supported")
     for block in base.layers:
         block._revtriton_attention = spec
-        _swap_class(block, _LlamaBlock, "transformers.models.llama.modeling_llama", "LlamaDecoderLayer")
-    _replace_block_list(base, "layers", options)
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_LlamaBlock, _LlamaOrdinaryBlock),
+                    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"))
     _swap_class(base, _RevifiedLlamaModel, "transformers.models.llama.modeling_llama", "LlamaModel")
     _disable_cache(model)
 
@@ -610,6 +781,10 @@ _BLOCK_BASES.update({
     "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
     "RevifiedGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2Block),
     "RevifiedLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", _LlamaBlock),
+    "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
+    "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
+    "RevifiedOrdinaryLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer",
+                                          _LlamaOrdinaryBlock),
     "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
     "RevifiedLlamaModel": ("transformers.models.llama.modeling_llama", "LlamaModel", _RevifiedLlamaModel),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _NoCacheGeneration),

@@ -5,6 +5,9 @@ A block keeps two residual streams::
     forward   y1 = x1 + F(x2)        y2 = x2 + G(y1)
     inverse   x2 = y2 - G(y1)        x1 = y1 - F(x2)
 
+or a scaled coupling (``Coupling``: ``y1 = a * x1 + F(x2)``, ``y2 = b * x2 + G(y1)``, optionally
+swapped), which keeps a pretrained layer's function when it becomes a half (revify's ``preserve``).
+
 The forward runs without grad and keeps only each reversible segment's final streams; the
 backward rebuilds every block's input from its output and gets the gradients from the same
 recompute (each half's forward runs exactly once per block in backward). The engine talks to
@@ -29,14 +32,14 @@ from .fsdp import PHASE_METHOD, PhaseResult, block_phase, hook_phase_for_fsdp, r
 from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat,
                      out_of_range)
 from .hooks import BlockHooks
-from .protocol import ReversibleBlock, is_invertible_layer, is_reversible_block
+from .protocol import Coupling, ReversibleBlock, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
 from .replay import AutocastState, RngTape
 from .segment import DOUBLE_BACKWARD_MESSAGE, ReversibleSegmentFunction, SegmentRun
 from .stack import ReversibleStack
 from .state import StateWatch
 
-__all__ = ["PHASE_METHOD", "AutocastState", "BackwardChecks", "BlockHooks", "CAPTURED_TENSOR_HINT",
+__all__ = ["PHASE_METHOD", "AutocastState", "BackwardChecks", "BlockHooks", "CAPTURED_TENSOR_HINT", "Coupling",
            "DOUBLE_BACKWARD_MESSAGE", "FIND_UNUSED_HINT", "ForwardGuards", "PhaseResult", "ReversibleBlock",
            "ReversibleSegmentFunction", "ReversibleStack", "RngTape", "SegmentRun", "StateWatch", "StreamFormat",
-           "block_phase", "hook_phase_for_fsdp", "is_invertible_layer", "is_reversible_block", "out_of_range",
+           "block_phase", "coupled_forward", "coupling_of", "hook_phase_for_fsdp", "is_invertible_layer", "is_reversible_block", "out_of_range",
            "run_block_phase"]

@@ -15,7 +15,7 @@ from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
 from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat, _checksum,
                      captured_tensor_message, out_of_range, reaches_foreign_leaf)
 from .hooks import BlockHooks
-from .protocol import is_reversible_block
+from .protocol import coupling_of, is_reversible_block, residual_scale
 from .replay import AutocastState, RngTape
 from .state import (StateWatch, _buffer_versions, _check_input_untouched, _scratch_buffers, _updated_buffers,
                     _version_of)
@@ -58,6 +58,7 @@ class SegmentRun:
     guards: ForwardGuards | None = None
     rng: RngTape | None = None
     rng_states: list = field(default_factory=list)  # per layer: (state_F, state_G) or None
+    low_bits: list = field(default_factory=list)  # per layer: the bits exact scaled couplings dropped, or None
     autocast: AutocastState | None = None
     dispatch: tuple | None = None  # where ops ran in forward (ops.dispatch.capture_state), replayed in backward
     anchor_layers: list = field(default_factory=list)
@@ -106,25 +107,34 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 hook_args = (values.value(s1), values.value(s2))
                 hooks.forward_pre(hook_args, index)
 
-            def forward_phase(f, g, s1=s1, s2=s2, index=index):
+            coupling = coupling_of(layer)
+
+            def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling):
                 values = run.fmt.for_block(f)
+                scale1, scale2 = residual_scale(coupling.scale1), residual_scale(coupling.scale2)
+                # Exact scaled couplings drop the low bits of the scaled stream: kept for the inverse.
+                keep_bits = record and fmt.exact
+                low1 = scale1.dropped_bits(s1) if keep_bits and scale1 is not None else None
+                low2 = scale2.dropped_bits(s2) if keep_bits and scale2 is not None else None
                 state_f = run.rng.record() if record else None
                 x = values.value(s2)
                 version = _version_of(x)
-                y1, port_f = couple_half(f, s1, x, +1, k, cond)
+                y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
                 _check_input_untouched(x, version, "F", index)
                 state_g = run.rng.record() if record else None
                 x = values.value(y1)
                 version = _version_of(x)
-                y2, port_g = couple_half(g, s2, x, +1, k, cond)
+                y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
                 _check_input_untouched(x, version, "G", index)
                 if check_captured:
                     for half, port in (("F", port_f), ("G", port_g)):
                         if port is not None:
                             raise RuntimeError(captured_tensor_message(f"the {half} half of layer {index}"))
-                return (PhaseResult((y1, y2, state_f, state_g)),)
+                if coupling.swap:
+                    y1, y2 = y2, y1
+                return (PhaseResult((y1, y2, state_f, state_g, (low1, low2))),)
 
-            y1, y2, state_f, state_g = run_block_phase(layer, forward_phase)
+            y1, y2, state_f, state_g, low_bits = run_block_phase(layer, forward_phase)
             if hooks is not None and hooks.has_forward:
                 hooks.forward_post(hook_args, (values.value(y1), values.value(y2)), index)
             if fmt.exact and run.guards is not None:
@@ -132,10 +142,12 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 run.guards.add(("overflow", index, "G"), out_of_range(y2))
             if record:
                 run.rng_states.append((state_f, state_g))
+                run.low_bits.append(low_bits)
             s1, s2 = y1, y2
         else:
             if record:
                 run.rng_states.append(None)
+                run.low_bits.append(None)
             s1, s2 = layer(s1, s2)
             if check_captured and (s1.requires_grad or s2.requires_grad):
                 raise RuntimeError(captured_tensor_message(f"layer {index}"))
@@ -239,15 +251,20 @@ class _SegmentBackward:
         scratch = _scratch_buffers(run.updated_buffers.get(i, ()))
         if is_reversible_block(layer):
             state_f, state_g = run.rng_states[i]
+            coupling = coupling_of(layer)
+            if coupling.swap:
+                y1, y2 = y2, y1
+            low1, low2 = run.low_bits[i] if run.low_bits else (None, None)
+            scale1, scale2 = residual_scale(coupling.scale1, low1), residual_scale(coupling.scale2, low2)
 
             def rebuild_phase(f, g, token):
                 with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
                     run.rng.set(state_g)
                     y1_value = fmt.value(y1).detach().requires_grad_()
-                    x2, port_g = couple_half(g, y2, y1_value, -1, k, self.cond)
+                    x2, port_g = couple_half(g, y2, y1_value, -1, k, self.cond, scale2)
                     x2_value = fmt.value(x2).detach().requires_grad_()
                     run.rng.set(state_f)
-                    x1, port_f = couple_half(f, y1, _AfterToken.apply(x2_value, token), -1, k, self.cond)
+                    x1, port_f = couple_half(f, y1, _AfterToken.apply(x2_value, token), -1, k, self.cond, scale1)
                 # In the phase, where FSDP2's gathered parameters are the module's. ``token`` here may be
                 # FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
                 is_own = self._own_leaf_test(layer, y1_value, x2_value, token_leaf)
@@ -297,10 +314,14 @@ class _SegmentBackward:
     def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
         """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
         if recovered.kind == "block":
-            hooks = BlockHooks.of(self.run.layers[recovered.index])
+            layer = self.run.layers[recovered.index]
+            hooks = BlockHooks.of(layer)
             if hooks is not None:
                 dy1, dy2 = hooks.backward_before(dy1, dy2)
             grad_out = (dy1, dy2)
+            coupling = coupling_of(layer)
+            if coupling.swap:  # the gradients of the block's outputs (y2, y1)
+                dy1, dy2 = dy2, dy1
             port_g, y1_value, port_f, x2_value = recovered.tensors
             # x2 = y2 - G(y1): backward(x2, -dy2) gives G's grads of the forward's y2 = x2 + G(y1).
             if port_g is not None:
@@ -309,10 +330,13 @@ class _SegmentBackward:
                 dy1 = dy1 + y1_value.grad
             if port_f is not None:
                 self._backward(port_f, -dy1, [x2_value])
-            dx2 = dy2 if x2_value.grad is None else dy2 + x2_value.grad
+            # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
+            dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1
+            dx2 = dy2 if coupling.scale2 == 1.0 else dy2 * coupling.scale2
+            dx2 = dx2 if x2_value.grad is None else dx2 + x2_value.grad
             if hooks is not None:
-                dy1, dx2 = hooks.backward_after(dy1, dx2, *grad_out)
-            return BlockGrads(dy1, dx2)
+                dx1, dx2 = hooks.backward_after(dx1, dx2, *grad_out)
+            return BlockGrads(dx1, dx2)
         o1, o2, v1, v2 = recovered.tensors
         outputs = [o for o in (o1, o2) if o.requires_grad]
         if outputs:

@@ -13,12 +13,13 @@ from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
 from .fsdp import PhaseResult, run_block_phase
 from .guards import BackwardChecks, ForwardGuards, StreamFormat, out_of_range
-from .protocol import is_invertible_layer, is_reversible_block
+from .protocol import coupling_of, is_invertible_layer, is_reversible_block, residual_scale
 from .replay import AutocastState, RngTape, _rng_devices
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
 from .state import StateWatch
 
 
+READOUTS = ("mean", "first", "second")
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
 
 
@@ -38,6 +39,12 @@ class ReversibleStack(nn.Module):
         schedule: ``"sequential"`` or ``"pareprop"`` (rebuild block i-1 beside block i's grads).
         streams: ``"duplicate"`` (both streams start as x; output is their mean) or
             ``"split"`` (x's last dim is split into the two streams; output is their concat).
+        readout: what a duplicate-stream stack returns and its stage transitions map:
+            ``"mean"`` (``(y1 + y2) / 2``), ``"first"`` (y1) or ``"second"`` (y2). A conversion
+            that keeps a pretrained model's function reads the stream that carries it.
+
+    Blocks may be scaled couplings (``ReversibleBlock(f, g, scale1=, scale2=, swap=)``, see
+    :class:`~revtriton.engine.protocol.Coupling`); exact stacks need their scales to be 2**-s.
 
     Conditioning: ``stack(x, cond=c)`` (also ``forward_streams`` and ``inverse``) hands ``c``, a
     tensor or a tuple of tensors, to every half whose ``forward`` has a ``cond`` parameter (a
@@ -49,7 +56,7 @@ class ReversibleStack(nn.Module):
     """
 
     def __init__(self, layers, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
-                 schedule: str = "sequential", streams: str = "duplicate"):
+                 schedule: str = "sequential", streams: str = "duplicate", readout: str = "mean"):
         super().__init__()
         layers = list(layers)
         if not layers:
@@ -62,6 +69,11 @@ class ReversibleStack(nn.Module):
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if streams not in ("duplicate", "split"):
             raise ValueError(f"streams must be 'duplicate' or 'split', got {streams!r}")
+        if readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+        for i, layer in enumerate(layers):
+            if is_reversible_block(layer):
+                coupling_of(layer).check(bool(exact), f"layer {i} ({type(layer).__name__})")
         if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 0:
             raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.exact = bool(exact)
@@ -69,6 +81,7 @@ class ReversibleStack(nn.Module):
         self.anchor_every = anchor_every
         self.schedule = schedule
         self.streams = streams
+        self.readout = readout
         self.trace: ScheduleTrace | None = None  # set a ScheduleTrace to record the backward
 
     # -- structure ------------------------------------------------------------------------
@@ -139,6 +152,15 @@ class ReversibleStack(nn.Module):
             y1, y2 = self.forward_streams(x1, x2, cond=cond)
             return torch.cat([y1, y2], dim=-1)
         y1, y2 = self._run(x, x, self._check_cond(cond))
+        return self.read(y1, y2)
+
+    def read(self, y1: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+        """The one tensor a stack returns (and its stage transitions map) from two streams (``readout``)."""
+        readout = getattr(self, "readout", "mean")  # stacks pickled before the option existed
+        if readout == "first":
+            return y1
+        if readout == "second":
+            return y2
         return (y1 + y2) * 0.5
 
     def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor, cond=None):
@@ -173,7 +195,7 @@ class ReversibleStack(nn.Module):
                 guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
         for kind, index, item in self._segments():
             if kind == "transition":
-                x = item((x1 + x2) * 0.5)
+                x = item(self.read(x1, x2))
                 x1 = x2 = x
                 continue
             checks = checks or BackwardChecks()
@@ -251,15 +273,18 @@ class ReversibleStack(nn.Module):
             for layer in self:
                 if is_reversible_block(layer):
 
-                    def peak_phase(f, g, x1=x1, x2=x2):
-                        x1 = couple_half(f, x1, x2, +1, None, cond)[0]
-                        return (PhaseResult((x1, couple_half(g, x2, x1, +1, None, cond)[0])),)
+                    c = coupling_of(layer)
+
+                    def peak_phase(f, g, x1=x1, x2=x2, c=c):
+                        x1 = couple_half(f, x1, x2, +1, None, cond, residual_scale(c.scale1))[0]
+                        x2 = couple_half(g, x2, x1, +1, None, cond, residual_scale(c.scale2))[0]
+                        return (PhaseResult((x2, x1) if c.swap else (x1, x2)),)
 
                     x1, x2 = run_block_phase(layer, peak_phase)
                 elif is_invertible_layer(layer):
                     x1, x2 = layer(x1, x2)
                 else:
-                    x1 = x2 = layer((x1 + x2) * 0.5)
+                    x1 = x2 = layer(self.read(x1, x2))
                 peaks.append(torch.maximum(x1.abs().amax(), x2.abs().amax()).float())
         for buffer, value in saved_buffers:
             buffer.copy_(value)
@@ -296,11 +321,21 @@ class ReversibleStack(nn.Module):
         for i in reversed(range(len(self))):
             layer = self[i]
             if is_reversible_block(layer):
+                c = coupling_of(layer)
+                if fmt.exact and c.scaled:
+                    raise ValueError(
+                        f"layer {i} ({type(layer).__name__}) is a scaled coupling on exact streams: its forward drops "
+                        f"the low bits of the scaled stream, which only the stack's own backward keeps, so the "
+                        f"input cannot be rebuilt from the output alone (float streams can: exact=False)")
+                if c.swap:
+                    s1, s2 = s2, s1
 
-                def inverse_phase(f, g, s1=s1, s2=s2):
+                def inverse_phase(f, g, s1=s1, s2=s2, c=c):
                     values = fmt.for_block(f)
-                    s2 = couple_half(g, s2, values.value(s1), -1, fmt.frac_bits, cond)[0]
-                    return (PhaseResult((couple_half(f, s1, values.value(s2), -1, fmt.frac_bits, cond)[0], s2)),)
+                    k = fmt.frac_bits
+                    s2 = couple_half(g, s2, values.value(s1), -1, k, cond, residual_scale(c.scale2))[0]
+                    s1 = couple_half(f, s1, values.value(s2), -1, k, cond, residual_scale(c.scale1))[0]
+                    return (PhaseResult((s1, s2)),)
 
                 s1, s2 = run_block_phase(layer, inverse_phase)
             elif is_invertible_layer(layer):

@@ -4,7 +4,10 @@ Every half H offers one differentiable operation::
 
     couple(res, x, sign, frac_bits=None) -> (stream, port)
 
-``stream = res + sign * H(x)``; sign is +1 in the forward and -1 in the inverse.
+``stream = res + sign * H(x)``; sign is +1 in the forward and -1 in the inverse. A scaled
+coupling (``ReversibleBlock(f, g, scale1=..., scale2=...)``) passes ``scale=ResidualScale`` to
+halves whose ``takes_scale`` is true (``scale * res + H(x)`` forward, ``(res - H(x)) / scale``
+inverse); for other halves the engine applies it around their ``couple``.
 
 * float streams (``frac_bits=None``): ``res`` and ``stream`` are float tensors and ``port`` is
   ``stream`` itself when it requires grad.
@@ -30,7 +33,7 @@ import inspect
 import torch
 from torch import nn
 
-from ..ops.streams import couple_output
+from ..ops.streams import ResidualScale, couple_output
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,11 +49,39 @@ def takes_cond(half) -> bool:
     return bool(getattr(half, "takes_cond", False))
 
 
-def couple_half(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None, cond=None):
-    """``half.couple(res, x, sign, frac_bits)``, handing ``cond`` to a half that takes it."""
-    if cond is not None and takes_cond(half):
-        return half.couple(res, x, sign, frac_bits, cond=cond)
-    return half.couple(res, x, sign, frac_bits)
+@functools.lru_cache(maxsize=None)
+def _has_scale_parameter(couple) -> bool:
+    try:
+        return "scale" in inspect.signature(couple).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def takes_scale(half) -> bool:
+    """Whether a half applies a coupling scale itself (in its couple epilogue): its ``couple`` has a
+    ``scale`` parameter, or it says so with a ``takes_scale`` attribute."""
+    flag = getattr(half, "takes_scale", None)
+    if flag is not None:
+        return bool(flag)
+    return _has_scale_parameter(getattr(type(half), "couple", None))
+
+
+def couple_half(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None, cond=None,
+                scale: ResidualScale | None = None):
+    """``half.couple(res, x, sign, frac_bits)``, handing ``cond`` to a half that takes it.
+
+    ``scale`` (a scaled coupling): ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse.
+    A half with ``takes_scale`` applies it in its own epilogue; for any other half it is applied
+    around the plain couple (one more elementwise pass), with the same result and port."""
+    options = {"cond": cond} if cond is not None and takes_cond(half) else {}
+    if scale is None:
+        return half.couple(res, x, sign, frac_bits, **options)
+    if takes_scale(half):
+        return half.couple(res, x, sign, frac_bits, scale=scale, **options)
+    if sign > 0:
+        return half.couple(scale.apply(res, frac_bits), x, sign, frac_bits, **options)
+    stream, port = half.couple(res, x, sign, frac_bits, **options)
+    return scale.undo(stream.detach(), frac_bits), port
 
 
 def half_output(half, x: torch.Tensor, cond=None) -> torch.Tensor:
@@ -66,8 +97,9 @@ class CouplingHalf(nn.Module):
         """True when ``forward`` has a ``cond`` parameter (see the module doc)."""
         return _has_cond_parameter(type(self).forward)
 
-    def couple(self, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None = None, cond=None):
-        return couple_output(res, self(x) if cond is None else self(x, cond=cond), sign, frac_bits)
+    def couple(self, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None = None, cond=None,
+               scale: ResidualScale | None = None):
+        return couple_output(res, self(x) if cond is None else self(x, cond=cond), sign, frac_bits, scale)
 
 
 class GenericHalf(CouplingHalf):

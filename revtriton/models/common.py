@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine import ReversibleStack, is_invertible_layer, is_reversible_block
+from ..engine import ReversibleStack, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
 from ..halves.base import half_output
-from ..ops.streams import from_fixed, quantize_reference, stream_grad_dtype, to_fixed
+from ..ops.streams import from_fixed, quantize_reference, scale_shift, stream_grad_dtype, to_fixed
 
 STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
 
@@ -95,25 +95,28 @@ class StoredActivationStack(ReversibleStack):
 
     def _run(self, x1, x2, cond=None):  # the engine's forward / forward_streams call this
         if self.exact:
-            return stored_exact_streams(list(self), x1, x2, self.frac_bits, cond)
-        return stored_float_streams(list(self), x1, x2, cond)
+            return stored_exact_streams(list(self), x1, x2, self.frac_bits, cond, read=self.read)
+        return stored_float_streams(list(self), x1, x2, cond, read=self.read)
 
 
-def stored_float_streams(layers, x1, x2, cond=None):
-    """Stored-activation (plain autograd) forward of a stack's layers on float streams."""
+def _mean(x1, x2):
+    return (x1 + x2) * 0.5
+
+
+def stored_float_streams(layers, x1, x2, cond=None, read=_mean):
+    """Stored-activation (plain autograd) forward of a stack's layers on float streams; ``read``
+    maps the two streams to a stage transition's input (the stack's readout)."""
     for layer in layers:
         if is_reversible_block(layer):
-            f, g = layer.coupling_halves()
-            x1 = x1 + half_output(f, x2, cond)
-            x2 = x2 + half_output(g, x1, cond)
+            x1, x2 = coupled_forward(layer, x1, x2, cond)
         elif is_invertible_layer(layer):
             x1, x2 = layer(x1, x2)
         else:
-            x1 = x2 = layer((x1 + x2) * 0.5)
+            x1 = x2 = layer(read(x1, x2))
     return x1, x2
 
 
-def stored_exact_streams(layers, x1, x2, frac_bits, cond=None):
+def stored_exact_streams(layers, x1, x2, frac_bits, cond=None, read=_mean):
     """Stored-activation forward of the *rounded* model that exact streams compute (straight-through).
 
     Gradients are summed in the engine's order: each stream is encoded with its own snap (the
@@ -138,19 +141,28 @@ def stored_exact_streams(layers, x1, x2, frac_bits, cond=None):
                 s2, v2 = encode(f2)
                 in_segment = True
             f, g = layer.coupling_halves()
+            c = coupling_of(layer)
+            # A scaled coupling shifts the int32 stream right (the value's floor on the grid) and
+            # scales the straight-through path by the same power of two, as the engine does.
+            if c.scale1 != 1.0:
+                s1, v1 = s1 >> scale_shift(c.scale1), v1 * c.scale1
             h = half_output(f, _HalfInput.apply(v2.to(dtype)), cond)  # halves see the stack's dtype, as in the engine
             s1 = s1 + quantize_reference(h.detach(), k)
             v1 = _Snap.apply(v1 + h, from_fixed(s1, k, grad_dtype))
+            if c.scale2 != 1.0:
+                s2, v2 = s2 >> scale_shift(c.scale2), v2 * c.scale2
             h = half_output(g, _HalfInput.apply(v1.to(dtype)), cond)
             s2 = s2 + quantize_reference(h.detach(), k)
             v2 = _Snap.apply(v2 + h, from_fixed(s2, k, grad_dtype))
+            if c.swap:
+                (s1, v1), (s2, v2) = (s2, v2), (s1, v1)
         elif is_invertible_layer(layer):
             raise NotImplementedError("exact stored-activation twins of invertible layers are not supported")
         else:
             # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
             if in_segment:
                 f1, f2, in_segment = v1.to(dtype), v2.to(dtype), False
-            f1 = f2 = layer((f1 + f2) * 0.5)
+            f1 = f2 = layer(read(f1, f2))
     if in_segment:
         return v1.to(dtype), v2.to(dtype)
     return f1, f2

@@ -13,6 +13,9 @@ its own (a stride-0 view of one element). ``torch.autograd.backward(port, g)`` s
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 # Largest float32 below 2**31: the rounded half output saturates here instead of wrapping.
@@ -64,33 +67,65 @@ def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
 
 
-def function_outputs(ctx, stream: torch.Tensor, frac_bits: int | None):
-    """What a fused couple's autograd Function returns: the float stream, or the int32 stream and a port."""
-    if frac_bits is None:
+def function_outputs(ctx, stream: torch.Tensor, frac_bits: int | None, scaled: bool = False):
+    """What a fused couple's autograd Function returns: the float stream, or the int32 stream and a port.
+
+    A scaled coupling (``scaled``) returns a port beside a float stream too: the stream is
+    ``scale * res + H(x)`` or ``(res - H(x)) / scale``, while the port's gradient goes to
+    ``sign * H(x)`` unscaled (the engine scales the stream's own gradient), as couple_output's does."""
+    if frac_bits is None and not scaled:
         return stream
     ctx.mark_non_differentiable(stream)
-    return stream, gradient_port(stream)
+    return stream, gradient_port(stream, torch.float32 if frac_bits is not None else stream.dtype)
 
 
-def couple_result(outputs, frac_bits: int | None):
+def couple_result(outputs, frac_bits: int | None, scaled: bool = False):
     """``(stream, port)`` from a fused couple Function's outputs; port is None when nothing requires grad."""
-    stream, port = (outputs, outputs) if frac_bits is None else outputs
+    stream, port = (outputs, outputs) if frac_bits is None and not scaled else outputs
     return stream, (port if port.requires_grad else None)
 
 
-def exact_add_reference(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int) -> torch.Tensor:
-    """The exact epilogue in torch: ``res + sign * round(h * 2**frac_bits)`` in int32 (wraps)."""
+def port_gradient(grads, frac_bits: int | None, res_scale: float | None):
+    """The gradient w.r.t. ``sign * H(x)`` in a fused couple Function's backward (``grads``, one per
+    output of :func:`function_outputs`): the stream's, or the port's where there is one."""
+    return grads[0] if frac_bits is None and res_scale is None else grads[1]
+
+
+def residual_gradient(grads, frac_bits: int | None, sign: int, res_scale: float | None):
+    """The gradient w.r.t. ``res`` of a fused couple Function, as couple_output's autograd gives it:
+    float streams only; a scaled forward's port is ``scale * res + H(x)`` (times the scale), an
+    inverse's ``res - H(x)`` (the division comes after, detached)."""
+    if frac_bits is not None:
+        return None
+    if res_scale is None:
+        return grads[0]
+    grad = grads[1]
+    return grad * res_scale if sign > 0 and grad is not None else grad
+
+
+def exact_add_reference(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int,
+                        scale: ResidualScale | None = None) -> torch.Tensor:
+    """The exact epilogue in torch: ``res + sign * round(h * 2**frac_bits)`` in int32 (wraps).
+
+    With a ``scale`` (2**-s): ``(res >> s) + q`` forward, ``((res - q) << s) | low`` inverse, as
+    couple_output computes it (ResidualScale.apply / undo)."""
     q = quantize_reference(h, frac_bits)
-    return res + q if sign > 0 else res - q
+    if scale is None:
+        return res + q if sign > 0 else res - q
+    if sign > 0:
+        return scale.apply(res, frac_bits) + q
+    return scale.undo(res - q, frac_bits)
 
 
 EXACT_ADD_BLOCK = 4096
 EXACT_ADD_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def exact_add_triton(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int) -> torch.Tensor:
-    """The same epilogue in one Triton pass (kernels/couple.py): reads res and h once, writes the
-    new int32 stream; bitwise equal to :func:`exact_add_reference`. No autograd (see ExactAdd)."""
+def exact_add_triton(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int,
+                     scale: ResidualScale | None = None) -> torch.Tensor:
+    """The same epilogue in one Triton pass (kernels/couple.py): reads res and h once (and the
+    dropped bits in a scaled inverse), writes the new int32 stream; bitwise equal to
+    :func:`exact_add_reference`. No autograd (see ExactAdd)."""
     from revtriton.kernels import couple as kernels
 
     from . import dispatch  # dispatch.launch: counted, and recorded by revtriton.aot
@@ -100,12 +135,15 @@ def exact_add_triton(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: i
                         f"of its shape and device, got {res.dtype} {tuple(res.shape)} on {res.device} and "
                         f"{h.dtype} {tuple(h.shape)} on {h.device}")
     check_frac_bits(frac_bits)
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     res, h = res.contiguous(), h.detach().contiguous()
     out = torch.empty(res.shape, dtype=torch.int32, device=res.device)
     numel = res.numel()
     if numel:
+        _, shift, low_bits, plane = scale_launch_args(scale, sign, frac_bits, out)
         dispatch.launch(kernels.exact_add_kernel, (-(-numel // EXACT_ADD_BLOCK),), res, h, out, numel,
-                        2.0**frac_bits, 1 if sign > 0 else -1, BLOCK=EXACT_ADD_BLOCK, num_warps=8)
+                        2.0**frac_bits, 1 if sign > 0 else -1, shift, low_bits, plane, BLOCK=EXACT_ADD_BLOCK,
+                        SCALED=scale is not None, num_warps=8)
     return out
 
 
@@ -122,52 +160,220 @@ def exact_add_uses_triton(res: torch.Tensor, h: torch.Tensor) -> bool:
     return dispatch.triton_available()
 
 
-def exact_add(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int) -> torch.Tensor:
-    """``res + sign * round(h * 2**frac_bits)`` in int32: one Triton pass on CUDA (about seven torch
-    passes otherwise), the torch reference elsewhere; both give the same bits. No host sync."""
+def exact_add(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int,
+              scale: ResidualScale | None = None) -> torch.Tensor:
+    """``res + sign * round(h * 2**frac_bits)`` in int32 (a scaled coupling: see exact_add_reference):
+    one Triton pass on CUDA (about seven torch passes otherwise, more with a scale), the torch
+    reference elsewhere; both give the same bits. No host sync."""
     if exact_add_uses_triton(res, h):
-        return exact_add_triton(res, h, sign, frac_bits)
-    return exact_add_reference(res, h, sign, frac_bits)
+        return exact_add_triton(res, h, sign, frac_bits, scale)
+    return exact_add_reference(res, h, sign, frac_bits, scale)
 
 
 class ExactAdd(torch.autograd.Function):
-    """int32 ``res + sign * round(h)`` with a straight-through gradient to ``h`` via a port."""
+    """int32 ``res + sign * round(h)`` with a straight-through gradient to ``h`` via a port (a scale
+    changes the stream, not the port: its gradient goes to ``sign * h`` unscaled)."""
 
     @staticmethod
-    def forward(ctx, res, h, sign, frac_bits):
+    def forward(ctx, res, h, sign, frac_bits, scale=None):
         ctx.sign = sign
         ctx.h_dtype = h.dtype
-        out = exact_add(res, h, sign, frac_bits)
+        out = exact_add(res, h, sign, frac_bits, scale)
         ctx.mark_non_differentiable(out)
         return out, gradient_port(res, stream_grad_dtype(h.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_port):
         grad_h = grad_port if ctx.sign > 0 else -grad_port
-        return None, grad_h.to(ctx.h_dtype), None, None
+        return None, grad_h.to(ctx.h_dtype), None, None, None
 
 
-def exact_couple_from_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int):
+def exact_couple_from_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int,
+                             scale: ResidualScale | None = None):
     """Exact couple for a half whose float output ``h`` is already computed: ``(stream, port)``."""
     if res.dtype != torch.int32:
         raise TypeError(f"an exact residual stream must be int32, got {res.dtype}")
     if h.shape != res.shape:
         raise ValueError(f"half output shape {tuple(h.shape)} does not match the stream {tuple(res.shape)}")
     if h.requires_grad:
-        return ExactAdd.apply(res, h, sign, frac_bits)
-    return exact_add(res, h, sign, frac_bits), None
+        return ExactAdd.apply(res, h, sign, frac_bits, scale)
+    return exact_add(res, h, sign, frac_bits, scale), None
 
 
-def couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int | None):
-    """Finish a couple from the half's float output ``h``: ``(stream, port)`` (the reference epilogue)."""
+def couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int | None,
+                  scale: ResidualScale | None = None):
+    """Finish a couple from the half's float output ``h``: ``(stream, port)`` (the reference epilogue).
+
+    With a ``scale`` (a scaled coupling, :class:`ResidualScale`) the forward computes
+    ``scale * res + h`` and the inverse ``(res - h) / scale``; ``port`` still takes the gradient
+    w.r.t. ``sign * h`` (the engine applies the scale to the stream's own gradient)."""
     if h.shape != res.shape:
         raise ValueError(
             f"a coupling half must keep the shape of its input: got {tuple(h.shape)}, expected {tuple(res.shape)}"
         )
+    if scale is not None and sign > 0:
+        res = scale.apply(res, frac_bits)
     if frac_bits is None:
         stream = res + h if sign > 0 else res - h
-        return stream, (stream if stream.requires_grad else None)
-    return exact_couple_from_output(res, h, sign, frac_bits)
+        port = stream if stream.requires_grad else None
+    else:
+        stream, port = exact_couple_from_output(res, h, sign, frac_bits)
+    if scale is not None and sign < 0:
+        stream = scale.undo(stream.detach(), frac_bits)
+    return stream, port
+
+
+def library_couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int | None,
+                          scale: ResidualScale | None = None):
+    """:func:`couple_output` as the library path of a half runs it (cuBLAS + SDPA, then this): an
+    exact scaled couple in one exact_add pass (shift, rounded add and restored low bits: one
+    Triton kernel on CUDA) instead of a shift, the add and the bit-plane unpacking in torch.
+    Same stream and port as couple_output (the tests hold them bitwise equal)."""
+    if scale is None or frac_bits is None:
+        return couple_output(res, h, sign, frac_bits, scale)
+    if h.shape != res.shape:
+        raise ValueError(
+            f"a coupling half must keep the shape of its input: got {tuple(h.shape)}, expected {tuple(res.shape)}"
+        )
+    return exact_couple_from_output(res, h, sign, frac_bits, check_residual_scale(scale, sign, frac_bits, res))
+
+
+# ---------------------------------------------------------------- scaled couplings
+
+# Exact streams scale by 2**-shift with shift <= MAX_SCALE_SHIFT: the bits kept per element per
+# block are ``shift``, and past 16 a float coupling's 1 / scale amplification is beyond use anyway.
+MAX_SCALE_SHIFT = 16
+
+
+def scale_shift(scale: float) -> int:
+    """``s`` with ``scale == 2**-s`` (0 <= s <= MAX_SCALE_SHIFT), as exact streams need; else ValueError."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale <= 1:
+        mantissa, exponent = math.frexp(float(scale))
+        if mantissa == 0.5 and -MAX_SCALE_SHIFT <= exponent - 1 <= 0:
+            return 1 - exponent
+    raise ValueError(f"exact streams scale a residual by 2**-s with s an int in [0, {MAX_SCALE_SHIFT}] (the bits "
+                     f"the shift drops are kept to invert it), got {scale!r}; float streams take any scale > 0")
+
+
+def check_scale(scale, exact: bool) -> float:
+    """A coupling scale: a positive finite float (exact streams: a power of two 2**-s, see scale_shift)."""
+    if exact:
+        scale_shift(scale)
+    elif (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+          or scale <= 0):
+        raise ValueError(f"a coupling scale must be a finite float > 0, got {scale!r}")
+    return float(scale)
+
+
+def pack_low_bits(stream: torch.Tensor, bits: int) -> torch.Tensor:
+    """The low ``bits`` bits of every element of an int32 stream, packed as bit planes: uint8
+    ``[bits, ceil(numel / 8)]``, bit b of element e at ``packed[b, e // 8] >> (e % 8) & 1``
+    (``bits / 8`` bytes per element: what a right shift by ``bits`` drops)."""
+    flat = stream.reshape(-1)
+    numel = flat.numel()
+    padded = torch.zeros(-(-numel // 8) * 8, dtype=torch.int32, device=stream.device)
+    padded[:numel] = flat
+    weights = (1 << torch.arange(8, device=stream.device, dtype=torch.int32))
+    planes = [((padded >> b) & 1).view(-1, 8).mul_(weights).sum(1, dtype=torch.int32) for b in range(bits)]
+    if not planes:
+        return torch.empty(0, padded.numel() // 8, dtype=torch.uint8, device=stream.device)
+    return torch.stack(planes).to(torch.uint8)
+
+
+def unpack_low_bits(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
+    """int32 tensor of ``shape`` from :func:`pack_low_bits`' planes (the inverse of the packing)."""
+    numel = math.prod(shape)
+    positions = torch.arange(8, device=packed.device, dtype=torch.int32)
+    low = torch.zeros(packed.shape[1] * 8, dtype=torch.int32, device=packed.device)
+    for b in range(bits):
+        plane = (packed[b].to(torch.int32)[:, None] >> positions) & 1
+        low |= plane.reshape(-1) << b
+    return low[:numel].view(shape)
+
+
+@dataclass(frozen=True)
+class ResidualScale:
+    """The residual's factor in a scaled coupling (MEFT-style): ``y = value * res + H(x)``.
+
+    Float streams multiply by ``value``, and the inverse divides (float error grows like
+    ``1 / value`` per block: anchors bound it). Exact streams need ``value = 2**-shift``: the
+    forward shifts the int32 stream right (floor of ``value * res`` on the grid) and keeps the
+    ``shift`` bits it drops (``low_bits``, packed by :func:`pack_low_bits`); the inverse shifts back
+    and restores them, so the inverse stays bitwise at any depth.
+    """
+
+    value: float
+    low_bits: torch.Tensor | None = None  # exact inverse: the dropped bits of the forward's residual
+
+    @property
+    def shift(self) -> int:
+        return scale_shift(self.value)
+
+    def apply(self, res: torch.Tensor, frac_bits: int | None) -> torch.Tensor:
+        """The forward's scaled residual: ``value * res``, or ``res >> shift`` on an exact stream."""
+        if frac_bits is None:
+            return res * self.value
+        return res >> self.shift
+
+    def dropped_bits(self, res: torch.Tensor) -> torch.Tensor:
+        """What :meth:`apply` drops from an exact stream, packed (kept by the engine for the inverse)."""
+        return pack_low_bits(res, self.shift)
+
+    def undo(self, stream: torch.Tensor, frac_bits: int | None) -> torch.Tensor:
+        """The inverse's residual from ``stream = value * res`` (after the half's output is removed)."""
+        if frac_bits is None:
+            return stream / self.value
+        shift = self.shift
+        if shift and self.low_bits is None:
+            raise ValueError("the inverse of an exact scaled coupling needs the bits its forward dropped (low_bits)")
+        restored = stream << shift
+        return restored | unpack_low_bits(self.low_bits, shift, stream.shape) if shift else restored
+
+
+def check_residual_scale(scale, sign: int, frac_bits: int | None, res: torch.Tensor) -> ResidualScale | None:
+    """A couple's ``scale`` argument checked against its stream ``res`` (None: an unscaled couple).
+
+    Float streams take any finite scale > 0, exact streams 2**-s; an exact inverse (sign -1) needs
+    the bits its forward dropped: ``low_bits`` uint8 [s, ceil(res.numel() / 8)] on res's device
+    (what ``scale.dropped_bits(res)`` returned in the forward). TypeError / ValueError otherwise."""
+    if scale is None:
+        return None
+    if not isinstance(scale, ResidualScale):
+        raise TypeError(f"scale must be a ResidualScale (ops.streams) or None, got {type(scale).__name__}")
+    check_scale(scale.value, exact=frac_bits is not None)
+    if frac_bits is None or sign > 0 or scale.shift == 0:
+        return scale
+    low = scale.low_bits
+    if low is None:
+        raise ValueError("the inverse of an exact scaled coupling needs the bits its forward dropped: "
+                         "ResidualScale(value, low_bits=scale.dropped_bits(res)) kept from the forward")
+    if not isinstance(low, torch.Tensor) or low.dtype != torch.uint8:
+        raise TypeError(f"scale.low_bits must be a uint8 tensor (pack_low_bits), got "
+                        f"{low.dtype if isinstance(low, torch.Tensor) else type(low).__name__}")
+    planes = (scale.shift, -(-res.numel() // 8))
+    if tuple(low.shape) != planes:
+        raise ValueError(f"scale.low_bits has shape {tuple(low.shape)}; a {res.numel()}-element stream scaled by "
+                         f"2**-{scale.shift} needs {planes} (one bit plane per dropped bit, 8 elements a byte)")
+    if low.device != res.device:
+        raise ValueError(f"scale.low_bits on {low.device} but the stream on {res.device}")
+    return scale
+
+
+def scale_launch_args(scale: ResidualScale | None, sign: int, frac_bits: int | None, placeholder: torch.Tensor):
+    """The couple kernels' scale arguments ``(res_scale, shift, low_bits, plane)``: the float
+    factor, the exact shift, and the dropped bits' planes (contiguous) with their length in bytes.
+    Where no planes are read (unscaled, float, exact forward) ``low_bits`` is ``placeholder``, as a
+    uint8 view when scaled: the forward and the inverse then bind the same pointer type, so they
+    compile one kernel."""
+    if scale is None:
+        return 1.0, 0, placeholder, 0
+    if frac_bits is None:
+        return float(scale.value), 0, placeholder.reshape(-1).view(torch.uint8), 0
+    shift = scale.shift
+    if sign > 0 or shift == 0:
+        return 1.0, shift, placeholder.reshape(-1).view(torch.uint8), 0
+    low_bits = scale.low_bits.contiguous()
+    return 1.0, shift, low_bits, low_bits.shape[1]
 
 
 # ---------------------------------------------------------------- recompute checksum
