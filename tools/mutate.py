@@ -227,6 +227,28 @@ MUTANTS = [
            "self.warps_m * 16 > self.rows", "self.warps_m * 8 > self.rows",
            ("tests/test_sass.py",),
            "8 warps over a 64-row wgmma tile (two warpgroups on the same rows) not flagged"),
+    # ---- scaled couplings (issue 14)
+    Mutant("scaled-coupling-grad-unscaled", "revtriton/engine/segment.py",
+           "dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1", "dx1 = dy1",
+           ("tests/test_scaled_couplings.py", "-k", "float_gradients or bitwise"),
+           "the scaled stream's own gradient misses its scale"),
+    Mutant("scaled-coupling-low-bits-dropped", "revtriton/ops/streams.py",
+           "return restored | unpack_low_bits(self.low_bits, shift, stream.shape) if shift else restored",
+           "return restored",
+           ("tests/test_scaled_couplings.py", "-k", "bitwise or dropped_bits"),
+           "the exact inverse shifts back without the bits the forward dropped"),
+    Mutant("scaled-coupling-rebuild-ignores-swap", "revtriton/engine/segment.py",
+           "            if coupling.swap:\n                y1, y2 = y2, y1\n            kept", "            kept",
+           ("tests/test_scaled_couplings.py", "-k", "float_gradients"),
+           "the rebuild reads a swapped block's outputs in the wrong order"),
+    Mutant("scaled-twin-scale-missing", "revtriton/models/common.py",
+           "s1, v1 = s1 >> scale_shift(c.scale1), v1 * c.scale1", "s1, v1 = s1 >> scale_shift(c.scale1), v1",
+           ("tests/test_scaled_couplings.py", "-k", "bitwise"),
+           "the exact stored-activation twin's straight-through path misses the scale"),
+    Mutant("scaled-coupling-kept-bits-unpacked", "revtriton/ops/streams.py",
+           "return pack_low_bits(res, self.shift)", "return (res & ((1 << self.shift) - 1)).to(torch.int32)",
+           ("tests/test_scaled_couplings.py", "-k", "bytes_kept"),
+           "the dropped bits are kept as one int32 per element (4 / (shift / 8) times the packed size)"),
 ]
 
 

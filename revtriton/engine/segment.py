@@ -161,6 +161,26 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
     return s1, s2, anchors, checksums
 
 
+def _index_low_bits(low_bits: list):
+    """(the tensors of ``low_bits``, ``low_bits`` with each tensor replaced by its index among them)."""
+    tensors, entries = [], []
+    for pair in low_bits:
+        if pair is None or all(t is None for t in pair):
+            entries.append(None)
+            continue
+        entry = []
+        for t in pair:
+            entry.append(None if t is None else len(tensors))
+            if t is not None:
+                tensors.append(t)
+        entries.append(tuple(entry))
+    return tensors, entries
+
+
+def _low_bits_of(entry, tensors):
+    return None if entry is None else tuple(None if j is None else tensors[j] for j in entry)
+
+
 class ReversibleSegmentFunction(torch.autograd.Function):
     """Autograd node of one reversible segment: saves only its final streams (and anchors)."""
 
@@ -179,7 +199,11 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         ctx.has_checksum = checksum is not None
         ctx.num_cond = len(cond)
         # Saved, not kept on run: autograd then raises if the conditioning is modified in place before backward.
-        ctx.save_for_backward(y1, y2, *cond, *anchors, *([checksum] if checksum is not None else []))
+        # The bits exact scaled couplings dropped are saved tensors too (saved-tensor hooks such as
+        # save_on_cpu apply to them); run.low_bits keeps their positions among them.
+        low_tensors, run.low_bits = _index_low_bits(run.low_bits)
+        ctx.num_low = len(low_tensors)
+        ctx.save_for_backward(y1, y2, *cond, *low_tensors, *anchors, *([checksum] if checksum is not None else []))
         out1, out2 = fmt.value(y1), fmt.value(y2)
         # Outputs must not alias the saved streams (float mode) or the inputs.
         if out1 is y1 or out1 is x1 or out1 is x2:
@@ -198,8 +222,9 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         y1, y2 = saved[0], saved[1]
         cond = saved[2 : 2 + ctx.num_cond]
+        low_tensors = saved[2 + ctx.num_cond : 2 + ctx.num_cond + ctx.num_low]
         checksum = saved[-1] if ctx.has_checksum else None
-        anchor_tensors = saved[2 + ctx.num_cond : len(saved) - (1 if ctx.has_checksum else 0)]
+        anchor_tensors = saved[2 + ctx.num_cond + ctx.num_low : len(saved) - (1 if ctx.has_checksum else 0)]
         anchors = {
             layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
         }
@@ -209,7 +234,8 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         # One leaf per conditioning tensor for the whole segment: every half's rebuild uses it, so its
         # .grad sums their contributions, in backward order (as autograd sums the uses of a tensor).
         cond_leaves = tuple(c.detach().requires_grad_() if c.requires_grad else c.detach() for c in cond)
-        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor), cond_leaves)
+        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor), cond_leaves,
+                                   [_low_bits_of(entry, low_tensors) for entry in run.low_bits])
         try:
             with run.rng.preserved():
                 dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
@@ -227,10 +253,12 @@ class ReversibleSegmentFunction(torch.autograd.Function):
 class _SegmentBackward:
     """The per-layer steps a backward schedule composes: recover (rebuild) and grads."""
 
-    def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True, cond_leaves=()):
+    def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True, cond_leaves=(),
+                 low_bits=()):
         self.run = run
         self.anchors = anchors
         self.checksum = checksum
+        self.low_bits = low_bits  # per layer: (bits dropped from x1, from x2) by an exact scaled coupling
         self.num_layers = len(run.layers)
         # False in torch.autograd.grad(loss, x) and backward(inputs=...): only the streams' (and the
         # conditioning's) grads are computed, no parameter's .grad is touched.
@@ -254,7 +282,8 @@ class _SegmentBackward:
             coupling = coupling_of(layer)
             if coupling.swap:
                 y1, y2 = y2, y1
-            low1, low2 = run.low_bits[i] if run.low_bits else (None, None)
+            kept = self.low_bits[i] if self.low_bits else None
+            low1, low2 = kept if kept is not None else (None, None)
             scale1, scale2 = residual_scale(coupling.scale1, low1), residual_scale(coupling.scale2, low2)
 
             def rebuild_phase(f, g, token):
