@@ -461,10 +461,25 @@ def _check_timm_block(i, block):
         raise NotImplementedError(f"{where}: MLP activation {type(m.act).__name__} not supported (GELU, ReLU)")
 
 
+class _TimmRevifiedModel:
+    """timm's set_grad_checkpointing(True) on a revified ViT: a warning (checkpoint_seq would call the
+    reversible blocks one by one)."""
+
+    _keeps_class_name = True
+
+    def set_grad_checkpointing(self, enable: bool = True):
+        if enable:
+            import warnings
+
+            warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
+        self.grad_checkpointing = False
+
+
 def _convert_timm_vit(model, conversion):
     for i, block in enumerate(model.blocks):
         _check_timm_block(i, block)
     model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
+    _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
     _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
                     ("timm.models.vision_transformer", "Block"))
 
@@ -666,7 +681,22 @@ def _disable_cache(model):
 _warned_no_cache = []
 
 
-class _NoCacheGeneration:
+_CHECKPOINTING_MESSAGE = (
+    "revtriton: the blocks of a revified model are reversible (activation memory does not grow with depth): "
+    "gradient checkpointing is not needed and is not applied")
+
+
+class _NoCheckpointing:
+    """Hugging Face's gradient_checkpointing_enable() (TrainingArguments(gradient_checkpointing=True))
+    on a revified model: a warning instead of a flag the replaced forward would silently ignore."""
+
+    def gradient_checkpointing_enable(self, *args, **kwargs):
+        import warnings
+
+        warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
+
+
+class _NoCacheGeneration(_NoCheckpointing):
     """generate() of a revified LM: every step runs the whole prefix, whatever use_cache says.
 
     The reversible stack keeps no KV cache. With ``use_cache=True`` generate would feed only the new
@@ -729,7 +759,7 @@ def _embeddings_input(module, input_ids, kwargs, embed):
     return embed(input_ids) if inputs_embeds is None else inputs_embeds
 
 
-class _RevifiedGPT2Model:
+class _RevifiedGPT2Model(_NoCheckpointing):
     """GPT2Model forward over a reversible stack: embeddings -> stack -> ln_f (no cache, no masks)."""
 
     def forward(self, input_ids=None, *args, **kwargs):
@@ -751,7 +781,7 @@ class _RevifiedGPT2Model:
         return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs)
 
 
-class _RevifiedLlamaModel:
+class _RevifiedLlamaModel(_NoCheckpointing):
     """LlamaModel forward over a reversible stack: embeddings -> stack -> norm (no cache, no masks)."""
 
     def forward(self, input_ids=None, *args, **kwargs):
@@ -781,6 +811,7 @@ _BLOCK_BASES.update({
     "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
     "RevifiedGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2Block),
     "RevifiedLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", _LlamaBlock),
+    "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
     "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
     "RevifiedOrdinaryLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer",

@@ -284,3 +284,18 @@ def test_wrapped_projections_are_called_not_bypassed(seeded):
     loss_of("llama", twin, batch).backward()
     assert lora.lora_a.grad is not None and lora.lora_a.grad.abs().sum() > 0
     assert max_relative_grad_error(model, twin) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_checkpointing_requests_warn_and_training_still_runs(family, seeded):
+    # TrainingArguments(gradient_checkpointing=True) calls gradient_checkpointing_enable(); timm users
+    # call set_grad_checkpointing(): reversible blocks need neither, and neither may break the model.
+    model = revify(BUILDERS[family](seed=seeded))
+    with pytest.warns(UserWarning, match="gradient checkpointing is not needed"):
+        if family == "timm_vit":
+            model.set_grad_checkpointing(True)
+        else:
+            model.gradient_checkpointing_enable()
+    if family == "timm_vit":
+        assert model.grad_checkpointing is False and type(model).__name__ == "VisionTransformer"
+    loss_of(family, model, make_batch(family)).backward()
