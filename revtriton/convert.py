@@ -62,8 +62,9 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         ordinary_top: the top K blocks stay ordinary (stored-activation) blocks, run after the
             reversible ones on the stream that carries the function.
 
-    Train everything, or only the adapters with :func:`train_adapters_only` (PEFT-style); LoRA
-    (PEFT) on the pretrained projections works after revify.
+    Train everything, or only the adapters with :func:`train_adapters_only` (PEFT-style). LoRA
+    (PEFT) on the pretrained projections works in either order: ``revify(get_peft_model(model,
+    config))`` converts the PEFT model's base model in place and returns the PEFT model.
     Raises TypeError for an unsupported architecture and NotImplementedError for a supported
     one using a feature the reversible blocks do not reproduce (the message names it).
     """
@@ -79,12 +80,21 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         raise ValueError(f"scale_bits must be <= {MAX_SCALE_SHIFT}, got {scale_bits}")
     options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
     conversion = _Conversion(options, preserve, scale_bits, adapter_size, ordinary_top)
+    target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
-        if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(model).__mro__):
-            convert(model, conversion)
+        if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
+            convert(target, conversion)
             return model
-    cls = type(model)
+    cls = type(target)
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+def _peft_base_model(model: nn.Module) -> nn.Module:
+    """The model revify converts: a PEFT ``PeftModel``'s base model (the library's model with the LoRA
+    layers injected into its projections, which the halves then call), else the model itself."""
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
 
 
 # --------------------------------------------------------------------------------------------

@@ -299,3 +299,32 @@ def test_gradient_checkpointing_requests_warn_and_training_still_runs(family, se
     if family == "timm_vit":
         assert model.grad_checkpointing is False and type(model).__name__ == "VisionTransformer"
     loss_of(family, model, make_batch(family)).backward()
+
+
+@pytest.mark.parametrize("preserve", [None, "meft1"])
+def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
+    # revify(get_peft_model(model)) converts the PEFT model's base model; revify then LoRA was fine already.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+
+    def lora(model):
+        torch.manual_seed(seeded + 1)  # the same LoRA weights in both orders
+        return peft.get_peft_model(model, config)
+
+    lora_first = revify(lora(hf_llama(seed=seeded)), preserve=preserve)
+    revify_first = lora(revify(hf_llama(seed=seeded), preserve=preserve))
+    assert isinstance(lora_first, peft.PeftModel)
+    batch = make_batch("llama")
+    losses, grads = [], []
+    for model in (lora_first, revify_first):
+        loss = loss_of("llama", model, batch)
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters() if "lora_" in n})
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, g in grads[0].items():
+        assert g is not None and g.abs().sum() > 0 and torch.equal(g, grads[1][name]), name
+    # PEFT freezes what is there when it wraps: the preserving adapters added after it stay trainable.
+    trainable = {n for n, p in lora_first.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
