@@ -35,7 +35,7 @@ def _source_tree_kernels() -> None:
 
 _source_tree_kernels()
 
-from .convert import PRESERVE_MODES, revify, train_adapters_only  # noqa: E402
+from .convert import PRESERVE_MODES, from_pretrained, revify, train_adapters_only  # noqa: E402
 from .engine import Coupling, ReversibleBlock, ReversibleStack  # noqa: E402
 from .halves import (  # noqa: E402
     Adapter, CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
@@ -45,7 +45,7 @@ from .schedules import ScheduleTrace  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["revify", "train_adapters_only", "PRESERVE_MODES", "Coupling", "ReversibleBlock", "ReversibleStack",
+__all__ = ["revify", "from_pretrained", "train_adapters_only", "PRESERVE_MODES", "Coupling", "ReversibleBlock", "ReversibleStack",
            "Adapter", "CouplingHalf", "GenericHalf", "LayerNormAttention",
            "LayerNormMLP", "RMSNormAttention", "RMSNormSwiGLU", "as_half", "GPTConfig", "RevGPT", "RevMViT", "RevViT",
            "rev_gpt", "rev_llama", "rev_mvit", "rev_vit", "to_reversible", "to_stored_activations", "ScheduleTrace"]

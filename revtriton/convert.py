@@ -84,9 +84,82 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
         if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
             convert(target, conversion)
+            config = getattr(target, "config", None)
+            if config is not None and type(config).__module__.startswith("transformers"):
+                # Saved with save_pretrained: revtriton.from_pretrained converts the loaded model again.
+                config.revtriton = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
+                                        ordinary_top=ordinary_top)
             return model
     cls = type(target)
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
+    """Load a revified Hugging Face model saved with ``save_pretrained`` (or Trainer's ``save_model``).
+
+    The library's ``from_pretrained`` alone gives the plain model back and drops the weights a
+    preserving conversion added (its adapters). This loads the plain model (``model_class``, by
+    default the class named in the saved config's ``architectures``), converts it with the options
+    recorded in its config (``config.revtriton``), then loads the whole checkpoint into it, adapters
+    included. ``kwargs`` go to the library's ``from_pretrained`` (``torch_dtype``, ...).
+    """
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    options = getattr(config, "revtriton", None)
+    if not isinstance(options, dict):
+        raise ValueError(f"{path} was not saved from a revified model (its config has no 'revtriton' entry): "
+                         f"load it with the library and call revify")
+    if model_class is None:
+        architectures = getattr(config, "architectures", None) or []
+        if not architectures or not hasattr(transformers, architectures[0]):
+            raise ValueError(f"cannot tell the model class of {path} from its config (architectures="
+                             f"{architectures!r}): pass model_class=")
+        model_class = getattr(transformers, architectures[0])
+    import logging
+
+    # The plain class does not know the adapters' weights: they are loaded below, so its warning is noise.
+    logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    finally:
+        logger.setLevel(level)
+    revify(model, **options)
+    state = _checkpoint_state(path)
+    missing = set(model.state_dict()) - set(state) - _tied_keys(model)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]} (of {len(missing)})")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _tied_keys(model) -> set:
+    """State-dict keys of weights tied to another (GPT-2's lm_head): save_pretrained omits them."""
+    names = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    return {name for group in names.values() for name in group[1:]}
+
+
+def _checkpoint_state(path) -> dict:
+    """Every tensor of a save_pretrained directory (safetensors, sharded or not; else pytorch_model.bin)."""
+    import json
+    from pathlib import Path
+
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.exists() or (directory / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else [
+            "model.safetensors"]
+        return {k: v for name in files for k, v in load_file(str(directory / name)).items()}
+    binary = directory / "pytorch_model.bin"
+    if binary.exists():
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
 def _peft_base_model(model: nn.Module) -> nn.Module:

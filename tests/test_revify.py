@@ -328,3 +328,34 @@ def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     # PEFT freezes what is there when it wraps: the preserving adapters added after it stay trainable.
     trainable = {n for n, p in lora_first.named_parameters() if p.requires_grad and "lora_" not in n}
     assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("options", [{}, dict(preserve="meft3", ordinary_top=1, scale_bits=4, exact=False)])
+def test_save_pretrained_then_revtriton_from_pretrained_gives_the_converted_model_back(family, options, seeded,
+                                                                                        tmp_path):
+    from revtriton import from_pretrained
+
+    model = revify(BUILDERS[family](seed=seeded), **options)
+    with torch.no_grad():  # trained adapters (zero at conversion) must survive the round trip
+        for name, p in model.named_parameters():
+            if "revtriton_adapters" in name:
+                p.normal_(0.0, 0.1)
+    model.config.use_cache = True  # the user's setting is saved as it is
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path)
+    assert type(loaded) is type(model) and loaded.config.use_cache is True
+    assert loaded.config.revtriton == model.config.revtriton
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    batch = make_batch(family)
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loss_of(family, model, batch), loss_of(family, loaded, batch))
+
+
+def test_from_pretrained_refuses_a_model_that_was_not_revified(seeded, tmp_path):
+    from revtriton import from_pretrained
+
+    hf_gpt2(seed=seeded).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not saved from a revified model"):
+        from_pretrained(tmp_path)
