@@ -235,33 +235,40 @@ def test_train_adapters_only_needs_a_preserving_conversion():
 # -- timm ViT ------------------------------------------------------------------------------------
 
 
-@pytest.mark.timm
-@pytest.mark.parametrize("preserve", MODES)
-def test_timm_vit_trained_on_digits_keeps_its_loss(preserve):
+@pytest.fixture(scope="module")
+def trained_vit(one_thread):
+    """A timm ViT trained on sklearn's digits (4x4 patches of the 8x8 images): (model, images, labels)."""
     timm = pytest.importorskip("timm")
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target)
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=2, in_chans=1,
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=4, in_chans=1,
                               num_classes=10, embed_dim=64, depth=4, num_heads=4, drop_path_rate=0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        index = torch.randint(0, 1500, (32,), generator=gen)
+    for _ in range(300):
+        index = torch.randint(0, 1500, (64,), generator=gen)
         nn.functional.cross_entropy(model(images[index]), labels[index]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    model.eval()
+    return model.eval(), images[1500:], labels[1500:]
+
+
+@pytest.mark.timm
+@pytest.mark.parametrize("preserve", MODES)
+def test_timm_vit_trained_on_digits_keeps_its_loss(trained_vit, preserve):
+    model, images, labels = trained_vit
 
     def loss_of(m):
         with torch.no_grad():
-            return nn.functional.cross_entropy(m(images[1500:]), labels[1500:]).item()
+            return nn.functional.cross_entropy(m.eval()(images), labels).item()
 
     loss = loss_of(model)
     after = loss_of(revify(copy.deepcopy(model), preserve=preserve))
     plain = loss_of(revify(copy.deepcopy(model)))
     print(f"timm ViT {preserve}: trained {loss:.4f}, converted {after:.4f}, preserve=None {plain:.4f}")
-    assert loss < 0.5
+    assert loss < 0.5  # it did learn (uniform over ten classes: 2.30)
     assert abs(after - loss) <= 0.01 * loss
+    assert plain - loss > 10 * abs(after - loss)
