@@ -41,13 +41,15 @@ SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transfor
              "transformers LlamaForCausalLM", "transformers LlamaModel")
 
 
-def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
+def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
            schedule: str = "sequential", preserve: str | None = None, scale_bits: int = 6,
            adapter_size: int = 64, ordinary_top: int = 0) -> nn.Module:
     """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
 
     ``exact``, ``frac_bits``, ``anchor_every`` and ``schedule`` are
-    :class:`~revtriton.engine.ReversibleStack` options.
+    :class:`~revtriton.engine.ReversibleStack` options; ``anchor_every=None`` (the default) is 0,
+    except for a preserving conversion on float streams: anchors every ``max(1, 8 // bits)`` blocks,
+    ``bits`` being the scale bits a block's inverse amplifies rounding by.
 
     Args:
         preserve: None (the two-stream coupling of the block's halves: the function changes) or a
@@ -58,7 +60,7 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         scale_bits: the coupling scale is ``2**-scale_bits``. Larger keeps the function closer;
             exact streams keep ``scale_bits`` bits per element of each scaled stream per block
             for the inverse, float streams amplify their inverse's rounding by ``2**scale_bits``
-            per block (use ``anchor_every``, and float64 or exact streams).
+            per block (anchors bound it: see ``anchor_every``).
         ordinary_top: the top K blocks stay ordinary (stored-activation) blocks, run after the
             reversible ones on the stream that carries the function.
 
@@ -186,7 +188,7 @@ class _RevifiedBlock:
             return attention, mlp
         adapters = self.revtriton_adapters
         if mode == "meft1":
-            return _WholeLayer(attention, mlp), adapters["g"]
+            return _WholeLayer(attention, mlp, adapters["f"]), adapters["g"]
         if mode == "meft2":
             return adapters["f"], _WholeLayer(attention, mlp)
         return _SublayerWithAdapter(attention, adapters["f"]), _SublayerWithAdapter(mlp, adapters["g"])
@@ -231,14 +233,16 @@ class PreserveMode:
 #: With ``L(x) = x + A(x) + M(x + A(x))`` the pretrained layer, ``A`` / ``M`` its attention and MLP
 #: branches, ``Ad`` a zero-initialised adapter and ``s = 2**-scale_bits``; both streams start as h0.
 #:
-#: * ``"meft1"``: ``y1 = s*x1 + L(x2)``, ``y2 = x2 + Ad(y1)``, outputs swapped. Layer i's input is
-#:   ``h_i`` plus ``s`` times the one before; the output is the second stream. Scales one stream.
+#: * ``"meft1"``: ``y1 = s*x1 + L(x2) + Ad_F(x2)``, ``y2 = x2 + Ad_G(y1)``, outputs swapped. Layer
+#:   i's input is ``h_i`` plus ``s`` times the one before; the output is the second stream. Scales
+#:   one stream. (Ad_G alone would reach the function only through the next ``s*x1``: Ad_F, beside
+#:   the layer, is what adapter-only fine-tuning trains; the top block's Ad_G feeds the unread stream.)
 #: * ``"meft2"``: ``y1 = x1 + Ad(x2)``, ``y2 = s*x2 + L(y1)``, outputs swapped; reads the first stream.
 #: * ``"meft3"``: ``y1 = s*x1 + x2 + A(x2) + Ad_A(x2)``, ``y2 = s*x2 + y1 + M(y1) + Ad_M(y1)``
 #:   (attention and MLP sublayers as the halves, an adapter beside each); reads the second stream.
 #:   Scales both streams (twice the kept bits of meft1 / meft2 in exact mode).
 PRESERVE_MODES = {
-    "meft1": PreserveMode("layer, adapter", (True, False), True, "second", ("g",)),
+    "meft1": PreserveMode("layer+adapter, adapter", (True, False), True, "second", ("f", "g")),
     "meft2": PreserveMode("adapter, layer", (False, True), True, "first", ("f",)),
     "meft3": PreserveMode("attention+adapter, mlp+adapter", (True, True), False, "second", ("f", "g")),
 }
@@ -260,18 +264,36 @@ class _Conversion:
 
     def stack_options(self) -> dict:
         readout = "mean" if self.preserve is None else PRESERVE_MODES[self.preserve].readout
-        return dict(self.options, readout=readout)
+        options = dict(self.options, readout=readout)
+        if options["anchor_every"] is None:
+            options["anchor_every"] = self.default_anchor_every()
+        return options
+
+    def default_anchor_every(self) -> int:
+        """Float streams' inverse amplifies rounding by 1 / scale per scaled stream and block: anchors
+        at least every FLOAT_ANCHOR_BITS of amplification (none for exact or unscaled streams)."""
+        if self.preserve is None or self.options["exact"]:
+            return 0
+        bits_per_block = self.scale_bits * sum(PRESERVE_MODES[self.preserve].scaled)
+        return max(1, FLOAT_ANCHOR_BITS // bits_per_block)
+
+
+# Float streams of a preserving conversion keep anchors so that the inverse amplifies rounding by at
+# most 2**8 between them (about 1e-5 relative in float32 gradients; perf/reconstruction.py).
+FLOAT_ANCHOR_BITS = 8
 
 
 class _WholeLayer:
-    """The pretrained layer as one half: ``L(x) = mid + M(mid)``, ``mid = x + A(x)`` (torch epilogue)."""
+    """The pretrained layer as one half, ``L(x) = mid + M(mid)`` with ``mid = x + A(x)``, plus an
+    adapter beside it when given (torch epilogue)."""
 
-    def __init__(self, attention, mlp):
-        self.attention, self.mlp = attention, mlp
+    def __init__(self, attention, mlp, adapter=None):
+        self.attention, self.mlp, self.adapter = attention, mlp, adapter
 
     def __call__(self, x):
         mid = x + self.attention(x)
-        return mid + self.mlp(mid)
+        out = mid + self.mlp(mid)
+        return out if self.adapter is None else out + self.adapter(x)
 
     def couple(self, res, x, sign, frac_bits=None, scale=None):
         return couple_output(res, self(x), sign, frac_bits, scale)

@@ -240,3 +240,17 @@ def test_bad_couplings_raise(kwargs, match):
 def test_bad_readout_raises():
     with pytest.raises(ValueError, match="readout must be one of"):
         ReversibleStack([ReversibleBlock(mlp(DIM), mlp(DIM))], readout="last")
+
+
+def test_float_stacks_warn_when_scales_amplify_past_2_to_the_12_between_anchors():
+    def blocks():
+        return [ReversibleBlock(mlp(DIM), mlp(DIM), scale1=2.0**-5) for _ in range(3)]  # 15 bits in all
+
+    with pytest.warns(UserWarning, match=r"amplifies rounding by up to 2\*\*15"):
+        ReversibleStack(blocks(), exact=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ReversibleStack(blocks(), exact=False, anchor_every=2)  # 10 bits between anchors
+        ReversibleStack(blocks(), exact=True)  # bitwise: nothing amplifies

@@ -13,13 +13,34 @@ from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
 from .fsdp import PhaseResult, run_block_phase
 from .guards import BackwardChecks, ForwardGuards, StreamFormat, out_of_range
-from .protocol import coupling_of, is_invertible_layer, is_reversible_block, residual_scale
+from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
 from .replay import AutocastState, RngTape, _rng_devices
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
 from .state import StateWatch
 
 
 READOUTS = ("mean", "first", "second")
+# Float streams: warn when scaled couplings let the inverse amplify rounding by more than 2**12
+# between anchors (float32 keeps 24 bits: half of them would go).
+FLOAT_AMPLIFICATION_WARN_BITS = 12
+
+
+def _warn_float_amplification(layers, anchor_every: int):
+    """Warn when a float stack's scaled couplings amplify the inverse's rounding too much between anchors."""
+    bits = []
+    for layer in layers:
+        c = coupling_of(layer) if is_reversible_block(layer) else PLAIN_COUPLING
+        bits.append(-math.log2(c.scale1) - math.log2(c.scale2))
+    window = anchor_every or len(bits)
+    worst = max(sum(bits[i: i + window]) for i in range(0, len(bits), window))
+    if worst > FLOAT_AMPLIFICATION_WARN_BITS:
+        import warnings
+
+        warnings.warn(
+            f"revtriton: float streams with scaled couplings: the inverse amplifies rounding by up to 2**{worst:.0f} "
+            f"between anchors, so the rebuilt inputs and the gradients may be far off; set anchor_every (each "
+            f"anchor keeps two streams) so that it stays below 2**{FLOAT_AMPLIFICATION_WARN_BITS}, or use "
+            f"exact=True (bitwise at any depth)", stacklevel=3)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
 
 
@@ -74,6 +95,8 @@ class ReversibleStack(nn.Module):
         for i, layer in enumerate(layers):
             if is_reversible_block(layer):
                 coupling_of(layer).check(bool(exact), f"layer {i} ({type(layer).__name__})")
+        if not exact:
+            _warn_float_amplification(layers, anchor_every)
         if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 0:
             raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.exact = bool(exact)
