@@ -12,6 +12,7 @@ COMMANDS = {
     "engine-bench": ("engine_bench", "the engine's CPU benchmark against plain autograd and checkpointing"),
     "kernels": ("kernels", "per-kernel microbenchmarks (GPU)"),
     "kernels-attention": ("kernels_attention", "flash attention and the fused attention block (GPU)"),
+    "reconstruction": ("reconstruction", "inverse error vs depth of scaled (MEFT) couplings, float vs exact (CPU)"),
     "roofline": ("roofline", "roofline per production shape, half and phase (arithmetic, no GPU)"),
     "static": ("static", "static GPU performance model: compiles every launch for sm_90 / sm_80 (no GPU)"),
 }

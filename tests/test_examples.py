@@ -1,4 +1,5 @@
 """The training examples run end to end in smoke mode (a few steps; each well under 2 minutes on CPU)."""
+import math
 import os
 import re
 import subprocess
@@ -84,3 +85,48 @@ def test_compare_curves_flags_a_gap(monkeypatch, capsys):
     assert not compare_curves([2.0, 1.5, 1.0, 0.511], ref, args)  # 2.2% at the last step
     assert "at every step: NO" in capsys.readouterr().out
     assert compare_curves([2.0, 1.5, 1.0, 0.511], ref, Namespace(tolerance=0.02, atol=0.01, window=2, plot=None))
+
+
+def _finetune_rows(stdout):
+    """{variant: [columns]} of finetune_pretrained.py's final table."""
+    return {line.split()[0]: line.split() for line in stdout.splitlines()
+            if line.split() and line.split()[0] in ("original", "none", "meft1", "meft2", "meft3")}
+
+
+def check_finetune_report(stdout, stderr):
+    assert re.search(r"variant\s+trainable\s+pretrain@conv\s+ratio\s+new@conv\s+ratio\s+new@end", stdout), stdout
+    rows = _finetune_rows(stdout)
+    assert set(rows) == {"original", "none", "meft1", "meft2", "meft3"}, stdout
+    for row in rows.values():
+        assert all(math.isfinite(float(v.replace(",", ""))) for v in row[1:]), row
+    # Right after conversion the preserving variants compute the pretrained function (up to the
+    # 2**-scale_bits term): validation loss within 1% of the original's on the pretraining data.
+    for variant in ("meft1", "meft2", "meft3"):
+        assert abs(float(rows[variant][3]) - 1.0) < 0.01, stdout
+    # Reversible variants keep less for backward than the unconverted model.
+    assert all(float(rows[v][-1]) < float(rows["original"][-1]) for v in ("none", "meft1", "meft2", "meft3")), stdout
+    assert "100%" in stderr  # the tqdm progress bars ran to the end
+
+
+def test_finetune_pretrained_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    plot = tmp_path / "finetune.png"
+    stdout, stderr = run_example("finetune_pretrained.py", "--plot", str(plot))
+    assert "LlamaForCausalLM" in stdout and "exact streams" in stdout
+    check_finetune_report(stdout, stderr)
+    # The preserving variants add adapters: trainable parameters beyond the original's.
+    rows = _finetune_rows(stdout)
+    original = int(rows["original"][1].replace(",", ""))
+    assert all(int(rows[v][1].replace(",", "")) > original for v in ("meft1", "meft2", "meft3")), stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_finetune_pretrained_smoke_gpt2_adapters_only_float_streams():
+    pytest.importorskip("transformers")
+    stdout, stderr = run_example("finetune_pretrained.py", "--family", "gpt2", "--adapters-only", "--float-streams")
+    assert "GPT2LMHeadModel" in stdout and "float streams" in stdout and "adapters only" in stdout
+    check_finetune_report(stdout, stderr)
+    rows = _finetune_rows(stdout)
+    # Only the adapters train: far fewer trainable parameters than the whole model.
+    original = int(rows["original"][1].replace(",", ""))
+    assert all(int(rows[v][1].replace(",", "")) < original // 2 for v in ("meft1", "meft2", "meft3")), stdout
