@@ -21,6 +21,11 @@ Epilogue, fp32, one cast at the store (the shape of cuBLASLt's epilogue enum):
   alpha       scalar factor (a sign); HAS_ROW_SCALE: * row_scale[m]
   RESIDUAL    1 float: res + sign * acc;  2 exact: res + sign * round_half_even(acc * 2^k),
               saturated at +-(2^31 - 128), NaN -> +saturation, int32 add (wraps like the reference)
+  RES_SCALED  a scaled coupling (ops.streams.ResidualScale), sign +1 forward / -1 inverse:
+              float  res * res_scale + acc  /  (res - acc) / res_scale
+              exact  (res >> res_shift) + q  /  ((res - q) << res_shift) | the dropped low bits,
+              read from the bit planes at low_bits_ptr (kernels/couple.py restore_low_bits).
+              A runtime branch on sign: the forward and the rebuild still run one compiled kernel.
 
 No atomics: every output element (or partial) is computed by one program in a fixed order, so
 a shape with a pinned config gives bitwise the same result on every call.
@@ -29,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .configs import gemm_configs, prune_for_device
-from .couple import quantize
+from .couple import quantize, restore_low_bits
 
 ACT_NONE, ACT_GELU_TANH, ACT_GELU, ACT_RELU, ACT_SWIGLU = 0, 1, 2, 3, 4
 RES_NONE, RES_FLOAT, RES_EXACT = 0, 1, 2
@@ -44,7 +49,7 @@ COL_SUM_ROWS = tl.constexpr(64)  # rows of C per column-sum partial row; every c
 # power-of-two buckets: a config tuned at a few hundred tokens is not reused at 8192, and a
 # weight gradient (K = tokens) does not retune for every batch size.
 GEMM_TUNE_KEY = ["M_BUCKET", "N", "K_BUCKET", "DUAL_B", "SECOND_K", "SPLIT_K", "HAS_BIAS", "ACT", "ACT_BWD", "COL_SUM",
-                 "HAS_ROW_SCALE", "RESIDUAL"]
+                 "HAS_ROW_SCALE", "RESIDUAL", "RES_SCALED"]
 
 
 @triton.jit
@@ -106,6 +111,17 @@ def activation_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def scaled_float_add(res, h, sign, res_scale):
+    """The float epilogue of a scaled coupling: ``res * scale + h`` forward (sign > 0), ``(res - h) /
+    scale`` inverse (ops.streams.couple_output with a ResidualScale), in fp32."""
+    if sign > 0:
+        out = res * res_scale + h
+    else:
+        out = (res - h) / res_scale
+    return out
+
+
+@triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) in grouped order: GROUP_M row tiles share B's column tiles in L2."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -120,18 +136,19 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 # sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
 # constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
-# kernels; exact streams need the rebuild to run the forward's code. M_BUCKET / K_BUCKET only key
+# kernels; exact streams need the rebuild to run the forward's code. So are the scale's shift and
+# bit-plane length (a shift of 1 would compile a kernel of its own). M_BUCKET / K_BUCKET only key
 # the tuning.
-@triton.jit(do_not_specialize=["sign", "store_aux", "M_BUCKET", "K_BUCKET"])
+@triton.jit(do_not_specialize=["sign", "res_shift", "low_bits_plane", "store_aux", "M_BUCKET", "K_BUCKET"])
 def fused_gemm_kernel(
         a_ptr, b_ptr, b2_ptr, c_ptr,
         M, N, K, k_per_split,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
         bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
-        alpha, sign, frac_scale, store_aux, M_BUCKET, K_BUCKET,
+        alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux, M_BUCKET, K_BUCKET,
         DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
-        HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -226,10 +243,22 @@ def fused_gemm_kernel(
     res_ptrs = (res_ptr + row0 * stride_resm + col0) + (local_m[:, None] * stride_resm + local_n[None, :])
     if RESIDUAL == 1:
         res = tl.load(res_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-        tl.store(c_ptrs, (res + sign * acc).to(c_ptr.dtype.element_ty), mask=mask_c)
+        if RES_SCALED:
+            out = scaled_float_add(res, acc, sign, res_scale)
+        else:
+            out = res + sign * acc
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_c)
     elif RESIDUAL == 2:
         res = tl.load(res_ptrs, mask=mask_c, other=0)
-        tl.store(c_ptrs, res + sign * quantize(acc, frac_scale), mask=mask_c)
+        q = quantize(acc, frac_scale)
+        if not RES_SCALED:
+            out = res + sign * q
+        elif sign > 0:  # a runtime branch: the scaled forward and rebuild are one compiled kernel
+            out = (res >> res_shift) + q
+        else:  # the dropped bits are indexed by the element's place in the [M, N] stream, not by res's strides
+            out = restore_low_bits((res - q) << res_shift, low_bits_ptr, row0 * N + col0, N, M - row0, N - col0,
+                                   low_bits_plane, res_shift, BLOCK_M, BLOCK_N)
+        tl.store(c_ptrs, out, mask=mask_c)
     else:
         stored = acc.to(c_ptr.dtype.element_ty)
         tl.store(c_ptrs, stored, mask=mask_c)

@@ -135,7 +135,8 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
         reduced = {**common, "dim": 128, "heads": 4, "threads": 1}
         if suite == "pareprop":
             return SweepConfig(**{**reduced, "presets": ["vit-b", "gpt2"], "grid": "product",
-                                  "variants": [["coupled-stored", "reference"], ["revtriton-sequential", "reference"],
+                                  "variants": [["coupled-stored", "reference"], ["prenorm-stored", "reference"],
+                                               ["revtriton-sequential", "reference"],
                                                ["revtriton-pareprop", "reference"]]},
                                base_seq=cpu_seq, depths=[12, 24], batches=[2, 4], base_depth=12, base_batch=2,
                                warmup=1, repeats=3)
@@ -150,7 +151,7 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
     if suite == "pareprop":
         fused = [pair for pair in variants if pair[1] == "fused"]
         return SweepConfig(**{**common, "presets": ["vit-b", "gpt2"], "grid": "product",
-                              "variants": [["coupled-stored", "reference"]] + fused},
+                              "variants": [["coupled-stored", "reference"], ["prenorm-stored", "reference"]] + fused},
                            base_seq=real_seq, depths=[12, 24], batches=[8, 16, 32], base_depth=12, base_batch=8,
                            warmup=3, repeats=10)
     return SweepConfig(**{**common, "seq_lens": [256, 512, 2048]}, base_seq=real_seq, depths=[6, 12, 24, 48],

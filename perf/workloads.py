@@ -8,6 +8,10 @@ engine calls it, and returns the kernel launches of each phase:
     forward     no-grad couple  res + F(x)                  (the block's forward)
     recompute   with-grad couple res - F(x)                 (the engine's rebuild in backward)
     backward    the half's gradient, incl. weight and norm gradients
+
+A model with a ``coupling_scale`` couples as a scaled (MEFT-style) block: ``scale * res + F(x)``
+forward, ``(res - F(x)) / scale`` in the rebuild, the scale in the couple GEMM's epilogue (exact
+streams: a shift, and the rebuild reads the dropped bits' planes).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 
 from revtriton import aot
 from revtriton.ops import fused_attention, fused_mlp
+from revtriton.ops.streams import ResidualScale, scale_shift
 
 from .roofline import HALVES, PHASES  # noqa: F401 (the same names for both models)
 
@@ -38,6 +43,7 @@ class Model:
     drop_path: bool = False  # training with stochastic depth: a per-row scale in the couple epilogue
     production: bool = True  # False: extra variants compiled for coverage, not in the roofline table
     halves: tuple = ("mlp", "attention")
+    coupling_scale: float | None = None  # a scaled coupling's residual factor (2**-s: exact streams too)
 
     @property
     def norm(self) -> str:
@@ -60,11 +66,16 @@ PRODUCTION = (
     Model("llama7b", 4096, 11008, 32, 32, "swiglu", True, 4096, 2, rope=True),
     Model("llama3_8b", 4096, 14336, 32, 8, "swiglu", True, 8192, 1, rope=True),
 )
-# Other activations the MLP half supports, at ViT-B width; a model width with K % 16 != 0.
+# Other activations the MLP half supports, at ViT-B width; a model width with K % 16 != 0; scaled
+# couplings (the scale in the couple epilogue) at ViT-B's and LLaMA-7B's couples.
 COVERAGE = (
     Model("vit_b_gelu", 768, 3072, 12, 12, "gelu", False, 197, 41, drop_path=True, production=False),
     Model("vit_b_relu", 768, 3072, 12, 12, "relu", False, 197, 41, production=False),
     Model("odd_width", 1000, 4000, 8, 8, "gelu_tanh", False, 256, 32, production=False, halves=("mlp",)),
+    Model("vit_b_scaled", 768, 3072, 12, 12, "gelu_tanh", False, 197, 41, drop_path=True, production=False,
+          coupling_scale=0.5),
+    Model("llama7b_scaled", 4096, 11008, 32, 32, "swiglu", True, 4096, 2, rope=True, production=False,
+          halves=("mlp",), coupling_scale=2.0**-3),
 )
 MODELS = {m.name: m for m in PRODUCTION + COVERAGE}
 
@@ -90,20 +101,31 @@ def _attention_params(m: Model):
 
 
 def _couple(m: Model, half: str, params: dict):
-    """The half's couple(res, x, sign, frac_bits) with its weights bound."""
+    """The half's couple(res, x, sign, frac_bits, scale) with its weights bound."""
     row_scale = torch.empty(m.batch, m.seq, device="meta") if m.drop_path else None
     if half == "mlp" and m.activation == "swiglu":
-        return lambda res, x, sign, frac: fused_mlp.fused_swiglu_mlp_couple(
+        return lambda res, x, sign, frac, scale: fused_mlp.fused_swiglu_mlp_couple(
             res, x, sign, frac, params["norm_weight"], params["w_gate"], params["w_up"], params["w_down"],
-            row_scale=row_scale)
+            row_scale=row_scale, scale=scale)
     if half == "mlp":
-        return lambda res, x, sign, frac: fused_mlp.fused_norm_mlp_couple(
+        return lambda res, x, sign, frac, scale: fused_mlp.fused_norm_mlp_couple(
             res, x, sign, frac, params["norm_weight"], params["norm_bias"], params["w1"], params["b1"], params["w2"],
-            params["b2"], norm=m.norm, activation=m.activation, row_scale=row_scale)
-    return lambda res, x, sign, frac: fused_attention.fused_norm_attention_couple(
+            params["b2"], norm=m.norm, activation=m.activation, row_scale=row_scale, scale=scale)
+    return lambda res, x, sign, frac, scale: fused_attention.fused_norm_attention_couple(
         res, x, sign, frac, params["norm_weight"], params["norm_bias"], params["w_qkv"], params["b_qkv"],
         params["w_proj"], params["b_proj"], heads=m.heads, kv_heads=m.kv_heads, causal=m.causal,
-        rope_theta=10000.0 if m.rope else None, norm=m.norm, row_scale=row_scale)
+        rope_theta=10000.0 if m.rope else None, norm=m.norm, row_scale=row_scale, scale=scale)
+
+
+def _coupling_scales(m: Model, res: torch.Tensor, exact: bool):
+    """(forward, rebuild) ResidualScale of a scaled model (None, None otherwise): the exact rebuild
+    gets the dropped bits' planes, as the engine keeps them from the forward."""
+    if m.coupling_scale is None:
+        return None, None
+    planes = None
+    if exact:
+        planes = torch.empty(scale_shift(m.coupling_scale), -(-res.numel() // 8), device="meta", dtype=torch.uint8)
+    return ResidualScale(m.coupling_scale), ResidualScale(m.coupling_scale, planes)
 
 
 def half_launches(m: Model, half: str, exact: bool = True) -> dict:
@@ -116,13 +138,14 @@ def half_launches(m: Model, half: str, exact: bool = True) -> dict:
     shape = (m.batch, m.seq, m.dim)
     res = torch.empty(shape, device="meta", dtype=torch.int32 if exact else torch.float32)
     x = torch.empty(shape, device="meta", dtype=torch.float32)
+    forward_scale, rebuild_scale = _coupling_scales(m, res, exact)
     with aot.recording_launches() as launches:
         with torch.no_grad():
-            couple(res, x, 1, frac)
+            couple(res, x, 1, frac, forward_scale)
         forward = len(launches)
-        stream, port = couple(res, x.requires_grad_(), -1, frac)
+        stream, port = couple(res, x.requires_grad_(), -1, frac, rebuild_scale)
         recompute = len(launches)
-        out = port if exact else stream
+        out = stream if port is None else port  # float streams: the stream is the port, unless scaled
         out.backward(torch.empty_like(out, dtype=torch.float32))
     return {"forward": launches[:forward], "recompute": launches[forward:recompute],
             "backward": launches[recompute:]}

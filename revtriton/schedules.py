@@ -5,9 +5,12 @@ A schedule composes two per-layer steps offered by the engine:
 * ``recover(i, streams)``: rebuild layer i's input from its output, keeping the recompute's
   graph (both couple calls of a block, with grad);
 * ``grads(recovered, dy1, dy2)``: the two local backward calls that accumulate the parameter
-  grads and return the gradients w.r.t. layer i's input.
+  grads and return the gradients w.r.t. layer i's input;
+* ``step(i, streams, dy1, dy2)``: both for one layer, ``(recovered, grads)``, rebuilding and
+  differentiating one half at a time (G's rebuild and gradients, then F's), so that only one
+  half's recompute graph is alive at once; it empties the list ``streams``.
 
-Sequential runs recover(i), grads(i) for i = L-1 .. 0. PaReprop (Zhao et al., 2023) rebuilds
+Sequential runs step(i) (recover(i) and grads(i), half by half) for i = L-1 .. 0. PaReprop (Zhao et al., 2023) rebuilds
 layer i-1 while layer i's gradients run, on two side streams ("lanes") that take turns: layer
 i is rebuilt *and* gets its gradients on lane i % 2. Autograd runs each backward op on the
 stream its forward op ran on, so grads(i) lands on the stream that rebuilt layer i whichever
@@ -105,16 +108,16 @@ def _protect(tensors, stream):
 def _sequential(stepper, streams, dy1, dy2, trace):
     mismatches = []
     for i in reversed(range(stepper.num_layers)):
-        recovered = stepper.recover(i, streams)
+        # step(i) empties ``streams`` (the caller's list, for the last layer): once a half is rebuilt from
+        # an output stream nothing here keeps that stream alive.
+        recovered, (dy1, dy2) = stepper.step(i, streams, dy1, dy2)
         if trace is not None:
             trace.add("rebuild", i, "main", [("grads", i + 1)] if i + 1 < stepper.num_layers else [])
-        dy1, dy2 = stepper.grads(recovered, dy1, dy2)
-        if trace is not None:
             trace.add("grads", i, "main", [("rebuild", i)])
-        streams = recovered.inputs
+        streams = list(recovered.inputs)
         if recovered.mismatch is not None:
             mismatches.append(recovered.mismatch)
-        del recovered  # free this layer's recompute graph before the next one is built
+        del recovered  # nothing of this layer's recompute is kept for the next one
     return dy1, dy2, mismatches
 
 
@@ -142,6 +145,8 @@ def _pareprop(stepper, streams, dy1, dy2, trace):
         return recovered
 
     upcoming = issue_rebuild(n - 1, streams)
+    if isinstance(streams, list):
+        streams.clear()  # the caller's list: the last layer's rebuild holds what it still needs
     for i in reversed(range(n)):
         current = upcoming
         if i > 0:  # queued before grads(i) so the two run side by side
@@ -167,7 +172,10 @@ def _pareprop(stepper, streams, dy1, dy2, trace):
 
 
 def run_backward_schedule(schedule, stepper, streams, dy1, dy2, trace=None):
-    """Run a segment's backward; returns ``(dx1, dx2, mismatch_flags or None)``."""
+    """Run a segment's backward; returns ``(dx1, dx2, mismatch_flags or None)``.
+
+    ``streams``: the segment's output streams, as a list that the schedule empties once the last
+    layer's rebuild no longer needs it (the caller must keep no other reference to free them early)."""
     if schedule == "sequential":
         dy1, dy2, mismatches = _sequential(stepper, streams, dy1, dy2, trace)
     elif schedule == "pareprop":

@@ -1,6 +1,7 @@
 """The exact couple epilogue in one Triton pass (kernels/couple.py, used on CUDA by the library path
 of a half): bitwise the torch reference under the interpreter for every input, the edges planted;
-chosen by ``couple_output`` when selected, gradients unchanged; and it compiles for sm_90 / sm_80."""
+chosen by ``couple_output`` when selected, gradients unchanged; a scaled coupling's shift and
+dropped bits in the same pass; and it compiles for sm_90 / sm_80."""
 import json
 import os
 import subprocess
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from revtriton.ops import backend, dispatch, streams
-from revtriton.ops.streams import (EXACT_ADD_BLOCK, SATURATION, couple_output, exact_add, exact_add_reference,
-                                   exact_add_triton, exact_add_uses_triton, to_fixed)
+from revtriton.ops.streams import (EXACT_ADD_BLOCK, SATURATION, ResidualScale, couple_output, exact_add,
+                                   exact_add_reference, exact_add_triton, exact_add_uses_triton,
+                                   library_couple_output, to_fixed)
 
 pytestmark = [
     pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)"),
@@ -219,24 +221,123 @@ def test_exact_add_dispatches_on_the_device_check(seeded, kernel_selected):
 
 
 # --------------------------------------------------------------------------------------------
+# A scaled coupling (scale 2**-s) in the same pass: (res >> s) + q forward, ((res - q) << s) | the
+# dropped bits inverse, bitwise couple_output with the scale
+
+
+SHIFTS = [1, 3, 7]
+
+
+def scaled_cases():
+    """(res, h): 91 elements (not a multiple of 8: the last byte of each bit plane is partly
+    padding), two blocks (the second starting mid-stream), a strided view, every edge."""
+    yield random_inputs((7, 13), torch.float32, 16)
+    yield random_inputs((2, EXACT_ADD_BLOCK + 5), torch.bfloat16, 16)
+    res, h = random_inputs((33, 40), torch.float32, 16)
+    yield res.t(), h.t()
+    yield edge_inputs(torch.float32, 16)
+
+
+@pytest.mark.parametrize("shift", SHIFTS)
+def test_scaled_kernel_is_bitwise_the_reference_and_inverts(seeded, shift):
+    for res, h in scaled_cases():
+        forward = ResidualScale(2.0**-shift)
+        with dispatch.count_launches() as launches:
+            y = exact_add_triton(res, h, 1, 16, forward)
+        assert launches["exact_add_kernel"] == 1
+        assert torch.equal(y, exact_add_reference(res, h, 1, 16, forward))
+        assert torch.equal(y, couple_output(res, h, 1, 16, forward)[0])
+        inverse = ResidualScale(2.0**-shift, forward.dropped_bits(res))  # kept by the engine in the forward
+        back = exact_add_triton(y, h, -1, 16, inverse)
+        assert torch.equal(back, couple_output(y, h, -1, 16, inverse)[0])
+        assert torch.equal(back, res)  # the round trip, int32 wrap-arounds included
+
+
+def test_scaled_kernel_refuses_what_it_cannot_invert():
+    res, h = torch.zeros(20, dtype=torch.int32), torch.zeros(20)
+    with pytest.raises(TypeError, match="ResidualScale"):
+        exact_add_triton(res, h, 1, 16, 0.5)
+    with pytest.raises(ValueError, match=r"2\*\*-s"):
+        exact_add_triton(res, h, 1, 16, ResidualScale(0.3))
+    with pytest.raises(ValueError, match="dropped"):
+        exact_add_triton(res, h, -1, 16, ResidualScale(0.5))
+    with pytest.raises(TypeError, match="uint8"):
+        exact_add_triton(res, h, -1, 16, ResidualScale(0.5, torch.zeros(1, 3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"\(1, 3\)"):  # 20 elements: 3 bytes a plane, 1 plane for 2**-1
+        exact_add_triton(res, h, -1, 16, ResidualScale(0.5, torch.zeros(2, 3, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="meta"):
+        exact_add_triton(res, h, -1, 16, ResidualScale(0.5, torch.zeros(1, 3, dtype=torch.uint8, device="meta")))
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_library_path_applies_the_scale_in_the_kernel(seeded, monkeypatch, sign):
+    """The torch candidate of a LayerNormMLP half with a scale ends in one exact_add launch (shift,
+    rounded add and the restored bits): couple_output's stream, and the port's gradients those of
+    the unscaled couple (the engine scales the stream's own gradient)."""
+    from revtriton import LayerNormMLP
+
+    half = LayerNormMLP(36, 48)  # 3 x 5 x 36 = 540 elements: not a multiple of 8
+    x, res = torch.randn(3, 5, 36), to_fixed(torch.randn(3, 5, 36) * 100, 16)
+    g = torch.randn(3, 5, 36)
+    forward = ResidualScale(2.0**-3)
+    scale = forward if sign > 0 else ResidualScale(forward.value, forward.dropped_bits(res))
+
+    def run(scale):
+        xi = x.clone().requires_grad_(True)
+        with backend.use_backend("torch"), dispatch.count_launches() as launches:
+            stream, port = half.couple(res, xi, sign, 16, scale=scale)
+        grads = torch.autograd.grad(port, [xi, *half.parameters()], g)
+        return stream, grads, dict(launches)
+
+    stream_t, grads_t, launches_t = run(scale)
+    monkeypatch.setattr(streams, "exact_add_uses_triton", lambda res, h: True)
+    stream_k, grads_k, launches_k = run(scale)
+    _, grads_unscaled, _ = run(None)
+    assert launches_k == {"exact_add_kernel": 1} and launches_t == {}
+    want, _ = couple_output(res, half(x).detach(), sign, 16, scale)
+    assert torch.equal(stream_k, stream_t) and torch.equal(stream_k, want)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(grads_k, grads_t, grads_unscaled))
+
+
+def test_library_couple_output_is_couple_output(seeded, kernel_selected):
+    """Float streams and unscaled couples take couple_output itself; exact scaled ones one pass."""
+    res, h = torch.randn(4, 9), torch.randn(4, 9)
+    for sign in (1, -1):
+        for scale in (None, ResidualScale(0.3)):
+            got, want = library_couple_output(res, h, sign, None, scale), couple_output(res, h, sign, None, scale)
+            assert torch.equal(got[0], want[0])
+    fixed = to_fixed(res, 16)
+    with dispatch.count_launches() as launches:
+        got, _ = library_couple_output(fixed, h, 1, 16, ResidualScale(0.25))
+    assert launches.total() == 1 and torch.equal(got, couple_output(fixed, h, 1, 16, ResidualScale(0.25))[0])
+
+
+# --------------------------------------------------------------------------------------------
 # It compiles for the GPUs (no GPU needed) and, where one is lent, runs there bitwise
 
 
 COMPILE_SCRIPT = r"""
 import json, torch
 from revtriton import aot
-from revtriton.ops.streams import exact_add_triton
+from revtriton.ops.streams import ResidualScale, exact_add_triton
 out = []
+numel = 8192 * 4096  # a production stream (8192 tokens x 4096): the specialisation a launch builds
+res = torch.empty(numel, dtype=torch.int32, device="meta")
+planes = torch.empty(3, numel // 8, dtype=torch.uint8, device="meta")
 for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-    numel = 8192 * 4096  # a production stream (8192 tokens x 4096): the specialisation a launch builds
-    res, h = torch.empty(numel, dtype=torch.int32, device="meta"), torch.empty(numel, dtype=dtype, device="meta")
-    with aot.recording_launches() as launches:
-        exact_add_triton(res, h, -1, 16)
-    (launch,) = launches
-    for arch in aot.ARCHS:
-        (config,) = aot.configs_for_arch(launch, arch)
-        result = aot.analyze(aot.compile_job(launch, config, arch), aot.jit_function(launch.kernel))
-        out.append(dict(result, dtype=str(dtype)))
+    h = torch.empty(numel, dtype=dtype, device="meta")
+    calls = [(-1, None)]
+    if dtype in (torch.float32, torch.bfloat16):  # a scaled coupling: its forward and its inverse
+        calls += [(1, ResidualScale(2.0**-3)), (-1, ResidualScale(2.0**-3, planes))]
+    for sign, scale in calls:
+        with aot.recording_launches() as launches:
+            exact_add_triton(res, h, sign, 16, scale)
+        (launch,) = launches
+        for arch in aot.ARCHS:
+            (config,) = aot.configs_for_arch(launch, arch)
+            job = aot.compile_job(launch, config, arch)
+            result = aot.analyze(job, aot.jit_function(launch.kernel))
+            out.append(dict(result, dtype=str(dtype), sign=sign, scaled=scale is not None, job=job.key))
 print(json.dumps(out))
 """
 
@@ -253,6 +354,12 @@ def test_kernel_compiles_for_sm90_and_sm80_without_spills():
     for r in results:
         assert r["error"] is None, r
         assert r["local"] == 0 and r["stack"] == 0 and r["registers"] <= 232, r
+    # a scaled forward and its inverse run one compiled kernel (a runtime branch on the sign)
+    scaled = {}
+    for r in results:
+        if r["scaled"]:
+            scaled.setdefault((r["dtype"], r["arch"]), set()).add(r["job"])
+    assert len(scaled) == 4 and all(len(jobs) == 1 for jobs in scaled.values()), scaled
 
 
 @pytest.mark.gpu

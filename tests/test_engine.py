@@ -1,4 +1,6 @@
 """The reversible engine on the CPU reference path (issue 2)."""
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -143,6 +145,94 @@ def test_training_step_peak_memory_is_flat_in_depth():
         stack(x).sum().backward()  # allocate .grad first: steady-state training steps reuse it
         peaks.append(peak_memory(lambda: stack(x).sum().backward()))
     assert peaks[1] <= 1.10 * peaks[0], peaks
+
+
+class _GraphCount(torch.autograd.Function):
+    """Identity whose recorded nodes are counted while alive: how many half graphs exist at once."""
+
+    live = 0
+    most = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        if x.requires_grad:  # recorded (a rebuild in backward); the forward runs without grad
+            _GraphCount.live += 1
+            _GraphCount.most = max(_GraphCount.most, _GraphCount.live)
+            weakref.finalize(ctx, _GraphCount._freed)
+        return x.view_as(x)
+
+    @staticmethod
+    def _freed():
+        _GraphCount.live -= 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Counted(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(_GraphCount.apply(x))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_sequential_backward_keeps_one_half_graph_at_a_time(exact):
+    """Sequential: G is rebuilt and differentiated before F is rebuilt (issue 20: the extra peak was
+    F's recompute graph alive during G's gradients); PaReprop keeps two blocks' (four halves')."""
+    most = {}
+    for schedule in ("sequential", "pareprop"):
+        torch.manual_seed(0)
+        stack = ReversibleStack([ReversibleBlock(_Counted(mlp(DIM)), _Counted(mlp(DIM))) for _ in range(4)],
+                                exact=exact, schedule=schedule)
+        x = torch.randn(2, 3, DIM, requires_grad=True)
+        out = stack(x)
+        _GraphCount.live = _GraphCount.most = 0
+        loss_of(out).backward()
+        assert _GraphCount.live == 0  # every rebuilt graph freed once backward is done
+        most[schedule] = _GraphCount.most
+    assert most == {"sequential": 1, "pareprop": 4}, most
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_backward_twice_needs_retain_graph_like_autograd(exact):
+    """The final streams are freed by the first backward unless it retains the graph (as saved tensors are)."""
+    stack = make_stack(3, exact=exact, dtype=torch.float32)
+    x = torch.randn(2, 3, DIM, requires_grad=True)
+    out = loss_of(stack(x))
+    out.backward(retain_graph=True)
+    first = [x.grad.clone()] + [p.grad.clone() for p in stack.parameters()]
+    out.backward()  # the same gradients again, accumulated
+    again = [x.grad] + [p.grad for p in stack.parameters()]
+    for a, b in zip(first, again):
+        assert torch.allclose(b, 2 * a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="backward ran a second time|backward through the graph a second time"):
+        out.backward()
+
+
+def test_in_place_change_of_a_returned_input_is_refused():
+    """An invertible layer returning its input unchanged makes the final stream the caller's tensor:
+    modifying it before backward is caught (autograd's saved-tensor check did this before)."""
+
+    class Identity(nn.Module):
+        def forward(self, x1, x2):
+            return x1, x2
+
+        def inverse(self, y1, y2):
+            return y1, y2
+
+    stack = ReversibleStack([Identity()], exact=False)
+    x1, x2 = torch.randn(2, 3, DIM), torch.randn(2, 3, DIM)
+    w = torch.randn(2, 3, DIM, requires_grad=True)
+    a, b = x1 * w, x2 * w  # requires grad: the segment records its node
+    y1, y2 = stack.forward_streams(a, b)
+    loss = (y1 * y2).sum()
+    a.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -310,6 +310,68 @@ def test_fused_half_exact_matches_reference(seeded, tokens, causal, heads, kv_he
     assert port is None and torch.equal(back, res)
 
 
+def _scaled_attention_setup(batch=1, tokens=9, heads=2, kv_heads=1, dim=64):
+    params = make_half_params(dim, heads, kv_heads, "rms", False)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms")
+    return args, options, torch.randn(batch, tokens, dim)
+
+
+def _port_grads(res, x, sign, frac_bits, args, options, g, scale):
+    """(stream, gradients of x and the weights through the port) of one fused with-grad couple."""
+    from revtriton.ops.attention import norm_attention_couple
+
+    xg = x.clone().requires_grad_(True)
+    leaves = [xg] + [a for a in args if a is not None]
+    with force_triton():
+        stream, port = norm_attention_couple(res, xg, sign, frac_bits, *args, scale=scale, **options)
+    return stream, torch.autograd.grad(port, leaves, g)
+
+
+def test_fused_half_scaled_exact_is_bitwise_the_reference_epilogue(seeded):
+    """A scaled coupling in the out-projection's epilogue, shifts 1, 3, 7: forward (res >> s) + q
+    and inverse ((y - q) << s) | the dropped bits bitwise couple_output with the scale (h: the
+    half's own grid output), the inverse giving back res; port gradients those of the unscaled couple."""
+    from revtriton.ops.attention import norm_attention_couple
+    from revtriton.ops.streams import ResidualScale, couple_output
+
+    args, options, x = _scaled_attention_setup()
+    with force_triton(), torch.no_grad():
+        q, _ = norm_attention_couple(torch.zeros(x.shape, dtype=torch.int32), x, 1, 16, *args, **options)
+    h = q.double() * 2.0**-16  # exact: couple_output re-rounds it to q
+    res = torch.randint(-2**24, 2**24, x.shape, dtype=torch.int32)
+    g = torch.randn(x.shape)
+    _, unscaled = _port_grads(res, x, -1, 16, args, options, g, None)
+    for shift in (1, 3, 7):
+        forward = ResidualScale(2.0**-shift)
+        with force_triton(), torch.no_grad(), count_launches() as launches:
+            y, _ = norm_attention_couple(res, x, 1, 16, *args, scale=forward, **options)
+        assert sum(launches.values()) == 4
+        assert torch.equal(y, couple_output(res, h, 1, 16, forward)[0])
+        inverse = ResidualScale(forward.value, forward.dropped_bits(res))
+        back, grads = _port_grads(y, x, -1, 16, args, options, g, inverse)  # the engine's rebuild
+        assert torch.equal(back, couple_output(y, h, -1, 16, inverse)[0]) and torch.equal(back, res)
+        assert all(torch.equal(a, b) for a, b in zip(grads, unscaled))
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_fused_half_scaled_float_matches_reference(seeded, sign):
+    """scale * res + H(x) / (res - H(x)) / scale on the fused path and on the reference path (which
+    is couple_output with the scale): streams and every gradient, res's included, within 1e-5."""
+    from revtriton.ops.streams import ResidualScale
+
+    params = make_half_params(64, 4, 2, "layer", True)
+    x = torch.randn(2, 17, 64, requires_grad=True)
+    res = torch.randn(2, 17, 64, requires_grad=True)
+    g = torch.randn(2, 17, 64)
+    (s, grads, nf, nb), (s_ref, grads_ref, _, _) = couple_both_ways(
+        res, x, sign, None, params, g, heads=4, kv_heads=2, causal=False, norm="layer", scale=ResidualScale(0.3))
+    assert nf == 4 and nb <= 10
+    assert not s.requires_grad and rel_err(s, s_ref) <= 1e-5
+    for got, want in zip(grads, grads_ref):
+        assert rel_err(got, want) <= 1e-5
+
+
 def test_fused_half_with_frozen_input_skips_the_input_gradient(seeded):
     params = make_half_params(32, 2, 1, "rms", False)
     x, res = torch.randn(2, 9, 32), torch.randn(2, 9, 32)

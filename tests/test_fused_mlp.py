@@ -1,12 +1,12 @@
 """Fused norm+MLP half: every kernel vs its reference under the Triton interpreter, the fused
-couple vs the reference half (forward, exact inverse, gradients), launch budgets, bad input,
-and the fused half inside a ReversibleStack."""
+couple vs the reference half (forward, exact inverse, gradients), scaled couplings (the scale in
+GEMM2's epilogue), launch budgets, bad input, and the fused half inside a ReversibleStack."""
 import pytest
 import torch
 
 from revtriton.ops import dispatch, gemm, mlp
 from revtriton.ops.fused_mlp import fused_norm_mlp_couple, fused_swiglu_mlp_couple
-from revtriton.ops.streams import quantize_reference, to_fixed
+from revtriton.ops.streams import ResidualScale, couple_output, quantize_reference, to_fixed
 
 pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
 
@@ -145,10 +145,12 @@ def make_params(kind, dim, hidden, dtype=torch.float32):
 
 
 def couple_fn(kind, activation="gelu_tanh", eps=1e-6):
+    """The dispatching couple ``(res, x, sign, frac_bits, params, row_scale, scale=None)``."""
     if kind == "swiglu":
-        return lambda res, x, sign, fb, p, rs: mlp.swiglu_mlp_couple(res, x, sign, fb, *p, eps=eps, row_scale=rs)
-    return lambda res, x, sign, fb, p, rs: mlp.norm_mlp_couple(res, x, sign, fb, *p, norm=kind, activation=activation,
-                                                               eps=eps, row_scale=rs)
+        return lambda res, x, sign, fb, p, rs, scale=None: mlp.swiglu_mlp_couple(res, x, sign, fb, *p, eps=eps,
+                                                                                 row_scale=rs, scale=scale)
+    return lambda res, x, sign, fb, p, rs, scale=None: mlp.norm_mlp_couple(
+        res, x, sign, fb, *p, norm=kind, activation=activation, eps=eps, row_scale=rs, scale=scale)
 
 
 def reference_h(kind, activation, x, params, rs):
@@ -276,6 +278,163 @@ def test_autocast_uses_the_autocast_dtype_for_gemms(seeded, monkeypatch):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
 
 
+# ---------------------------------------------------------------- scaled couplings: the scale in GEMM2's epilogue
+
+@pytest.mark.parametrize("N", [72, 36], ids=["rows-on-bytes", "rows-straddle-bytes"])
+def test_linear_couple_applies_the_scale_in_its_epilogue(seeded, N):
+    """The couple GEMM with a scale over 2 x 2 tiles at N = 72 (tiles start mid-stream), bitwise
+    couple_output with the GEMM's own grid output, shifts 1, 3, 7, full-range streams (the shifts
+    and adds wrap), the residual a view with a row stride of its own (the dropped bits follow the
+    [M, N] position); float streams against linear_couple_reference."""
+    M, K = 70, 32
+    a, w, b, rs = rand(M, K), rand(N, K, scale=K ** -0.5), rand(N), torch.rand(M) + 0.5
+
+    def strided(t):  # the same values in a view with a row stride of its own
+        view = torch.empty(M, N + 8, dtype=t.dtype)[:, :N]
+        return view.copy_(t)
+
+    res = strided(torch.randint(-2**31, 2**31 - 1, (M, N), dtype=torch.int32))
+    h = gemm.linear_couple(a, w, b, torch.zeros_like(res), 1, frac_bits=16, row_scale=rs).double() * 2.0**-16
+    for shift in (1, 3, 7):
+        forward = ResidualScale(2.0**-shift)
+        y = gemm.linear_couple(a, w, b, res, 1, frac_bits=16, row_scale=rs, scale=forward)
+        assert torch.equal(y, couple_output(res, h, 1, 16, forward)[0])
+        inverse = ResidualScale(forward.value, forward.dropped_bits(res))
+        back = gemm.linear_couple(a, w, b, strided(y), -1, frac_bits=16, row_scale=rs, scale=inverse)
+        assert torch.equal(back, couple_output(y, h, -1, 16, inverse)[0]) and torch.equal(back, res)
+    res = rand(M, N)
+    for sign in (1, -1):
+        kw = dict(row_scale=rs, scale=ResidualScale(0.3))
+        got, want = gemm.linear_couple(a, w, b, res, sign, **kw), gemm.linear_couple_reference(a, w, b, res, sign, **kw)
+        assert rel_err(got, want) <= 1e-5
+
+
+def grid_output(fn, x, params, shape):
+    """The fused half's own output on the exact grid (what its epilogue adds), as float64: the
+    unscaled couple from a zero stream, times 2**-16 (exact). couple_output with this ``h`` is the
+    reference epilogue for the fused couple's bits."""
+    with dispatch.force_triton(), torch.no_grad():
+        q, _ = fn(torch.zeros(shape, dtype=torch.int32), x, 1, 16, params, None)
+    return q.double() * 2.0**-16
+
+
+def port_gradients(fn, res, x, sign, frac_bits, params, scale, g):
+    """(stream, gradients of x and the parameters through the port) of one with-grad couple."""
+    xg = x.detach().clone().requires_grad_(True)
+    leaves = [None if p is None else p.detach().clone().requires_grad_(True) for p in params]
+    with dispatch.force_triton():
+        stream, port = fn(res, xg, sign, frac_bits, leaves, None, scale=scale)
+    return stream, torch.autograd.grad(port, [xg] + [p for p in leaves if p is not None], g)
+
+
+@pytest.mark.parametrize("kind", ["layer", "swiglu"])
+def test_scaled_exact_couple_is_bitwise_the_reference_epilogue(seeded, kind):
+    """Shifts 1, 3, 7: forward (res >> s) + q and inverse ((y - q) << s) | the dropped bits,
+    bitwise couple_output with the scale, the inverse giving back the forward's input; with grad
+    the same streams, and the rebuild's port gradients are the unscaled couple's."""
+    dim, hidden, shape = 36, 48, (3, 5)  # 540 elements (not a multiple of 8), rows straddling bytes
+    fn = couple_fn(kind)
+    x, params = rand(*shape, dim) * 3, make_params(kind, dim, hidden)
+    res = to_fixed(rand(*shape, dim) * 100, 16)
+    h = grid_output(fn, x, params, res.shape)
+    for shift in (1, 3, 7):
+        forward = ResidualScale(2.0**-shift)
+        with dispatch.force_triton(), dispatch.count_launches() as launches:
+            y, port = fn(res, x, 1, 16, params, None, scale=forward)
+        assert port is None and sum(launches.values()) == 3  # the scale costs no pass of its own
+        assert torch.equal(y, couple_output(res, h, 1, 16, forward)[0])
+        inverse = ResidualScale(forward.value, forward.dropped_bits(res))  # the engine keeps them from the forward
+        with dispatch.force_triton():
+            back, _ = fn(y, x, -1, 16, params, None, scale=inverse)
+        assert torch.equal(back, couple_output(y, h, -1, 16, inverse)[0])
+        assert torch.equal(back, res)
+    g = rand(*shape, dim)
+    with dispatch.force_triton():
+        y_grad, port = fn(res, x.clone().requires_grad_(True), 1, 16, params, None, scale=forward)
+    assert port is not None and torch.equal(y_grad, y)
+    stream, grads = port_gradients(fn, y, x, -1, 16, params, inverse, g)
+    _, unscaled = port_gradients(fn, y, x, -1, 16, params, None, g)
+    assert torch.equal(stream, res)
+    assert all(torch.equal(a, b) for a, b in zip(grads, unscaled))
+
+
+@pytest.mark.parametrize("kind", ["layer", "swiglu"])
+def test_scaled_float_couple_matches_the_reference(seeded, kind):
+    """scale * res + H(x) forward, (res - H(x)) / scale inverse, against couple_output with the
+    float64 reference half; the port's gradients are the unscaled couple's, res gets couple_output's."""
+    dim, hidden, shape = 36, 48, (3, 5)
+    fn = couple_fn(kind)
+    x, params = rand(*shape, dim) + 0.3, make_params(kind, dim, hidden)
+    rs = torch.rand(*shape) + 0.5
+    scale = ResidualScale(0.3)
+    g = rand(*shape, dim)
+    h = reference_h(kind, "gelu_tanh", x.double(), [None if p is None else p.double() for p in params], rs.double())
+    for sign in (1, -1):
+        res = rand(*shape, dim).requires_grad_(True)
+        xg = x.clone().requires_grad_(True)
+        leaves = [None if p is None else p.clone().requires_grad_(True) for p in params]
+        with dispatch.force_triton():
+            stream, port = fn(res, xg, sign, None, leaves, rs, scale=scale)
+            unscaled, _ = fn(res.detach(), x, sign, None, params, rs)
+        want, _ = couple_output(res.detach().double(), h, sign, None, scale)
+        assert not stream.requires_grad and port.requires_grad and stream.dtype == torch.float32
+        assert rel_err(stream, want) <= 1e-5
+        inputs = [res, xg] + [p for p in leaves if p is not None]
+        grads = torch.autograd.grad(port, inputs, g)
+        xu = x.clone().requires_grad_(True)
+        lu = [None if p is None else p.clone().requires_grad_(True) for p in params]
+        with dispatch.force_triton():
+            _, port_u = fn(res.detach(), xu, sign, None, lu, rs)
+        grads_u = torch.autograd.grad(port_u, [xu] + [p for p in lu if p is not None], g)
+        assert all(torch.equal(a, b) for a, b in zip(grads[1:], grads_u))
+        # couple_output's res gradient: through scale * res in the forward, res - H(x) in the inverse
+        assert torch.equal(grads[0], g * scale.value if sign > 0 else g)
+
+
+def test_scaled_couple_checks_its_scale():
+    params, sw = make_params("layer", 64, 32), make_params("swiglu", 64, 32)
+    res, x = rand(3, 64), rand(3, 64)
+    fixed = to_fixed(res, 16)
+    with dispatch.force_triton():
+        with pytest.raises(TypeError, match="ResidualScale"):
+            fused_norm_mlp_couple(res, x, 1, None, *params, scale=0.5)
+        with pytest.raises(ValueError, match="finite float > 0"):
+            fused_norm_mlp_couple(res, x, 1, None, *params, scale=ResidualScale(0.0))
+        with pytest.raises(ValueError, match=r"2\*\*-s"):
+            fused_norm_mlp_couple(fixed, x, 1, 16, *params, scale=ResidualScale(0.3))
+        with pytest.raises(ValueError, match="dropped"):
+            fused_swiglu_mlp_couple(fixed, x, -1, 16, *sw, scale=ResidualScale(0.5))
+        short = ResidualScale(0.5, torch.zeros(1, 23, dtype=torch.uint8))
+        with pytest.raises(ValueError, match=r"\(1, 24\)"):  # 192 elements, 2**-1: one plane of 24 bytes
+            fused_swiglu_mlp_couple(fixed, x, -1, 16, *sw, scale=short)
+        with pytest.raises(TypeError, match="uint8"):
+            fused_norm_mlp_couple(fixed, x, -1, 16, *params, scale=ResidualScale(0.5, torch.zeros(1, 24)))
+
+
+def test_transformer_halves_take_the_scale_into_their_epilogue(seeded, monkeypatch):
+    """takes_scale: the engine hands them the ResidualScale and it reaches the fused op."""
+    from revtriton import LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU
+    from revtriton.halves.base import couple_half, takes_scale
+    from revtriton.ops import fused_mlp
+
+    assert all(takes_scale(cls.__new__(cls)) for cls in (LayerNormMLP, RMSNormSwiGLU, LayerNormAttention,
+                                                          RMSNormAttention))
+    seen, real = [], fused_mlp.fused_swiglu_mlp_couple
+
+    def spy(*args, scale=None, **options):
+        seen.append(scale)
+        return real(*args, scale=scale, **options)
+
+    monkeypatch.setattr(fused_mlp, "fused_swiglu_mlp_couple", spy)
+    half = RMSNormSwiGLU(36, 48)
+    res, x = to_fixed(rand(2, 5, 36), 16), rand(2, 5, 36)
+    scale = ResidualScale(0.25)
+    with dispatch.force_triton(), torch.no_grad():
+        y, _ = couple_half(half, res, x, 1, 16, scale=scale)
+        want, _ = half.couple(res >> 2, x, 1, 16)  # the same bits as scaling around an unscaled couple
+    assert seen == [scale, None] and torch.equal(y, want)
+
+
 # ---------------------------------------------------------------- bad input
 
 def test_bad_launcher_and_couple_inputs_raise_clearly():
@@ -326,7 +485,7 @@ def test_bad_launcher_and_couple_inputs_raise_clearly():
 
 # ---------------------------------------------------------------- inside the reversible engine
 
-def _stack(kind, depth, exact, seed):
+def _stack(kind, depth, exact, seed, scales=(1.0, 1.0)):
     from torch import nn
 
     from revtriton import LayerNormMLP, RMSNormSwiGLU
@@ -341,7 +500,7 @@ def _stack(kind, depth, exact, seed):
         with torch.no_grad():  # non-trivial norm parameters
             for p in g.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
-        blocks.append(ReversibleBlock(f, g))
+        blocks.append(ReversibleBlock(f, g, scale1=scales[0], scale2=scales[1]))
     return ReversibleStack(blocks, exact=exact, frac_bits=16)
 
 
@@ -375,3 +534,29 @@ def test_stack_with_fused_g_halves_matches_reference_path(seeded, kind, exact):
             b1, b2 = fused.inverse(y1, y2)
         assert not torch.equal(y2, s2)
         assert torch.equal(b1, s1) and torch.equal(b2, s2)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_scaled_stack_with_fused_g_halves_matches_reference_path(seeded, exact):
+    """Scaled couplings y2 = 2**-2 * x2 + G(y1) with fused G halves: the engine hands G the scale
+    (no extra launch: the same 13 per block), F's is applied around its generic couple; the fused
+    path matches the reference path, and in exact mode the rebuild from the kept bits passes the
+    recompute checksum (bitwise)."""
+    depth, scales = 2, (0.5, 0.25)
+    fused, reference = _stack("layer", depth, exact, seeded, scales), _stack("layer", depth, exact, seeded, scales)
+    x, g_out = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+
+    def run(stack, triton):
+        xi = x.clone().requires_grad_(True)
+        with dispatch.force_triton(triton), dispatch.count_launches() as launches:
+            out = stack(xi)
+            (out * g_out).sum().backward()
+        assert sum(launches.values()) == (13 * depth if triton else 0), launches
+        return out.detach(), xi.grad, [p.grad for p in stack.parameters()]
+
+    out_f, dx_f, grads_f = run(fused, True)
+    out_r, dx_r, grads_r = run(reference, False)
+    assert rel_err(out_f, out_r) <= 1e-5
+    assert rel_err(dx_f, dx_r) <= 1e-4
+    for a, b in zip(grads_f, grads_r):
+        assert a is not None and rel_err(a, b) <= 1e-4

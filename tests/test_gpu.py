@@ -261,3 +261,45 @@ def test_dispatch_choice_is_at_least_098_of_the_faster_path():
         assert "torch" in r["bench_ms"] or "not deterministic" in r["excluded"].get("torch", ""), r
     missed = [r for r in rows if r["chosen_vs_fastest"] < BAR_CHOICE_VS_FASTEST]
     assert not missed, json.dumps(missed, indent=1)
+
+
+@pytest.mark.parametrize("name", ["layernorm_mlp", "rmsnorm_swiglu", "rmsnorm_attention_gqa_rope"])
+def test_fused_scaled_couple_is_the_shifted_couple_and_inverts_bitwise(name):
+    # The scale lives in the fused epilogue (issue 14): on exact streams the forward must equal the
+    # unscaled fused couple of the shifted stream, bit for bit, and the inverse must restore res.
+    from revtriton.ops.streams import ResidualScale
+
+    half = HALVES[name]().cuda()
+    x = torch.randn(2, 100, half.dim, device="cuda")
+    res = to_fixed(torch.randn(2, 100, half.dim, device="cuda"), 16)
+    scale = ResidualScale(2.0**-6)
+    with torch.no_grad():
+        stream, _ = half.couple(res, x, +1, 16, scale=scale)
+        shifted, _ = half.couple(res >> 6, x, +1, 16)
+        restored, _ = half.couple(stream, x, -1, 16, scale=ResidualScale(2.0**-6, scale.dropped_bits(res)))
+    assert torch.equal(stream, shifted)
+    assert torch.equal(restored, res)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "float"])
+def test_scaled_swapped_fused_stack_trains_like_its_twin(exact):
+    # revify(preserve=...)'s couplings on the fused halves, compiled: the backward's rebuild is
+    # checksummed (exact: it raises unless bitwise), gradients close to the stored-activation twin's
+    # (which runs the halves' reference path: other kernels, so not bitwise).
+    from revtriton import to_stored_activations
+
+    torch.manual_seed(0)
+    blocks = [ReversibleBlock(RMSNormAttention(256, 4, kv_heads=2), RMSNormSwiGLU(256, 512), scale1=2.0**-6,
+                              swap=True) for _ in range(8)]
+    stack = ReversibleStack(blocks, exact=exact, anchor_every=0 if exact else 1, readout="second").cuda()
+    twin = to_stored_activations(copy.deepcopy(stack))
+    x = torch.randn(2, 128, 256, device="cuda")
+    grads = []
+    for model in (stack, twin):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(xi)
+        out.float().square().mean().backward()
+        grads.append([xi.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert rel(a, b) <= TOL[torch.bfloat16]

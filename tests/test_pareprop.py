@@ -140,9 +140,11 @@ def test_at_most_two_blocks_of_intermediates_alive(seeded):
             stack(x).sum().backward()  # .grad allocated: measure a steady-state step
             out = stack(x).sum()
             peaks[schedule, depth] = peak_memory(lambda: out.backward())
-    # Flat in depth, and pareprop holds at most one block more than sequential.
+    # Flat in depth. Sequential rebuilds and differentiates one half at a time (one half's recompute
+    # alive), pareprop keeps two blocks' (block i's while block i-1 is rebuilt): at most 1.5 blocks more.
     assert peaks["pareprop", 16] <= 1.05 * peaks["pareprop", 4]
-    assert peaks["pareprop", 16] - peaks["sequential", 16] <= 1.25 * per_block, (peaks, per_block)
+    assert peaks["sequential", 16] <= 1.05 * peaks["sequential", 4]
+    assert peaks["pareprop", 16] - peaks["sequential", 16] <= 1.75 * per_block, (peaks, per_block)
     assert peaks["pareprop", 16] > peaks["sequential", 16]  # the overlap really holds a second block
 
 

@@ -115,7 +115,10 @@ class _Oracle(nn.Module):
 
 
 def test_float_inverse_divides_by_the_scales():
-    stack = ReversibleStack(scaled_blocks(6, shifts=(4, 1)), exact=False).double()
+    # Three blocks amplify rounding by 2**15 (float64: ~1e-11 here); six would reach 2**30, ~1e-8, too
+    # close to the bound for random inputs.
+    with pytest.warns(UserWarning, match="amplifies rounding by up to 2\\*\\*15"):
+        stack = ReversibleStack(scaled_blocks(3, shifts=(4, 1)), exact=False).double()
     x1, x2 = (torch.randn(BATCH, TOKENS, DIM, dtype=torch.float64) for _ in range(2))
     with torch.no_grad():
         r1, r2 = stack.inverse(*stack.forward_streams(x1, x2))

@@ -106,17 +106,19 @@ def reaches_foreign_leaf(output, is_own) -> bool:
     """
     if output is None or output.grad_fn is None:
         return False
-    seen, todo = set(), [output.grad_fn]
+    todo = [output.grad_fn]
+    seen = set(todo)
+    accumulate_grad = _ACCUMULATE_GRAD
     while todo:
         node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, _ACCUMULATE_GRAD):  # a leaf
+        if isinstance(node, accumulate_grad):  # a leaf
             if not is_own(node.variable):
                 return True
             continue
-        todo.extend(fn for fn, _ in node.next_functions if fn is not None)
+        for fn, _ in node.next_functions:
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo.append(fn)
     return False
 
 

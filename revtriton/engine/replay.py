@@ -69,5 +69,8 @@ class AutocastState:
             for device_type, enabled, dtype in self.settings:
                 if device_type == "cuda" and not torch.cuda.is_available():
                     continue
+                if torch.is_autocast_enabled(device_type) == enabled and (
+                        not enabled or torch.get_autocast_dtype(device_type) == dtype):
+                    continue  # already as the forward had it (the common case): nothing to enter
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
             yield

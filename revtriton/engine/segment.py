@@ -29,6 +29,19 @@ DOUBLE_BACKWARD_MESSAGE = (
 )
 
 
+SECOND_BACKWARD_MESSAGE = (
+    "revtriton: a reversible stack's backward ran a second time through the same forward, whose final streams "
+    "its first backward freed (as autograd frees saved tensors). Pass retain_graph=True to the first backward "
+    "to run it again."
+)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph=True): then the streams stay for the next one."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
+
+
 def _accumulates_into_leaves(anchor) -> bool:
     """Whether the running backward accumulates into every leaf (``loss.backward()``) or only computes
     what was asked for (``torch.autograd.grad(loss, x)``, ``loss.backward(inputs=...)``).
@@ -203,7 +216,12 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         # save_on_cpu apply to them); run.low_bits keeps their positions among them.
         low_tensors, run.low_bits = _index_low_bits(run.low_bits)
         ctx.num_low = len(low_tensors)
-        ctx.save_for_backward(y1, y2, *cond, *low_tensors, *anchors, *([checksum] if checksum is not None else []))
+        ctx.save_for_backward(*cond, *low_tensors, *anchors, *([checksum] if checksum is not None else []))
+        # The final streams are kept on ctx, not saved: autograd frees saved tensors only once the node's
+        # backward returns, while the backward drops these as soon as the last layer is rebuilt from them
+        # (RevTorch does the same). Their versions stand in for autograd's in-place check.
+        ctx.streams = [y1, y2]
+        ctx.stream_versions = (_version_of(y1), _version_of(y2))
         out1, out2 = fmt.value(y1), fmt.value(y2)
         # Outputs must not alias the saved streams (float mode) or the inputs.
         if out1 is y1 or out1 is x1 or out1 is x2:
@@ -219,18 +237,30 @@ class ReversibleSegmentFunction(torch.autograd.Function):
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
         if run.watch is not None:
             run.watch.check()
+        streams = ctx.streams
+        if streams is None:
+            raise RuntimeError(SECOND_BACKWARD_MESSAGE)
+        if (_version_of(streams[0]), _version_of(streams[1])) != ctx.stream_versions:
+            raise RuntimeError("revtriton: the streams a reversible segment's backward starts from were modified in "
+                               "place after its forward (an in-place op on what a stack's invertible layer returned "
+                               "unchanged): its gradients would be wrong")
+        if not _keeps_graph():
+            ctx.streams = None  # the schedule empties ``final`` once the last layer is rebuilt: then they are freed
+        final = list(streams)
+        del streams
         saved = ctx.saved_tensors
-        y1, y2 = saved[0], saved[1]
-        cond = saved[2 : 2 + ctx.num_cond]
-        low_tensors = saved[2 + ctx.num_cond : 2 + ctx.num_cond + ctx.num_low]
+        cond = saved[: ctx.num_cond]
+        low_tensors = saved[ctx.num_cond : ctx.num_cond + ctx.num_low]
         checksum = saved[-1] if ctx.has_checksum else None
-        anchor_tensors = saved[2 + ctx.num_cond + ctx.num_low : len(saved) - (1 if ctx.has_checksum else 0)]
+        anchor_tensors = saved[ctx.num_cond + ctx.num_low : len(saved) - (1 if ctx.has_checksum else 0)]
         anchors = {
             layer: (anchor_tensors[2 * j], anchor_tensors[2 * j + 1]) for j, layer in enumerate(run.anchor_layers)
         }
-        grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else y1.dtype
-        dy1 = torch.zeros(y1.shape, dtype=grad_dtype, device=y1.device) if dy1 is None else dy1.to(grad_dtype)
-        dy2 = torch.zeros(y2.shape, dtype=grad_dtype, device=y2.device) if dy2 is None else dy2.to(grad_dtype)
+        like = final[0]
+        grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else like.dtype
+        dy1 = torch.zeros(like.shape, dtype=grad_dtype, device=like.device) if dy1 is None else dy1.to(grad_dtype)
+        dy2 = torch.zeros(like.shape, dtype=grad_dtype, device=like.device) if dy2 is None else dy2.to(grad_dtype)
+        del like
         # One leaf per conditioning tensor for the whole segment: every half's rebuild uses it, so its
         # .grad sums their contributions, in backward order (as autograd sums the uses of a tensor).
         cond_leaves = tuple(c.detach().requires_grad_() if c.requires_grad else c.detach() for c in cond)
@@ -238,7 +268,7 @@ class ReversibleSegmentFunction(torch.autograd.Function):
                                    [_low_bits_of(entry, low_tensors) for entry in run.low_bits])
         try:
             with run.rng.preserved():
-                dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, (y1, y2), dy1, dy2, run.trace)
+                dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, final, dy1, dy2, run.trace)
         except RuntimeError as error:
             if "mark a variable ready only once" in str(error):  # DDP(find_unused_parameters=True)
                 raise RuntimeError(FIND_UNUSED_HINT) from error
@@ -250,8 +280,92 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         return (None, dx1, dx2, None, *(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves))
 
 
+class _GradTap(torch.autograd.Function):
+    """Identity on a rebuilt half's float input that hands its gradient to ``sink.grad`` instead of a
+    leaf's ``.grad``.
+
+    Used where that input is a float copy of an int32 stream (exact streams): the engine then keeps
+    no reference to the copy, which lives only as long as the half's graph needs it, where a leaf
+    would keep it until the block's gradients are done. ``leaf`` (an empty tensor that requires
+    grad) is what ``backward(inputs=...)`` names to reach this node."""
+
+    @staticmethod
+    def forward(ctx, value, leaf, sink):
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)  # no gradient reached the input: sink.grad stays None, as a leaf's
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.grad = grad
+        return None, None, None
+
+
+class _HalfInput:
+    """Where a rebuilt half's input gets its gradient: a leaf sharing the stream's storage (float
+    streams), or a tap (:class:`_GradTap`) on a float copy of an int32 stream."""
+
+    __slots__ = ("leaf", "grad", "tapped")
+
+    def __init__(self):
+        self.leaf, self.grad, self.tapped = None, None, False
+
+    def attach(self, value: torch.Tensor, copy: bool) -> torch.Tensor:
+        """The tensor the half takes (the caller must not keep it when ``copy``: the half's graph does)."""
+        if copy:
+            self.tapped = True
+            self.leaf = torch.empty(0, device=value.device, requires_grad=True)
+            return _GradTap.apply(value, self.leaf, self)
+        self.leaf = value.detach().requires_grad_()
+        return self.leaf
+
+    def gradient(self):
+        return self.grad if self.tapped else self.leaf.grad
+
+    def add_to(self, d: torch.Tensor, owned: bool = False):
+        """``(d + the input's gradient, fresh)``: ``d`` itself (fresh False) when none arrived. The sum
+        goes in place where that is safe: into a leaf's gradient (autograd's own buffer, which nothing
+        else holds), or into ``d`` when the engine owns it; addition commutes bitwise, so the bits are
+        those of ``d + grad`` either way."""
+        g = self.gradient()
+        if g is None:
+            return d, False
+        if g.shape == d.shape:
+            dtype = torch.result_type(d, g)
+            if not self.tapped and g.dtype == dtype:
+                return g.add_(d), True
+            if owned and d.dtype == dtype:
+                return d.add_(g), True
+        return d + g, True
+
+
+@dataclass(eq=False)
+class _BlockRebuild:
+    """One reversible block in backward: its output streams, what its rebuild makes (G's half, then
+    F's) and the graphs its gradients need; the streams are dropped as soon as they are used."""
+
+    index: int
+    layer: object
+    coupling: object
+    y1: torch.Tensor | None  # the block's output streams (a swapped block's in coupling order)
+    y2: torch.Tensor | None
+    scale1: object
+    scale2: object
+    state_f: object
+    state_g: object
+    token_leaf: torch.Tensor
+    token: torch.Tensor | None = None  # the token as the rebuild phase got it (FSDP2's view of token_leaf)
+    x1: torch.Tensor | None = None
+    x2: torch.Tensor | None = None
+    port_g: torch.Tensor | None = None
+    port_f: torch.Tensor | None = None
+    input_g: _HalfInput | None = None  # G's input, y1's value
+    input_f: _HalfInput | None = None  # F's input, x2's value
+
+
 class _SegmentBackward:
-    """The per-layer steps a backward schedule composes: recover (rebuild) and grads."""
+    """The per-layer steps a backward schedule composes: recover (rebuild) and grads, or step (both,
+    one half at a time: the sequential schedule)."""
 
     def __init__(self, run: SegmentRun, anchors: dict, checksum, accumulate: bool = True, cond_leaves=(),
                  low_bits=()):
@@ -266,62 +380,204 @@ class _SegmentBackward:
         self.cond_leaves = cond_leaves
         self.cond = run.cond_value(cond_leaves)
         self.grad_leaves = [leaf for leaf in cond_leaves if leaf.requires_grad]
+        self._owned = ()  # the input grads the last step made (fresh tensors nothing else holds)
 
     def streams_entering(self, i, rebuilt):
         """The output streams of layer i: the exact anchor when one was kept, else ``rebuilt``."""
         return self.anchors.get(i + 1, rebuilt)
 
+    # -- a reversible block, half by half ------------------------------------------------------
+
+    def _begin(self, i: int, streams) -> _BlockRebuild:
+        y1, y2 = self.streams_entering(i, streams)
+        layer = self.run.layers[i]
+        coupling = coupling_of(layer)
+        if coupling.swap:
+            y1, y2 = y2, y1
+        kept = self.low_bits[i] if self.low_bits else None
+        low1, low2 = kept if kept is not None else (None, None)
+        state_f, state_g = self.run.rng_states[i]
+        return _BlockRebuild(i, layer, coupling, y1, y2, residual_scale(coupling.scale1, low1),
+                             residual_scale(coupling.scale2, low2), state_f, state_g,
+                             torch.empty(0, device=y1.device, requires_grad=True))
+
+    def _in_phase(self, rb: _BlockRebuild, work, *tensors):
+        """``work`` in one phase call of the block (FSDP2 gathers its parameters), as the forward ran."""
+        run = self.run
+        with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
+            run_block_phase(rb.layer, work, *tensors)
+
+    def _rebuild_g(self, rb: _BlockRebuild, g, token) -> torch.Tensor:
+        """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook)."""
+        run, fmt = self.run, self.run.fmt
+        rb.token = token
+        run.rng.set(rb.state_g)
+        rb.input_g = _HalfInput()
+        y1_value = rb.input_g.attach(fmt.value(rb.y1), fmt.exact)
+        x2, rb.port_g = couple_half(g, rb.y2, y1_value, -1, fmt.frac_bits, self.cond, rb.scale2)
+        rb.x2, rb.y2 = x2.detach(), None  # the output stream G's rebuild consumed is not needed any more
+        self._check_captured(rb, "G", rb.port_g, rb.input_g.leaf)
+        return y1_value
+
+    def _rebuild_f(self, rb: _BlockRebuild, f):
+        """x1 = y1 - F(x2), keeping F's graph (its input joined to the post-backward token); drops y1."""
+        run, fmt = self.run, self.run.fmt
+        run.rng.set(rb.state_f)
+        rb.input_f = _HalfInput()
+        x2_value = rb.input_f.attach(fmt.value(rb.x2), fmt.exact)
+        x1, rb.port_f = couple_half(f, rb.y1, _AfterToken.apply(x2_value, rb.token), -1, fmt.frac_bits, self.cond,
+                                    rb.scale1)
+        rb.x1, rb.y1 = x1.detach(), None
+        # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
+        self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, rb.token_leaf)
+
+    def _check_captured(self, rb: _BlockRebuild, half: str, port, *leaves):
+        # In the phase, where FSDP2's gathered parameters are the module's.
+        is_own = self._own_leaf_test(rb.layer, *leaves)
+        if reaches_foreign_leaf(port, is_own):
+            raise RuntimeError(captured_tensor_message(f"the {half} half of layer {self.run.first_index + rb.index}"))
+
+    def _checked(self, recovered: Recovered) -> Recovered:
+        if self.checksum is not None:
+            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[recovered.index]).any()
+        return recovered
+
+    def _owns(self, t: torch.Tensor) -> bool:
+        return any(t is mine for mine in self._owned)
+
+    def _backward_negated(self, port, grad, owned: bool, leaf):
+        """``backward(port, -grad)``. A gradient the engine owns is negated in place and back (negation is
+        exact), which saves a copy of it at the block's memory peak."""
+        if not owned:
+            self._backward(port, -grad, [leaf])
+            return
+        grad.neg_()
+        try:
+            self._backward(port, grad, [leaf])
+        finally:
+            grad.neg_()
+
+    def _block_grads(self, rb: _BlockRebuild, dy1, dy2, owned=(False, False), rebuild_f=None) -> BlockGrads:
+        """The two local backward calls of a block; ``rebuild_f`` (step) rebuilds F between them."""
+        hooks = BlockHooks.of(rb.layer)
+        owned1, owned2 = owned
+        if hooks is not None:
+            dy1, dy2 = hooks.backward_before(dy1, dy2)
+            owned1 = owned2 = False  # a hook may keep them
+        grad_out = (dy1, dy2)
+        coupling = rb.coupling
+        if coupling.swap:  # the gradients of the block's outputs (y2, y1)
+            dy1, dy2 = dy2, dy1
+            owned1, owned2 = owned2, owned1
+        # x2 = y2 - G(y1): backward(x2, -dy2) gives G's grads of the forward's y2 = x2 + G(y1).
+        if rb.port_g is not None:
+            self._backward_negated(rb.port_g, dy2, owned2, rb.input_g.leaf)
+        rb.port_g = None
+        dy1, fresh = rb.input_g.add_to(dy1, owned1)
+        owned1 = owned1 or fresh
+        rb.input_g = None
+        if rebuild_f is not None:
+            rebuild_f()
+        if rb.port_f is not None:
+            self._backward_negated(rb.port_f, dy1, owned1, rb.input_f.leaf)
+        rb.port_f = None
+        # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
+        dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1
+        dx2 = dy2 if coupling.scale2 == 1.0 else dy2 * coupling.scale2
+        dx2, fresh = rb.input_f.add_to(dx2, owned2 or coupling.scale2 != 1.0)
+        rb.input_f = None
+        if hooks is not None:
+            dx1, dx2 = hooks.backward_after(dx1, dx2, *grad_out)
+            self._owned = ()
+        else:
+            self._owned = tuple(t for t, mine in ((dx1, owned1 or coupling.scale1 != 1.0),
+                                                  (dx2, owned2 or fresh or coupling.scale2 != 1.0)) if mine)
+        return BlockGrads(dx1, dx2)
+
+    # -- the steps schedules compose -----------------------------------------------------------
+
     def recover(self, i: int, streams) -> Recovered:
-        """Rebuild layer i's input from its output, keeping the graph for its gradients."""
-        run, fmt, k = self.run, self.run.fmt, self.run.fmt.frac_bits
+        """Rebuild layer i's input from its output, keeping the graph for its gradients (both halves')."""
+        layer = self.run.layers[i]
+        if not is_reversible_block(layer):
+            return self._recover_invertible(i, streams)
+        rb = self._begin(i, streams)
+
+        def rebuild_phase(f, g, token):
+            with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
+                y1_value = self._rebuild_g(rb, g, token)
+                self._rebuild_f(rb, f)
+            # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
+            return PhaseResult(None), y1_value
+
+        scratch = _scratch_buffers(self.run.updated_buffers.get(i, ()))
+        self._in_phase(rb, rebuild_phase, rb.token_leaf)
+        return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=(rb,)))
+
+    def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
+        """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
+        if recovered.kind == "block":
+            grads = self._block_grads(recovered.tensors[0], dy1, dy2)
+            self._owned = ()
+            return grads
+        return self._invertible_grads(recovered, dy1, dy2)
+
+    def step(self, i: int, streams: list, dy1: torch.Tensor, dy2: torch.Tensor):
+        """recover(i) and grads(i) in one, one half at a time (the sequential schedule): G is rebuilt and
+        its gradients run before F is rebuilt, so one half's recompute graph is alive at a time, and each
+        output stream is let go once its half is rebuilt (``streams`` is emptied: the caller keeps no
+        reference). Each half's forward still runs once. Returns ``(Recovered, BlockGrads)``."""
+        layer = self.run.layers[i]
+        if not is_reversible_block(layer):
+            recovered = self._recover_invertible(i, streams)
+            streams.clear()
+            return recovered, self._invertible_grads(recovered, dy1, dy2)
+        rb = self._begin(i, streams)
+        streams.clear()
+        owned = (self._owns(dy1), self._owns(dy2))
+
+        def g_phase(f, g, token):
+            return PhaseResult(None), self._rebuild_g(rb, g, token)  # visible: FSDP2's pre-backward hook
+
+        def f_phase(f, g):
+            self._rebuild_f(rb, f)
+            return (PhaseResult(None),)
+
+        with _scratch_buffers(self.run.updated_buffers.get(i, ())):  # BatchNorm & co. update copies
+            self._in_phase(rb, g_phase, rb.token_leaf)
+            grads = self._block_grads(rb, dy1, dy2, owned, rebuild_f=lambda: self._in_phase(rb, f_phase))
+        return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=())), grads
+
+    # -- invertible layers -------------------------------------------------------------------------
+
+    def _recover_invertible(self, i: int, streams) -> Recovered:
+        run, fmt = self.run, self.run.fmt
         y1, y2 = self.streams_entering(i, streams)
         layer = run.layers[i]
         scratch = _scratch_buffers(run.updated_buffers.get(i, ()))
-        if is_reversible_block(layer):
-            state_f, state_g = run.rng_states[i]
-            coupling = coupling_of(layer)
-            if coupling.swap:
-                y1, y2 = y2, y1
-            kept = self.low_bits[i] if self.low_bits else None
-            low1, low2 = kept if kept is not None else (None, None)
-            scale1, scale2 = residual_scale(coupling.scale1, low1), residual_scale(coupling.scale2, low2)
+        with torch.no_grad():
+            x1, x2 = layer.inverse(y1, y2)
+        with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), scratch:
+            v1 = fmt.value(x1).detach().requires_grad_()
+            v2 = fmt.value(x2).detach().requires_grad_()
+            o1, o2 = layer(v1, v2)
+        is_own = self._own_leaf_test(layer, v1, v2)
+        if reaches_foreign_leaf(o1, is_own) or reaches_foreign_leaf(o2, is_own):
+            raise RuntimeError(captured_tensor_message(f"layer {run.first_index + i}"))
+        return self._checked(Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2)))
 
-            def rebuild_phase(f, g, token):
-                with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
-                    run.rng.set(state_g)
-                    y1_value = fmt.value(y1).detach().requires_grad_()
-                    x2, port_g = couple_half(g, y2, y1_value, -1, k, self.cond, scale2)
-                    x2_value = fmt.value(x2).detach().requires_grad_()
-                    run.rng.set(state_f)
-                    x1, port_f = couple_half(f, y1, _AfterToken.apply(x2_value, token), -1, k, self.cond, scale1)
-                # In the phase, where FSDP2's gathered parameters are the module's. ``token`` here may be
-                # FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
-                is_own = self._own_leaf_test(layer, y1_value, x2_value, token_leaf)
-                for half, port in (("G", port_g), ("F", port_f)):
-                    if reaches_foreign_leaf(port, is_own):
-                        raise RuntimeError(captured_tensor_message(f"the {half} half of layer {run.first_index + i}"))
-                # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
-                return PhaseResult((x1, x2, port_g, y1_value, port_f, x2_value)), y1_value
+    def _invertible_grads(self, recovered: Recovered, dy1, dy2) -> BlockGrads:
+        self._owned = ()
+        o1, o2, v1, v2 = recovered.tensors
+        outputs = [o for o in (o1, o2) if o.requires_grad]
+        if outputs:
+            grads = [g for o, g in zip((o1, o2), (dy1, dy2)) if o.requires_grad]
+            self._backward(outputs, grads, [v1, v2])
+        dx1 = torch.zeros_like(dy1) if v1.grad is None else v1.grad.to(dy1.dtype)
+        dx2 = torch.zeros_like(dy2) if v2.grad is None else v2.grad.to(dy2.dtype)
+        return BlockGrads(dx1, dx2)
 
-            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
-                token_leaf = torch.empty(0, device=y1.device, requires_grad=True)
-                x1, x2, port_g, y1_value, port_f, x2_value = run_block_phase(layer, rebuild_phase, token_leaf)
-            recovered = Recovered(i, (x1.detach(), x2.detach()), kind="block",
-                                  tensors=(port_g, y1_value, port_f, x2_value))
-        else:
-            with torch.no_grad():
-                x1, x2 = layer.inverse(y1, y2)
-            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), scratch:
-                v1 = fmt.value(x1).detach().requires_grad_()
-                v2 = fmt.value(x2).detach().requires_grad_()
-                o1, o2 = layer(v1, v2)
-            is_own = self._own_leaf_test(layer, v1, v2)
-            if reaches_foreign_leaf(o1, is_own) or reaches_foreign_leaf(o2, is_own):
-                raise RuntimeError(captured_tensor_message(f"layer {run.first_index + i}"))
-            recovered = Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2))
-        if self.checksum is not None:
-            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[i]).any()
-        return recovered
+    # -- shared ------------------------------------------------------------------------------------
 
     def _own_leaf_test(self, layer, *leaves):
         """``is_own(leaf)`` for the captured-tensor check of a rebuilt layer: the segment's parameters,
@@ -339,38 +595,3 @@ class _SegmentBackward:
             torch.autograd.backward(output, grad)
         else:
             torch.autograd.backward(output, grad, inputs=leaves + self.grad_leaves)
-
-    def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
-        """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
-        if recovered.kind == "block":
-            layer = self.run.layers[recovered.index]
-            hooks = BlockHooks.of(layer)
-            if hooks is not None:
-                dy1, dy2 = hooks.backward_before(dy1, dy2)
-            grad_out = (dy1, dy2)
-            coupling = coupling_of(layer)
-            if coupling.swap:  # the gradients of the block's outputs (y2, y1)
-                dy1, dy2 = dy2, dy1
-            port_g, y1_value, port_f, x2_value = recovered.tensors
-            # x2 = y2 - G(y1): backward(x2, -dy2) gives G's grads of the forward's y2 = x2 + G(y1).
-            if port_g is not None:
-                self._backward(port_g, -dy2, [y1_value])
-            if y1_value.grad is not None:
-                dy1 = dy1 + y1_value.grad
-            if port_f is not None:
-                self._backward(port_f, -dy1, [x2_value])
-            # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
-            dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1
-            dx2 = dy2 if coupling.scale2 == 1.0 else dy2 * coupling.scale2
-            dx2 = dx2 if x2_value.grad is None else dx2 + x2_value.grad
-            if hooks is not None:
-                dx1, dx2 = hooks.backward_after(dx1, dx2, *grad_out)
-            return BlockGrads(dx1, dx2)
-        o1, o2, v1, v2 = recovered.tensors
-        outputs = [o for o in (o1, o2) if o.requires_grad]
-        if outputs:
-            grads = [g for o, g in zip((o1, o2), (dy1, dy2)) if o.requires_grad]
-            self._backward(outputs, grads, [v1, v2])
-        dx1 = torch.zeros_like(dy1) if v1.grad is None else v1.grad.to(dy1.dtype)
-        dx2 = torch.zeros_like(dy2) if v2.grad is None else v2.grad.to(dy2.dtype)
-        return BlockGrads(dx1, dx2)

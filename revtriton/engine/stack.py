@@ -234,7 +234,8 @@ class ReversibleStack(nn.Module):
                          rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
                          checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple))
         cond_tensors = () if cond is None else (cond,) if isinstance(cond, torch.Tensor) else cond
-        params = [p for layer in layers for p in layer.parameters()]
+        per_layer = [list(layer.parameters()) for layer in layers]
+        params = [p for layer_params in per_layer for p in layer_params]
         needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad
                                                    or any(p.requires_grad for p in params)
                                                    or any(c.requires_grad for c in cond_tensors))
@@ -252,7 +253,7 @@ class ReversibleStack(nn.Module):
         grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)
         run.grad_anchor = grad_anchor
         run.param_ids = frozenset(id(p) for p in params)
-        run.watch = StateWatch(layers, first_index)
+        run.watch = StateWatch(layers, first_index, per_layer)
         return ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor, *cond_tensors)
 
     def _raise_guard(self, failure, inputs, cond=None):

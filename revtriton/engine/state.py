@@ -29,8 +29,10 @@ class StateWatch:
     ones it updated (BatchNorm's running statistics).
     """
 
-    def __init__(self, layers, first_index):
+    def __init__(self, layers, first_index, params=None):
+        """``params``: each layer's parameters, if the caller listed them already (one walk, not two)."""
         self.layers, self.first_index = layers, first_index
+        self.params = params if params is not None else [list(layer.parameters()) for layer in layers]
         self.modes, self.versions, self.buffers, self.running_stats = [], [], [], []
         for i, layer in enumerate(layers):
             buffers, running_stats = [], []
@@ -48,9 +50,9 @@ class StateWatch:
     def record_versions(self):
         """Take the parameters' versions as the forward leaves them (a module may renormalise its own
         weights in its forward, e.g. nn.Embedding(max_norm=...))."""
-        self.versions = [(i, p, p._version) for i, layer in enumerate(self.layers)
+        self.versions = [(i, p, p._version) for i, (layer, params) in enumerate(zip(self.layers, self.params))
                          # FSDP2 re-gathers a sharded block's parameters in place: its business
-                         if not _is_fsdp_module(layer) for p in layer.parameters() if not _is_dtensor(p)]
+                         if not _is_fsdp_module(layer) for p in params if not _is_dtensor(p)]
 
     def _where(self, i, named, target, kind):
         name = next((n for n, t in named if t is target), "")

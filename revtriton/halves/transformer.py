@@ -8,7 +8,8 @@ the pure-torch reference (same weights, same math). ``forward(x)`` is H(x) on th
 
 Drop-path (stochastic depth) and layer scale are part of the half: drop-path becomes a
 per-row scale of H(x) (drawn from the global RNG, which the engine replays), layer scale is
-folded into the last projection.
+folded into the last projection. A scaled coupling's residual scale (``couple(..., scale=)``,
+``takes_scale``) goes into the couple epilogue too, so it costs no pass of its own.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
+from ..ops.streams import ResidualScale
 from .base import CouplingHalf
 
 
@@ -53,6 +55,8 @@ class _TransformerHalf(CouplingHalf):
 
     # Subclasses give the op pair (dispatching couple, pure-torch reference) and their operands.
     couple_op = reference_op = None
+    # The engine hands a scaled coupling's ResidualScale to couple() (applied in the epilogue).
+    takes_scale = True
 
     def operands(self, x):
         """(positional weights, keyword options) of this half's ops for input ``x``."""
@@ -64,10 +68,10 @@ class _TransformerHalf(CouplingHalf):
         args, options = self.operands(x)
         return type(self).reference_op(x, *args, **options)
 
-    def couple(self, res, x, sign, frac_bits=None):
+    def couple(self, res, x, sign, frac_bits=None, scale: ResidualScale | None = None):
         self._check_input(x)
         args, options = self.operands(x)
-        return type(self).couple_op(res, x, sign, frac_bits, *args, **options)
+        return type(self).couple_op(res, x, sign, frac_bits, *args, scale=scale, **options)
 
 
 class LayerNormMLP(_TransformerHalf):

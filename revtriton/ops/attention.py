@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from . import backend
-from .dispatch import run_op, triton_dtypes, triton_runs_on
+from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import apply_row_scale, normalize_reference
-from .streams import couple_output
+from .streams import ResidualScale, library_couple_output
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32):
@@ -70,13 +70,15 @@ def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_
 
 
 def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads,
-                          kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
-    """``res + sign * norm_attention(x)`` as ``(stream, port)`` (see revtriton.halves.base)."""
+                          kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None,
+                          scale: ResidualScale | None = None):
+    """``res + sign * norm_attention(x)`` as ``(stream, port)`` (see revtriton.halves.base); a
+    ``scale`` makes it a scaled coupling (streams.couple_output), applied in the couple epilogue."""
     kv_heads = kv_heads or heads
     check_attention_shapes(x, w_proj.shape[0], heads, kv_heads)
     return run_op("norm_attention", res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj,
                   heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
-                  row_scale=row_scale)
+                  row_scale=row_scale, **scale_option(scale))
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,8 +91,8 @@ def _norm_attention_triton(res, x, sign, frac_bits, *weights, **options):
     return fused_norm_attention_couple(res, x, sign, frac_bits, *weights, **options)
 
 
-def _norm_attention_torch(res, x, sign, frac_bits, *weights, **options):
-    return couple_output(res, norm_attention_reference(x, *weights, **options), sign, frac_bits)
+def _norm_attention_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
+    return library_couple_output(res, norm_attention_reference(x, *weights, **options), sign, frac_bits, scale)
 
 
 def _triton_supports(args, options) -> bool:

@@ -177,8 +177,9 @@ def bucket(n: int) -> int:
 
 def couple_key(args, options, *, tokens: bool = False) -> str:
     """Key of a couple op ``(res, x, sign, frac_bits, *weights, **options)``: rows (and tokens)
-    bucketed, weight shapes, switches, dtypes, autocast, exact or float. Not the sign, not the
-    grad mode: the forward and the rebuild of a block get the same choice."""
+    bucketed, weight shapes, switches (a coupling scale: "scaled", not its value), dtypes,
+    autocast, exact or float. Not the sign, not the grad mode: the forward and the rebuild of a
+    block get the same choice."""
     x, frac_bits = args[1], args[3]
     dim = x.shape[-1] if x.dim() else 1
     parts = [f"rows<={bucket(x.numel() // max(dim, 1))}"]
@@ -193,6 +194,8 @@ def couple_key(args, options, *, tokens: bool = False) -> str:
             parts.append(f"{name}={value}")
         elif name == "rope_theta" and value is not None:
             parts.append("rope")
+        elif name == "scale" and value is not None:  # a scaled coupling: another couple epilogue
+            parts.append("scaled")
     device_type = x.device.type
     compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     dtypes = [str(x.dtype).replace("torch.", "")]

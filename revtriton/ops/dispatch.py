@@ -54,6 +54,13 @@ def force_triton(enabled: bool = True):
         _force_triton = previous
 
 
+def scale_option(scale) -> dict:
+    """A couple op's ``scale`` option for :func:`run_op`: ``{"scale": scale}`` for a scaled coupling,
+    nothing otherwise (an unscaled call keeps the options, the backend key and the candidates'
+    arguments it always had)."""
+    return {} if scale is None else {"scale": scale}
+
+
 def run_op(op: str, *args, **options):
     """Run op ``op`` (registered in ``ops.backend``) on ``args`` with the chosen implementation."""
     from . import backend

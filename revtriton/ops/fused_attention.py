@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
-from .streams import check_frac_bits, couple_result, function_outputs
+from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
+                      port_gradient, residual_gradient)
 
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))  # kernels/attention.py HEAD_DIMS: multiples of 8, 16..256
 
@@ -380,8 +381,9 @@ class _Plan:
                      if rope_theta is not None else None)
 
 
-def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
-    """The four launches. Returns (stream [B, T, dim], saved tensors for backward)."""
+def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale):
+    """The four launches (a coupling ``scale`` in the last one's epilogue). Returns (stream
+    [B, T, dim], saved tensors for backward)."""
     x2 = gemm.as_rows(x, plan.dim)
     n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
                                    norm_bias=norm_bias, out_dtype=plan.dot_dtype)
@@ -392,7 +394,7 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
     res2 = gemm.as_rows(res, plan.dim)
     stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
-                                row_scale=row_scale)
+                                row_scale=row_scale, scale=scale)
     return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse)
 
 
@@ -443,24 +445,26 @@ class FusedNormAttentionCouple(torch.autograd.Function):
     """Autograd Function of the fused half: forward 4 launches, backward 10 (9 without biases)."""
 
     @staticmethod
-    def forward(ctx, plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale):
+    def forward(ctx, plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale):
         stream, (x2, mean, rstd, n, qkv, o, lse) = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv,
-                                                                  b_qkv, w_proj, b_proj, row_scale)
+                                                                  b_qkv, w_proj, b_proj, row_scale, scale)
         ctx.plan = plan
+        ctx.res_scale = None if scale is None else scale.value  # not the forward's dropped bits
         ctx.param_dtypes = [None if t is None else t.dtype for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
                                                                       b_proj)]
         ctx.x_dtype = x.dtype
         ctx.save_for_backward(x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale)
-        return function_outputs(ctx, stream, plan.frac_bits)
+        return function_outputs(ctx, stream, plan.frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        g = grads[0] if plan.frac_bits is None else grads[1]
+        g = port_gradient(grads, plan.frac_bits, ctx.res_scale)
         x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale = ctx.saved_tensors
-        grad_res = grads[0] if plan.frac_bits is None else None
+        grad_res = residual_gradient(grads, plan.frac_bits, plan.sign, ctx.res_scale) if ctx.needs_input_grad[1] \
+            else None
         if g is None:
-            return (None, grad_res) + (None,) * 8
+            return (None, grad_res) + (None,) * 9
         need = ctx.needs_input_grad
         # Only the gradients asked for: a frozen parameter's dtype is passed as None.
         param_dtypes = [dtype if need[i + 3] else None for i, dtype in enumerate(ctx.param_dtypes)]
@@ -470,18 +474,19 @@ class FusedNormAttentionCouple(torch.autograd.Function):
                 param_dtypes, need_dx=need[2])
         param_grads = [None if d is None or not need[i + 3] else d.to(dtype) for i, (d, dtype) in
                        enumerate(zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes))]
-        return (None, grad_res, None if dx is None or not need[2] else dx.to(ctx.x_dtype), *param_grads, None)
+        return (None, grad_res, None if dx is None or not need[2] else dx.to(ctx.x_dtype), *param_grads, None, None)
 
 
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
                                 heads, kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6,
-                                row_scale=None):
+                                row_scale=None, scale: ResidualScale | None = None):
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
-    Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``.
+    Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``
+    (``scale``: a scaled coupling, ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse).
     Forward: normalize (once per row, in the operand dtype) -> QKV GEMM (raw operands, bias +
     RoPE epilogue) -> flash attention -> out-projection GEMM (bias, row_scale, residual +/- or
-    the exact int32 add): 4 launches.
+    the exact int32 add, the coupling scale): 4 launches.
     Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
     attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
     with fp32 accumulation.
@@ -492,6 +497,7 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     if frac_bits is not None:
         check_frac_bits(frac_bits)
     _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     dot_dtype = _compute_dtype(x, w_qkv)
     plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype)
     if row_scale is not None:
@@ -502,8 +508,8 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if not needs_grad:
         stream, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
-                                   row_scale)
+                                   row_scale, scale)
         return stream, None
     out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
-                                         row_scale)
-    return couple_result(out, frac_bits)
+                                         row_scale, scale)
+    return couple_result(out, frac_bits, scaled=scale is not None)

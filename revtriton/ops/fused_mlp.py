@@ -15,7 +15,9 @@ atomics anywhere.
 
 Semantics are those of the references in ops/mlp.py (norm_mlp_reference, swiglu_mlp_reference)
 and of the couple protocol (ops/streams.py): float mode returns ``(stream, stream or None)``,
-exact mode ``(int32 stream, gradient port or None)``.
+exact mode ``(int32 stream, gradient port or None)``. A scaled coupling (``scale``, a
+streams.ResidualScale) is applied in GEMM2's epilogue and returns a port in float mode too, whose
+gradient goes to ``sign * H(x)`` unscaled (streams.function_outputs).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 
 from . import gemm
 from .reference import ACTIVATIONS, NORMS
-from .streams import check_frac_bits, couple_result, function_outputs
+from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
+                      port_gradient, residual_gradient)
 
 
 # ---------------------------------------------------------------- input handling
@@ -77,18 +80,19 @@ def _needs_grad(*tensors) -> bool:
 # ---------------------------------------------------------------- LayerNorm / RMSNorm + MLP
 
 def _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation, eps,
-                      row_scale, dot_dtype, save):
+                      row_scale, dot_dtype, save, scale):
     n, mean, rstd = gemm.normalize(x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
                                    out_dtype=dot_dtype)
     a1, z1 = gemm.linear(n, w1.to(dot_dtype), b1, activation=activation, save_preact=save)
-    stream = gemm.linear_couple(a1, w2.to(dot_dtype), b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale)
+    stream = gemm.linear_couple(a1, w2.to(dot_dtype), b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
+                                scale=scale)
     return stream, (n, mean, rstd, a1, z1)
 
 
-def _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, bias_dtype):
+def _scaled_grad(grads, frac_bits, res_scale, sign, row_scale, dim, dot_dtype, bias_dtype):
     """The output gradient times sign and row_scale in the operand dtype (one launch), and the
     Partials of its column sums when the last layer has a bias to differentiate."""
-    g = grads[0] if frac_bits is None else grads[1]
+    g = port_gradient(grads, frac_bits, res_scale)
     return gemm.scale_rows(gemm.as_rows(g, dim), alpha=sign, row_scale=row_scale, out_dtype=dot_dtype,
                            col_sums=bias_dtype is not None, sums_dtype=bias_dtype)
 
@@ -96,18 +100,19 @@ def _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, bias_dtype):
 class FusedNormMLPCouple(torch.autograd.Function):
     @staticmethod
     def forward(ctx, res, x, norm_weight, norm_bias, w1, b1, w2, b2, row_scale, sign, frac_bits, norm, activation,
-                eps, dot_dtype):
+                eps, dot_dtype, scale):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)
         res2 = gemm.as_rows(res, dim)
         stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight,
                                                             norm_bias, w1, b1, w2, b2, norm, activation, eps,
-                                                            row_scale, dot_dtype, True)
+                                                            row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
         ctx.options = (sign, frac_bits, norm, activation, dot_dtype)
+        ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view(res.shape), frac_bits)
+        return function_outputs(ctx, stream.view(res.shape), frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -118,8 +123,9 @@ class FusedNormMLPCouple(torch.autograd.Function):
         need = ctx.needs_input_grad
         b1_dtype, b2_dtype = ctx.bias_dtypes
         dim = x2.shape[1]
-        grad_res = grads[0] if (frac_bits is None and need[0]) else None
-        gs, db2 = _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, b2_dtype if need[7] else None)
+        grad_res = residual_gradient(grads, frac_bits, sign, ctx.res_scale) if need[0] else None
+        gs, db2 = _scaled_grad(grads, frac_bits, ctx.res_scale, sign, row_scale, dim, dot_dtype,
+                               b2_dtype if need[7] else None)
         dz1, db1 = gemm.linear_act_bwd(gs, w2.to(dot_dtype), z1, activation=activation,
                                        col_sums=b1_dtype is not None and need[5], sums_dtype=b1_dtype)
         pending = []
@@ -136,12 +142,13 @@ class FusedNormMLPCouple(torch.autograd.Function):
         if dbeta is not None and dbeta.dtype != norm_bias.dtype:
             dbeta = dbeta.to(norm_bias.dtype)
         return (grad_res, dx, dgamma, dbeta, dw1, None if db1 is None else db1.out, dw2,
-                None if db2 is None else db2.out, None, None, None, None, None, None, None)
+                None if db2 is None else db2.out, None, None, None, None, None, None, None, None)
 
 
 def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
-                          activation="gelu_tanh", eps=1e-6, row_scale=None):
-    """``res + sign * fc2(act(fc1(norm(x))))`` (times row_scale) as ``(stream, port)``, fused."""
+                          activation="gelu_tanh", eps=1e-6, row_scale=None, scale: ResidualScale | None = None):
+    """``res + sign * fc2(act(fc1(norm(x))))`` (times row_scale) as ``(stream, port)``, fused; a
+    ``scale``: ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse (streams.couple_output)."""
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     if activation not in ACTIVATIONS:
@@ -152,41 +159,45 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
     _check_common(res, x, sign, frac_bits, dim)
     if w2.shape != (dim, w1.shape[0]):
         raise ValueError(f"w2 shape {tuple(w2.shape)} must be {(dim, w1.shape[0])} for w1 {tuple(w1.shape)}")
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     dot_dtype = _dot_dtype(x, [("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)])
     rs = _flat_row_scale(row_scale, x)
     params = (norm_weight, norm_bias, w1, b1, w2, b2)
     if _needs_grad(res, x, *params):
-        out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype)
-        return couple_result(out, frac_bits)
+        out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype, scale)
+        return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
         res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
         stream, _ = _norm_mlp_forward(res2, x2, sign, frac_bits, *params, norm, activation,
-                                      eps, rs, dot_dtype, False)
+                                      eps, rs, dot_dtype, False, scale)
     return stream.view(res.shape), None
 
 
 # ---------------------------------------------------------------- RMSNorm + SwiGLU
 
-def _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype, save):
+def _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype, save,
+                    scale):
     n, mean, rstd = gemm.normalize(x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype)
     a1, z = gemm.linear(n, w_gate.to(dot_dtype), None, activation="swiglu", weight_up=w_up.to(dot_dtype),
                         save_preact=save)
-    stream = gemm.linear_couple(a1, w_down.to(dot_dtype), None, res2, sign, frac_bits=frac_bits, row_scale=row_scale)
+    stream = gemm.linear_couple(a1, w_down.to(dot_dtype), None, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
+                                scale=scale)
     return stream, (n, mean, rstd, a1, z)
 
 
 class FusedSwiGLUCouple(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype):
+    def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype, scale):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)
         res2 = gemm.as_rows(res, dim)
         stream, (n, mean, rstd, a1, z) = _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate,
-                                                         w_up, w_down, eps, row_scale, dot_dtype, True)
+                                                         w_up, w_down, eps, row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.options = (sign, frac_bits, dot_dtype)
+        ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view(res.shape), frac_bits)
+        return function_outputs(ctx, stream.view(res.shape), frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -196,8 +207,8 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         sign, frac_bits, dot_dtype = ctx.options
         dim, hidden = x2.shape[1], w_gate.shape[0]
         need = ctx.needs_input_grad
-        grad_res = grads[0] if (frac_bits is None and need[0]) else None
-        gs, _ = _scaled_grad(grads, frac_bits, sign, row_scale, dim, dot_dtype, None)
+        grad_res = residual_gradient(grads, frac_bits, sign, ctx.res_scale) if need[0] else None
+        gs, _ = _scaled_grad(grads, frac_bits, ctx.res_scale, sign, row_scale, dim, dot_dtype, None)
         dz, _ = gemm.linear_act_bwd(gs, w_down.to(dot_dtype), z, activation="swiglu")
         pending = []
         d_down = gemm.linear_weight_grad(gs, a1, out_dtype=w_down.dtype, pending=pending) if need[5] else None
@@ -212,26 +223,28 @@ class FusedSwiGLUCouple(torch.autograd.Function):
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(norm_part, *pending)
         dgamma, _ = gemm.norm_param_grads(norm_part, norm_weight, False)
-        return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None
+        return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None, None
 
 
 def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6,
-                            row_scale=None):
-    """``res + sign * down(silu(gate(n)) * up(n))``, n = rmsnorm(x), as ``(stream, port)``, fused."""
+                            row_scale=None, scale: ResidualScale | None = None):
+    """``res + sign * down(silu(gate(n)) * up(n))``, n = rmsnorm(x), as ``(stream, port)``, fused
+    (a ``scale`` as in :func:`fused_norm_mlp_couple`)."""
     dim = w_gate.shape[1]
     _check_common(res, x, sign, frac_bits, dim)
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up shape {tuple(w_up.shape)} != w_gate shape {tuple(w_gate.shape)}")
     if w_down.shape != (dim, w_gate.shape[0]):
         raise ValueError(f"w_down shape {tuple(w_down.shape)} must be {(dim, w_gate.shape[0])}")
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     dot_dtype = _dot_dtype(x, [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)])
     rs = _flat_row_scale(row_scale, x)
     params = (norm_weight, w_gate, w_up, w_down)
     if _needs_grad(res, x, *params):
-        out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype)
-        return couple_result(out, frac_bits)
+        out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype, scale)
+        return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
         res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
         stream, _ = _swiglu_forward(res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
-                                    False)
+                                    False, scale)
     return stream.view(res.shape), None

@@ -16,10 +16,12 @@ Forward
            out_dtype=None) -> (out, preact or None)
         out = act(a @ weight.T + bias); "swiglu" needs ``weight_up``: out = silu(a W^T) * (a U^T).
         ``save_preact`` also returns the pre-activation (SwiGLU: [gate | up], 2*out columns).
-    linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None) -> stream
+    linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale=None) -> stream
         h = (a @ weight.T + bias) * row_scale[:, None]; float mode (frac_bits None):
         stream = res + sign * h in res's dtype; exact mode: res int32,
         stream = res + sign * round_half_even(h * 2^frac_bits) (saturated, int32 add).
+        ``scale`` (streams.ResidualScale, a scaled coupling) in the same epilogue: float
+        scale * res + h / (res - h) / scale; exact (res >> s) + q / ((res - q) << s) | low bits.
 Backward
     scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True)
         -> (alpha * row_scale[:, None] * g in out_dtype or None, Partials of its column sums or None)
@@ -58,7 +60,7 @@ import triton
 
 from . import dispatch
 from .reference import activation_reference
-from .streams import check_frac_bits, quantize_reference
+from .streams import ResidualScale, check_frac_bits, check_residual_scale, exact_add_reference, scale_launch_args
 
 from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
 from revtriton.kernels import norm as norm_kernels
@@ -187,9 +189,11 @@ def _bucket(n: int) -> int:
 
 def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, row_scale=None, aux=None,
                  store_aux=False, res=None, col_sum=None, alpha=1.0, sign=1, frac_bits=0, dual_b=False,
-                 second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0):
+                 second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0, scale=None):
     """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides."""
     dummy = c  # unused pointers: any tensor; a fixed choice per variant keeps the tuning key stable
+    res_scale, res_shift, low_bits, low_bits_plane = scale_launch_args(
+        scale, sign, None if residual == gemm_kernels.RES_FLOAT else frac_bits, dummy)
     stride_am, stride_ak = a_strides
     stride_bk, stride_bn = b_strides
     if split_k > 1:
@@ -214,10 +218,11 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         dummy if aux is None else aux, 0 if aux is None else aux.stride(0),
         dummy if res is None else res, 0 if res is None else res.stride(0),
         dummy if col_sum is None else col_sum,
-        float(alpha), int(sign), float(2.0 ** frac_bits), int(bool(store_aux)), _bucket(M), _bucket(K),
+        float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
+        int(bool(store_aux)), _bucket(M), _bucket(K),
         DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
-        HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual,
+        HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return c
@@ -358,18 +363,22 @@ def linear(a, weight, bias=None, *, activation=None, weight_up=None, save_preact
     return out, preact
 
 
-def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None):
+def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale=None):
     h = a.float() @ weight.float().t() + (0 if bias is None else bias.float())
     if row_scale is not None:
         h = h * row_scale.float()[:, None]
-    if frac_bits is None:
+    if frac_bits is not None:
+        return exact_add_reference(res, h, sign, frac_bits, scale)
+    if scale is None:
         return (res.float() + sign * h).to(res.dtype)
-    q = quantize_reference(h, frac_bits)
-    return res + q if sign > 0 else res - q
+    if sign > 0:
+        return (res.float() * scale.value + h).to(res.dtype)
+    return ((res.float() - h) / scale.value).to(res.dtype)
 
 
-def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None):
-    """res + sign * (a @ weight.T + bias) * row_scale, float or exact, in one launch."""
+def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale: ResidualScale | None = None):
+    """res + sign * (a @ weight.T + bias) * row_scale, float or exact, in one launch; with a
+    ``scale`` (a scaled coupling) the residual is scaled in the same epilogue (module doc)."""
     M, K, N = _check_forward_gemm(a, weight, bias)
     _check_row_scale(row_scale, M)
     if sign not in (1, -1):
@@ -382,12 +391,13 @@ def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None)
         _check_matrix(res, "res", dtypes=(torch.int32,), rows=M, cols=N, unit_col_stride=True)
         residual = gemm_kernels.RES_EXACT
     _check_same_device(("a", a), ("weight", weight), ("bias", bias), ("res", res), ("row_scale", row_scale))
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     out = torch.empty(M, N, dtype=res.dtype, device=res.device)
     if M == 0 or N == 0:
         return out
     b, b_strides = _weight_as_b(weight)
     _launch_gemm(a, a.stride(), b, b_strides, out, M, N, K, bias=bias, row_scale=row_scale, res=res, sign=sign,
-                 frac_bits=0 if frac_bits is None else frac_bits, residual=residual)
+                 frac_bits=0 if frac_bits is None else frac_bits, residual=residual, scale=scale)
     return out
 
 

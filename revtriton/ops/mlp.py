@@ -9,22 +9,24 @@ F.linear, the exact epilogue in torch ops). On CPU: the reference, or Triton und
 from __future__ import annotations
 
 from . import backend
-from .dispatch import run_op, triton_dtypes, triton_runs_on
+from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import (ACTIVATIONS, NORMS, activation_reference, norm_mlp_reference,  # noqa: F401 (re-exported)
                         normalize_reference, swiglu_mlp_reference)
-from .streams import couple_output
+from .streams import ResidualScale, library_couple_output
 
 def norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
-                    activation="gelu_tanh", eps=1e-6, row_scale=None):
-    """``res + sign * norm_mlp(x)`` as ``(stream, port)`` (see revtriton.halves.base)."""
+                    activation="gelu_tanh", eps=1e-6, row_scale=None, scale: ResidualScale | None = None):
+    """``res + sign * norm_mlp(x)`` as ``(stream, port)`` (see revtriton.halves.base); a ``scale``
+    makes it a scaled coupling (streams.couple_output), applied in the couple epilogue."""
     return run_op("norm_mlp", res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm=norm,
-                  activation=activation, eps=eps, row_scale=row_scale)
+                  activation=activation, eps=eps, row_scale=row_scale, **scale_option(scale))
 
 
-def swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6, row_scale=None):
-    """``res + sign * swiglu_mlp(x)`` as ``(stream, port)``."""
+def swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6, row_scale=None,
+                      scale: ResidualScale | None = None):
+    """``res + sign * swiglu_mlp(x)`` as ``(stream, port)`` (a ``scale`` as in norm_mlp_couple)."""
     return run_op("swiglu_mlp", res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps=eps,
-                  row_scale=row_scale)
+                  row_scale=row_scale, **scale_option(scale))
 
 
 # ---------------------------------------------------------------- the candidates (ops.backend)
@@ -35,8 +37,8 @@ def _norm_mlp_triton(res, x, sign, frac_bits, *weights, **options):
     return fused_norm_mlp_couple(res, x, sign, frac_bits, *weights, **options)
 
 
-def _norm_mlp_torch(res, x, sign, frac_bits, *weights, **options):
-    return couple_output(res, norm_mlp_reference(x, *weights, **options), sign, frac_bits)
+def _norm_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
+    return library_couple_output(res, norm_mlp_reference(x, *weights, **options), sign, frac_bits, scale)
 
 
 def _swiglu_mlp_triton(res, x, sign, frac_bits, *weights, **options):
@@ -45,8 +47,8 @@ def _swiglu_mlp_triton(res, x, sign, frac_bits, *weights, **options):
     return fused_swiglu_mlp_couple(res, x, sign, frac_bits, *weights, **options)
 
 
-def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, **options):
-    return couple_output(res, swiglu_mlp_reference(x, *weights, **options), sign, frac_bits)
+def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
+    return library_couple_output(res, swiglu_mlp_reference(x, *weights, **options), sign, frac_bits, scale)
 
 
 for _op, _triton, _torch in (("norm_mlp", _norm_mlp_triton, _norm_mlp_torch),

@@ -39,9 +39,22 @@ def check_frac_bits(frac_bits: int) -> int:
 
 
 def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
-    """round(h * 2**frac_bits) as int32, half to even, saturating; NaN saturates (so it is caught)."""
-    scaled = (h if h.dtype == torch.float64 else h.float()) * (2.0**frac_bits)
-    return scaled.round_().nan_to_num_(nan=SATURATION).clamp_(-SATURATION, SATURATION).to(torch.int32)
+    """round(h * 2**frac_bits) as int32, half to even, saturating; NaN saturates (so it is caught).
+
+    One float buffer for the whole epilogue: scaled (a copy: ``h`` is left alone), rounded, saturated
+    in place, then converted to int32 in place (float32 and int32 are both 4 bytes: each element is
+    read and written at its own position, as in any elementwise in-place op)."""
+    if h.dtype == torch.float64:
+        scaled = h * (2.0**frac_bits)
+    elif h.dtype == torch.float32:
+        scaled = h.mul(2.0**frac_bits).contiguous()
+    else:  # a fresh float32 copy, scaled in place (the same float32 product as h.float() * 2**k)
+        scaled = h.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(2.0**frac_bits)
+    scaled.round_().nan_to_num_(nan=SATURATION).clamp_(-SATURATION, SATURATION)
+    if scaled.dtype != torch.float32:
+        return scaled.to(torch.int32)
+    fixed = scaled.view(torch.int32)
+    return fixed.copy_(scaled)
 
 
 def to_fixed(x: torch.Tensor, frac_bits: int) -> torch.Tensor:
@@ -110,8 +123,8 @@ def exact_add_reference(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits
     With a ``scale`` (2**-s): ``(res >> s) + q`` forward, ``((res - q) << s) | low`` inverse, as
     couple_output computes it (ResidualScale.apply / undo)."""
     q = quantize_reference(h, frac_bits)
-    if scale is None:
-        return res + q if sign > 0 else res - q
+    if scale is None:  # into q, a fresh tensor of the stream's shape: no other buffer
+        return torch.add(res, q, out=q) if sign > 0 else torch.sub(res, q, out=q)
     if sign > 0:
         return scale.apply(res, frac_bits) + q
     return scale.undo(res - q, frac_bits)
@@ -180,10 +193,13 @@ class ExactAdd(torch.autograd.Function):
         ctx.h_dtype = h.dtype
         out = exact_add(res, h, sign, frac_bits, scale)
         ctx.mark_non_differentiable(out)
+        ctx.set_materialize_grads(False)  # the int32 stream gets no gradient: no zeros of its size in backward
         return out, gradient_port(res, stream_grad_dtype(h.dtype))
 
     @staticmethod
     def backward(ctx, grad_out, grad_port):
+        if grad_port is None:
+            return None, None, None, None, None
         grad_h = grad_port if ctx.sign > 0 else -grad_port
         return None, grad_h.to(ctx.h_dtype), None, None, None
 
@@ -228,14 +244,16 @@ def library_couple_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bi
     """:func:`couple_output` as the library path of a half runs it (cuBLAS + SDPA, then this): an
     exact scaled couple in one exact_add pass (shift, rounded add and restored low bits: one
     Triton kernel on CUDA) instead of a shift, the add and the bit-plane unpacking in torch.
-    Same stream and port as couple_output (the tests hold them bitwise equal)."""
+    Same stream and port as couple_output (the tests hold them bitwise equal); the scale checked
+    as the fused candidates check it."""
+    scale = check_residual_scale(scale, sign, frac_bits, res)
     if scale is None or frac_bits is None:
         return couple_output(res, h, sign, frac_bits, scale)
     if h.shape != res.shape:
         raise ValueError(
             f"a coupling half must keep the shape of its input: got {tuple(h.shape)}, expected {tuple(res.shape)}"
         )
-    return exact_couple_from_output(res, h, sign, frac_bits, check_residual_scale(scale, sign, frac_bits, res))
+    return exact_couple_from_output(res, h, sign, frac_bits, scale)
 
 
 # ---------------------------------------------------------------- scaled couplings
@@ -391,15 +409,38 @@ def _check_stream_pair(s1: torch.Tensor, s2: torch.Tensor):
         raise ValueError(f"a stream of {s1.numel()} elements: the checksum's int32 positions need < 2^31")
 
 
+# Position weights of the reference checksum, per (element count, device): made once, not per call.
+# Bounded (a few entries of at most CHECKSUM_CACHE_MAX_NUMEL elements, 16 MiB each): larger streams
+# make theirs per call.
+CHECKSUM_CACHE_MAX_NUMEL = 2**22
+CHECKSUM_CACHE_ENTRIES = 4
+_checksum_weights_cache: dict = {}
+
+
+def _checksum_weights(numel: int, device: torch.device) -> torch.Tensor:
+    """int32 [numel]: (position * CHECKSUM_MULTIPLIER) | 1, wrapping (cached for small streams)."""
+    key = (numel, device)
+    weights = _checksum_weights_cache.get(key)
+    if weights is None:
+        weights = torch.arange(numel, dtype=torch.int32, device=device).mul_(CHECKSUM_MULTIPLIER).bitwise_or_(1)
+        if numel <= CHECKSUM_CACHE_MAX_NUMEL and not torch.compiler.is_compiling():
+            while len(_checksum_weights_cache) >= CHECKSUM_CACHE_ENTRIES:
+                _checksum_weights_cache.pop(next(iter(_checksum_weights_cache)))
+            _checksum_weights_cache[key] = weights
+    return weights
+
+
 def stream_checksum_reference(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     """int64 [2]: sum(s * w) for each stream, w = (position * CHECKSUM_MULTIPLIER) | 1 in int32.
 
     Position-sensitive (moving values between positions changes it, where a plain sum would not);
-    the products wrap in int32 (two's complement), the sums accumulate in int64 (exact)."""
+    the products wrap in int32 (two's complement), the sums accumulate in int64 (exact). The weights
+    are cached per element count and device; both products share one buffer."""
     _check_stream_pair(s1, s2)
-    positions = torch.arange(s1.numel(), dtype=torch.int32, device=s1.device)
-    weights = (positions * CHECKSUM_MULTIPLIER).bitwise_or_(1).view(s1.shape)
-    return torch.stack([(s1 * weights).sum(), (s2 * weights).sum()])
+    weights = _checksum_weights(s1.numel(), s1.device).view(s1.shape)
+    products = s1 * weights
+    first = products.sum()
+    return torch.stack([first, torch.mul(s2, weights, out=products).sum()])
 
 
 def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
