@@ -33,7 +33,8 @@ from torch import nn
 
 from .engine import Coupling, ReversibleStack, block_phase
 from .halves.adapter import Adapter
-from .ops.attention import multi_head_attention_reference, norm_attention_couple
+from .halves.base import half_output
+from .ops.attention import multi_head_attention_reference, norm_attention_couple, packed_segments
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output
 
@@ -211,9 +212,9 @@ class _OrdinaryBlock:
     _half_classes: tuple = ()
     _class_prefix = "RevifiedOrdinary"
 
-    def forward(self, x):
+    def forward(self, x, cond=None):  # cond: the token layout of a Hugging Face model (see _token_layout)
         attention, mlp = (cls(self) for cls in self._half_classes)
-        return _WholeLayer(attention, mlp)(x)
+        return _WholeLayer(attention, mlp)(x, cond)
 
 
 # -- function-preserving conversion (MEFT) ------------------------------------------------------
@@ -290,13 +291,17 @@ class _WholeLayer:
     def __init__(self, attention, mlp, adapter=None):
         self.attention, self.mlp, self.adapter = attention, mlp, adapter
 
-    def __call__(self, x):
-        mid = x + self.attention(x)
+    @property
+    def takes_cond(self) -> bool:  # the attention half takes the token layout
+        return self.attention.takes_cond
+
+    def __call__(self, x, cond=None):
+        mid = x + half_output(self.attention, x, cond)
         out = mid + self.mlp(mid)
         return out if self.adapter is None else out + self.adapter(x)
 
-    def couple(self, res, x, sign, frac_bits=None, scale=None):
-        return couple_output(res, self(x), sign, frac_bits, scale)
+    def couple(self, res, x, sign, frac_bits=None, scale=None, cond=None):
+        return couple_output(res, self(x, cond), sign, frac_bits, scale)
 
 
 class _SublayerWithAdapter(_WholeLayer):
@@ -305,8 +310,12 @@ class _SublayerWithAdapter(_WholeLayer):
     def __init__(self, branch, adapter):
         self.branch, self.adapter = branch, adapter
 
-    def __call__(self, x):
-        return x + self.branch(x) + self.adapter(x)
+    @property
+    def takes_cond(self) -> bool:
+        return self.branch.takes_cond
+
+    def __call__(self, x, cond=None):
+        return x + half_output(self.branch, x, cond) + self.adapter(x)
 
 
 def _add_adapters(block: nn.Module, dim: int, conversion: _Conversion):
@@ -425,8 +434,11 @@ class _Half:
     Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
     own submodules. The module path runs when dropout is active in training or when a
     projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
-    are never bypassed.
+    are never bypassed, and when the half gets a token layout (``cond``: padded or packed rows
+    of a Hugging Face model, attention halves only): the fused kernels take no mask yet.
     """
+
+    takes_cond = False  # attention halves of Hugging Face decoders: True (cond = _token_layout's)
 
     def __init__(self, block: nn.Module):
         self.block = block
@@ -445,20 +457,24 @@ class _Half:
     def _fused(self, res, x, sign, frac_bits):
         raise NotImplementedError
 
-    def _modules(self, x):  # H(x) through the block's submodules
+    def _modules(self, x, layout=None):  # H(x) through the block's submodules (layout: takes_cond halves)
         raise NotImplementedError
 
     def _input(self, x, weight):
         # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block).
         return x if x.dtype == weight.dtype else x.to(weight.dtype)
 
-    def couple(self, res, x, sign, frac_bits=None):
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        if cond is not None:
+            return couple_output(res, self._modules(x, cond), sign, frac_bits)
         if self._use_modules():
             return couple_output(res, self._modules(x), sign, frac_bits)
         return self._fused(res, x, sign, frac_bits)
 
-    def __call__(self, x):
+    def __call__(self, x, cond=None):
         """H(x) with plain autograd (used by stored-activation twins)."""
+        if cond is not None:
+            return self._modules(x, cond)
         if self._use_modules():
             return self._modules(x)
         return self._fused(torch.zeros_like(x), x, +1, None)[0]
@@ -595,6 +611,8 @@ _HF_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh
 
 
 class _GPT2AttentionHalf(_Half):
+    takes_cond = True
+
     def _projections(self):
         return self.block.attn.c_attn, self.block.attn.c_proj
 
@@ -609,12 +627,14 @@ class _GPT2AttentionHalf(_Half):
                                      a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
                                      causal=True, norm="layer", eps=b.ln_1.eps)
 
-    def _modules(self, x):
+    def _modules(self, x, layout=None):
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
         q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
-        o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True, rope_theta=None,
-                            dropout=_p(a.attn_dropout) if b.training else 0.0)
+        segments = None if layout is None else layout[1]  # positions entered with the position embeddings
+        o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True,
+                                           rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0,
+                                           segments=segments)
         return a.resid_dropout(a.c_proj(o))
 
 
@@ -673,6 +693,8 @@ def _convert_gpt2(model, conversion):
 
 
 class _LlamaAttentionHalf(_Half):
+    takes_cond = True
+
     def _projections(self):
         a = self.block.self_attn
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj
@@ -690,13 +712,15 @@ class _LlamaAttentionHalf(_Half):
                                      a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
                                      rope_theta=spec["rope_theta"], norm="rms", eps=norm.variance_epsilon)
 
-    def _modules(self, x):
+    def _modules(self, x, layout=None):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         x = self._input(x, b.input_layernorm.weight)
         n = b.input_layernorm(x)
-        o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"], kv_heads=spec["kv_heads"],
-                            causal=True, rope_theta=spec["rope_theta"],
-                            dropout=self._dropouts()[0] if b.training else 0.0)
+        positions, segments = (None, None) if layout is None else layout
+        o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
+                                           kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
+                                           dropout=self._dropouts()[0] if b.training else 0.0,
+                                           positions=positions, segments=segments)
         return a.o_proj(o)
 
 
@@ -829,12 +853,6 @@ def _check_hf_inputs(model_name, kwargs):
         length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else len(cache)
         if length:
             raise NotImplementedError(f"revified {model_name} keeps no KV cache; call it with cache=None")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not (mask.dim() == 2 and bool(mask.bool().all())):
-        raise NotImplementedError(
-            f"revified {model_name} supports attention_mask=None or all ones only (no padding masks): "
-            f"pack sequences without padding, or mask the loss with labels=-100 instead"
-        )
     unsupported = {
         "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
         "head_mask": kwargs.get("head_mask") is not None,
@@ -845,6 +863,46 @@ def _check_hf_inputs(model_name, kwargs):
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
         raise NotImplementedError(f"revified {model_name} does not support {', '.join(bad)}")
+
+
+def _token_layout(model_name, hidden, kwargs, rope: bool):
+    """The attention halves' conditioning for padded or packed rows: ``(positions, segments)``
+    (int64 [B, T] each; segments as :func:`revtriton.ops.attention.sequence_mask` reads them), or
+    None when every row is one sequence at positions 0..T-1 (the fused path, no mask).
+
+    As the Hugging Face models themselves: a 2-D ``attention_mask`` (1 = token, 0 = padding) masks
+    keys; without one, ``position_ids`` that restart mark packed sequences (DataCollatorWithFlattening);
+    ``position_ids`` default to 0..T-1 and drive RoPE when ``rope``."""
+    batch, tokens = hidden.shape[:2]
+    device = hidden.device
+    default_positions = torch.arange(tokens, device=device).expand(batch, tokens)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
+            raise ValueError(f"revified {model_name}: position_ids must be [batch or 1, tokens] = "
+                             f"[{batch}, {tokens}], got {tuple(position_ids.shape)}")
+        position_ids = position_ids.to(device=device, dtype=torch.long).expand(batch, tokens)
+    mask = kwargs.get("attention_mask")
+    segments = None
+    if mask is not None:
+        if mask.dim() != 2 or tuple(mask.shape) != (batch, tokens):
+            raise NotImplementedError(
+                f"revified {model_name}: attention_mask must be a 2-D padding mask [batch, tokens] = [{batch}, "
+                f"{tokens}] (1 = token, 0 = padding), got shape {tuple(mask.shape)}; 4-D / custom masks are not "
+                f"supported")
+        if not bool(mask.bool().all()):
+            segments = mask.to(device=device).bool().long()
+    elif position_ids is not None:
+        packed = packed_segments(position_ids)
+        if bool((packed[:, -1] != 1).any()):
+            segments = packed
+    custom_positions = rope and position_ids is not None and not torch.equal(position_ids, default_positions)
+    if segments is None and not custom_positions:
+        return None
+    positions = default_positions if position_ids is None else position_ids
+    if segments is None:
+        segments = torch.ones(batch, tokens, dtype=torch.long, device=device)
+    return positions, segments
 
 
 def _hf_output(module, output_class_name, hidden, kwargs):
@@ -865,7 +923,8 @@ def _embeddings_input(module, input_ids, kwargs, embed):
 
 
 class _RevifiedGPT2Model(_NoCheckpointing):
-    """GPT2Model forward over a reversible stack: embeddings -> stack -> ln_f (no cache, no masks)."""
+    """GPT2Model forward over a reversible stack: embeddings -> stack -> ln_f (no cache; padding masks
+    and packed rows through the attention halves' conditioning)."""
 
     def forward(self, input_ids=None, *args, **kwargs):
         if args:
@@ -875,6 +934,7 @@ class _RevifiedGPT2Model(_NoCheckpointing):
             input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = _embeddings_input(self, input_ids, kwargs, self.wte)
         tokens = hidden.shape[1]
+        layout = _token_layout("GPT2Model", hidden, kwargs, rope=False)  # checks position_ids' shape
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             position_ids = torch.arange(tokens, device=hidden.device).unsqueeze(0)
@@ -882,25 +942,21 @@ class _RevifiedGPT2Model(_NoCheckpointing):
         token_type_ids = kwargs.get("token_type_ids")
         if token_type_ids is not None:
             hidden = hidden + self.wte(token_type_ids.view(-1, tokens))
-        hidden = self.ln_f(self.h(self.drop(hidden)))
+        hidden = self.ln_f(self.h(self.drop(hidden), cond=layout))
         return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs)
 
 
 class _RevifiedLlamaModel(_NoCheckpointing):
-    """LlamaModel forward over a reversible stack: embeddings -> stack -> norm (no cache, no masks)."""
+    """LlamaModel forward over a reversible stack: embeddings -> stack -> norm (no cache; position_ids,
+    padding masks and packed rows through the attention halves' conditioning)."""
 
     def forward(self, input_ids=None, *args, **kwargs):
         if args:
             raise TypeError("revified LlamaModel: pass arguments other than input_ids by keyword")
         _check_hf_inputs("LlamaModel", kwargs)
         hidden = _embeddings_input(self, input_ids, kwargs, self.embed_tokens)
-        position_ids = kwargs.get("position_ids")
-        if position_ids is not None:
-            expected = torch.arange(hidden.shape[1], device=position_ids.device).expand_as(position_ids)
-            if not torch.equal(position_ids, expected):
-                raise NotImplementedError("revified LlamaModel: RoPE positions are 0..T-1; custom position_ids "
-                                          "are not supported")
-        hidden = self.norm(self.layers(hidden))
+        layout = _token_layout("LlamaModel", hidden, kwargs, rope=True)
+        hidden = self.norm(self.layers(hidden, cond=layout))
         return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs)
 
 

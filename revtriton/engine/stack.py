@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..halves.base import couple_half, takes_cond
+from ..halves.base import couple_half, takes_cond, transition_output, transition_takes_cond
 from ..ops.dispatch import capture_state
 from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
@@ -70,7 +70,8 @@ class ReversibleStack(nn.Module):
     Conditioning: ``stack(x, cond=c)`` (also ``forward_streams`` and ``inverse``) hands ``c``, a
     tensor or a tuple of tensors, to every half whose ``forward`` has a ``cond`` parameter (a
     timestep or class embedding, the adaLN / DiT pattern); its gradient is every half's
-    contribution, summed. Stage transitions and invertible layers do not get it.
+    contribution, summed. Stage transitions get it when their ``forward`` has a ``cond`` parameter
+    (stored activations: its gradient flows as any input's); invertible layers do not.
 
     Children are registered as ``"0"``, ``"1"``, ... like ``nn.Sequential``, so a stack that
     replaces a model's block list keeps its ``state_dict`` keys.
@@ -159,7 +160,8 @@ class ReversibleStack(nn.Module):
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError(f"cond must be a tensor or a tuple of tensors, got {type(cond).__name__}")
         halves = [half for layer in self if is_reversible_block(layer) for half in layer.coupling_halves()]
-        if not any(takes_cond(half) for half in halves):
+        transitions = [layer for layer in self if not is_reversible_block(layer) and not is_invertible_layer(layer)]
+        if not any(takes_cond(half) for half in halves) and not any(map(transition_takes_cond, transitions)):
             raise ValueError("cond was given but no half of the stack takes it: a half gets the conditioning when its "
                              "forward has a `cond` parameter (def forward(self, x, cond))")
         return cond if isinstance(cond, torch.Tensor) else tensors
@@ -218,7 +220,7 @@ class ReversibleStack(nn.Module):
                 guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
         for kind, index, item in self._segments():
             if kind == "transition":
-                x = item(self.read(x1, x2))
+                x = transition_output(item, self.read(x1, x2), cond)
                 x1 = x2 = x
                 continue
             checks = checks or BackwardChecks()
@@ -308,7 +310,7 @@ class ReversibleStack(nn.Module):
                 elif is_invertible_layer(layer):
                     x1, x2 = layer(x1, x2)
                 else:
-                    x1 = x2 = layer(self.read(x1, x2))
+                    x1 = x2 = transition_output(layer, self.read(x1, x2), cond)
                 peaks.append(torch.maximum(x1.abs().amax(), x2.abs().amax()).float())
         for buffer, value in saved_buffers:
             buffer.copy_(value)

@@ -89,6 +89,17 @@ def half_output(half, x: torch.Tensor, cond=None) -> torch.Tensor:
     return half(x, cond=cond) if cond is not None and takes_cond(half) else half(x)
 
 
+def transition_takes_cond(layer) -> bool:
+    """Whether a stage transition (any module of a stack that is not a block) takes the conditioning:
+    its ``forward`` has a ``cond`` parameter."""
+    return _has_cond_parameter(getattr(type(layer), "forward", None))
+
+
+def transition_output(layer, x: torch.Tensor, cond=None) -> torch.Tensor:
+    """A stage transition's output, with ``cond`` for one that takes it."""
+    return layer(x, cond=cond) if cond is not None and transition_takes_cond(layer) else layer(x)
+
+
 class CouplingHalf(nn.Module):
     """Base class of halves: ``forward(x)`` (or ``forward(x, cond)``) is H(x); ``couple`` adds or subtracts it."""
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
-from ..halves.base import half_output
+from ..halves.base import half_output, transition_output
 from ..ops.streams import from_fixed, quantize_reference, scale_shift, stream_grad_dtype, to_fixed
 
 STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
@@ -112,7 +112,7 @@ def stored_float_streams(layers, x1, x2, cond=None, read=_mean):
         elif is_invertible_layer(layer):
             x1, x2 = layer(x1, x2)
         else:
-            x1 = x2 = layer(read(x1, x2))
+            x1 = x2 = transition_output(layer, read(x1, x2), cond)
     return x1, x2
 
 
@@ -162,7 +162,7 @@ def stored_exact_streams(layers, x1, x2, frac_bits, cond=None, read=_mean):
             # A transition sees the mean of the segment's float outputs; the next segment re-encodes.
             if in_segment:
                 f1, f2, in_segment = v1.to(dtype), v2.to(dtype), False
-            f1 = f2 = layer(read(f1, f2))
+            f1 = f2 = transition_output(layer, read(f1, f2), cond)
     if in_segment:
         return v1.to(dtype), v2.to(dtype)
     return f1, f2

@@ -14,19 +14,47 @@ from .reference import apply_row_scale, normalize_reference
 from .streams import ResidualScale, library_couple_output
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32):
-    """cos/sin tables [seq_len, head_dim] in the rotate-half (LLaMA / Hugging Face) convention."""
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None):
+    """cos/sin tables in the rotate-half (LLaMA / Hugging Face) convention: [seq_len, head_dim] for
+    positions 0..seq_len-1, or [B, 1, T, head_dim] at ``positions`` [B, T] (packed or padded rows)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    else:  # one product per entry, as the outer product: the same bits at the same positions
+        freqs = (positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq)[:, None]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+# -- token layouts: padding masks and packed sequences -------------------------------------------
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sequence numbers (1, 2, ...) [B, T] of packed rows: a sequence starts wherever a position is
+    not its predecessor + 1 (Hugging Face's rule for DataCollatorWithFlattening's position_ids)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1) + 1
+
+
+def sequence_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Boolean attention mask [B, 1, T, T] from ``segments`` [B, T] (0: padding, k >= 1: the k-th
+    sequence of the row): a query sees the keys of its own sequence (causally when ``causal``),
+    never padding. Every query also sees itself, so padding rows stay finite (their outputs are
+    never read); real tokens never see another sequence's keys or padding."""
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    allowed = same & (segments != 0)[:, None, None, :]
+    tokens = segments.shape[-1]
+    if causal:
+        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).tril_()
+    return allowed | torch.eye(tokens, dtype=torch.bool, device=segments.device)
+
+
 def apply_rope_reference(t, cos, sin):
-    """t: [B, H, T, hd]; rotate-half RoPE."""
+    """t: [B, H, T, hd]; rotate-half RoPE, in float32 or wider (float64 stays float64)."""
     half = t.shape[-1] // 2
     rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
-    return (t.float() * cos + rotated.float() * sin).to(t.dtype)
+    compute = torch.promote_types(t.dtype, torch.float32)
+    return (t.to(compute) * cos + rotated.to(compute) * sin).to(t.dtype)
 
 
 def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int | None = None):
@@ -40,20 +68,27 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
 
 
-def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0):
-    """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd]."""
+def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
+                                   positions=None, segments=None):
+    """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
+
+    ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
+    padded or packed rows (see :func:`sequence_mask`; default: one sequence per row)."""
     batch, tokens, _ = q.shape
     head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
     k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device)
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+    if segments is None:
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=sequence_mask(segments, causal), dropout_p=dropout)
     return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 

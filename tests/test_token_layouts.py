@@ -1,0 +1,241 @@
+"""Padding masks and packed sequences in revified Hugging Face decoders (issue 15).
+
+A revified GPT-2 / LLaMA takes a 2-D ``attention_mask`` (right or left padding, with the
+position_ids generate makes) and packed rows (``position_ids`` restarting per sequence, no mask:
+DataCollatorWithFlattening's format), as the library's own models do. Each real token then gets
+the logits and the gradients it gets when its sequence runs alone; training goes through the
+engine (the layout is conditioning of every attention half and of ``ordinary_top`` blocks), so the
+stored-activation twin must agree as everywhere else (bitwise in exact mode).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from revtriton.convert import revify
+from revtriton.models import to_stored_activations
+from revtriton.ops.attention import packed_segments, sequence_mask
+
+from test_models import check_against_twin
+from test_revify import hf_gpt2, hf_llama
+
+BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama}
+# meft3 with an ordinary top block: the layout reaches whole-layer halves with adapters and a stage
+# transition (meft1's top G adapter feeds the stream nobody reads: no gradient to compare).
+CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]
+LENGTHS = (10, 7, 4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # tiny models: threads only add contention under a loaded CI
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sequences(lengths=LENGTHS):
+    return [torch.randint(0, 128, (n,)) for n in lengths]
+
+
+def padded(seqs, side):
+    """(input_ids, attention_mask, position_ids) of the sequences padded to the longest, as HF builds them
+    (left padding: the positions generate computes, mask.cumsum - 1)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        where = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[i, where], mask[i, where] = s, 1
+    positions = None if side == "right" else (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def real_tokens(rows, seqs, side):
+    width = rows.shape[1]
+    return torch.cat([row[: len(s)] if side == "right" else row[width - len(s):] for row, s in zip(rows, seqs)])
+
+
+def packed(seqs):
+    """One row of every sequence, position_ids restarting at 0 (DataCollatorWithFlattening)."""
+    return torch.cat(seqs)[None], torch.cat([torch.arange(len(s)) for s in seqs])[None]
+
+
+def alone_logits(model, seqs):
+    return torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])
+
+
+# -- the layout helpers -------------------------------------------------------------------------
+
+
+def test_packed_segments_follow_the_position_restarts():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [3, 4, 5, 6, 0, 1, 2, 3]])
+    assert packed_segments(positions).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4], [1, 1, 1, 1, 2, 2, 2, 2]]
+
+
+def test_sequence_mask_sees_its_own_sequence_causally_and_never_padding():
+    segments = torch.tensor([[0, 1, 1, 2, 2, 0]])
+    mask = sequence_mask(segments, causal=True)[0, 0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0],   # padding sees only itself (finite, never read)
+                             [0, 1, 0, 0, 0, 0],
+                             [0, 1, 1, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0],   # sequence 2 does not see sequence 1
+                             [0, 0, 0, 1, 1, 0],
+                             [0, 0, 0, 0, 0, 1]]
+    both_ways = sequence_mask(segments, causal=False)[0, 0].int()
+    assert both_ways[1].tolist() == [0, 1, 1, 0, 0, 0] and both_ways[0].tolist() == [1, 0, 0, 0, 0, 0]
+
+
+# -- each real token as if its sequence ran alone -------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("conversion", CONVERSIONS)
+def test_padded_and_packed_rows_give_each_sequence_alone(family, exact, conversion, seeded):
+    model = revify(BUILDERS[family](seeded), exact=exact, **conversion).eval()
+    # Float rounding differs between a row and its sequence alone (~1e-7); exact streams round every
+    # half output to 2**-16, so such a difference can flip a rounding: one grid step (1.5e-5) per flip,
+    # carried to the logits (at most 1.2e-4 over 40 seeds; a token that saw another sequence: ~0.1).
+    atol = 5e-4 if exact else 1e-5
+    seqs = sequences()
+    with torch.no_grad():
+        alone = alone_logits(model, seqs)
+        for side in ("right", "left"):
+            ids, mask, positions = padded(seqs, side)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            assert torch.isfinite(logits).all()  # padding rows too
+            torch.testing.assert_close(real_tokens(logits, seqs, side), alone, rtol=0, atol=atol)
+        ids, positions = packed(seqs)
+        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits[0], alone, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_packed_gradients_are_the_sum_over_sequences_alone(family, seeded):
+    """Training on a packed row (labels -100 at each sequence start, as the collator sets them) gives
+    the gradients of the sequences trained one by one: no gradient crosses a sequence boundary."""
+    model = revify(BUILDERS[family](seeded).double(), exact=False).train()  # float64: only the layout differs
+    seqs = sequences()
+    ids, positions = packed(seqs)
+    labels = ids.clone()
+    starts = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0)[:-1].tolist()])
+    labels[0, starts] = -100  # the library's loss shifts labels: no token predicts across a boundary
+    total_tokens = sum(len(s) - 1 for s in seqs)
+    (model(input_ids=ids, position_ids=positions, labels=labels).loss * total_tokens).backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for s in seqs:
+        # One padding token after the sequence (never seen: attention is causal) sends it through the
+        # same layout path as the packed row; the library's RMSNorm rounds to float32 where the fused
+        # path does not, and only the layout is under test here.
+        ids, mask = torch.cat([s, s[:1]])[None], torch.ones(1, len(s) + 1, dtype=torch.long)
+        mask[0, -1] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        (model(input_ids=ids, attention_mask=mask, labels=labels).loss * (len(s) - 1)).backward()
+    for (name, p), g in zip(model.named_parameters(), packed_grads):
+        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("conversion", CONVERSIONS)
+def test_padded_training_step_matches_the_stored_activation_twin(family, exact, conversion, seeded):
+    model = revify(BUILDERS[family](seeded), exact=exact, **conversion).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    ids, mask, positions = padded(sequences(), "left")
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def loss_of(m):
+        return m(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels).loss
+
+    loss, twin_loss = loss_of(model), loss_of(twin)
+    loss.backward()
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact)
+
+
+def test_llama_generate_with_left_padding_gives_each_prompt_alone(seeded):
+    model = revify(hf_llama(seeded)).eval()
+    prompts = sequences((6, 3))
+    ids, mask, _ = padded(prompts, "left")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    for row, prompt in zip(out, prompts):
+        alone = model.generate(prompt[None], max_new_tokens=4, do_sample=False, pad_token_id=0)[0]
+        assert torch.equal(row[ids.shape[1]:], alone[len(prompt):])
+
+
+# -- bad layouts raise ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_masks_and_positions_of_the_wrong_shape_raise(family, seeded):
+    model = revify(BUILDERS[family](seeded))
+    ids = torch.randint(0, 128, (2, 6))
+    with pytest.raises(NotImplementedError, match="2-D padding mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 6, 6))
+    with pytest.raises(NotImplementedError, match="2-D padding mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="position_ids must be"):
+        model(input_ids=ids, position_ids=torch.arange(5)[None])
+
+
+def test_layout_reaches_the_halves_only_when_rows_are_not_whole_sequences(seeded, monkeypatch):
+    """All-ones masks and default positions keep the fused path (no mask built); RoPE positions that
+    are not 0..T-1 (LLaMA) or a padded row take the layout."""
+    from revtriton.ops import attention
+
+    model = revify(hf_llama(seeded), exact=False).eval()
+    calls = []
+    real = attention.sequence_mask
+    monkeypatch.setattr(attention, "sequence_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(0, 128, (2, 6))
+    whole = torch.ones_like(ids)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=whole, position_ids=torch.arange(6)[None]).logits,
+                                   plain, rtol=0, atol=0)
+        assert not calls
+        # A mask, so the gap is not read as packing: RoPE sees the positions, relative distances change.
+        gapped = torch.tensor([[0, 1, 2, 10, 11, 12]])
+        moved = model(input_ids=ids, attention_mask=whole, position_ids=gapped).logits
+    assert calls and (moved - plain)[:, 3:].abs().max() > 1e-3
+    torch.testing.assert_close(moved[:, :3], plain[:, :3], rtol=0, atol=1e-5)  # the first three see the same
+
+
+# -- the Hugging Face Trainer with its collators ----------------------------------------------
+
+
+def _pad_right(features):
+    """A padding collator (what DataCollatorWithPadding + labels does, without a tokenizer)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("collator", ["flattening", "padding"])
+def test_trainer_trains_with_the_library_collators(collator, seeded, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from revtriton.ops import attention
+
+    masks = []
+    real = attention.sequence_mask
+    monkeypatch.setattr(attention, "sequence_mask", lambda *a, **k: masks.append(1) or real(*a, **k))
+    model = revify(hf_llama(seeded), exact=True)
+    rows = [{"input_ids": torch.randint(0, 128, (int(n),)).tolist()} for n in torch.randint(4, 16, (16,))]
+    collate = transformers.DataCollatorWithFlattening() if collator == "flattening" else _pad_right
+    before = [p.detach().clone() for p in model.parameters()]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                                          use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    assert masks  # the batches reached the halves as padded / packed rows
+    assert sum(not torch.equal(a, p) for a, p in zip(before, model.parameters())) >= 0.9 * len(before)
