@@ -2,7 +2,8 @@
 one reversible stack, in place, reusing each block's weights.
 
 Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
-``GPT2Model`` and ``LlamaForCausalLM`` / ``LlamaModel``.
+``GPT2Model``, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that share LLaMA's layer
+conventions (Mistral, Qwen2, Qwen3: ``...ForCausalLM`` / ``...Model``).
 
 How it works:
 
@@ -39,7 +40,7 @@ from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
-             "transformers LlamaForCausalLM", "transformers LlamaModel")
+             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2 and Qwen3 equivalents")
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
@@ -449,10 +450,13 @@ class _Half:
     def _dropouts(self):  # the dropout probabilities the fused path cannot apply
         return ()
 
-    def _use_modules(self) -> bool:
+    def _use_modules(self, x) -> bool:
         if self.block.training and any(p > 0 for p in self._dropouts()):
             return True
-        return any(type(m) not in _PLAIN_PROJECTIONS for m in self._projections())
+        return self._beyond_fused(x) or any(type(m) not in _PLAIN_PROJECTIONS for m in self._projections())
+
+    def _beyond_fused(self, x) -> bool:  # a feature of the block the fused kernels do not have
+        return False
 
     def _fused(self, res, x, sign, frac_bits):
         raise NotImplementedError
@@ -467,7 +471,7 @@ class _Half:
     def couple(self, res, x, sign, frac_bits=None, cond=None):
         if cond is not None:
             return couple_output(res, self._modules(x, cond), sign, frac_bits)
-        if self._use_modules():
+        if self._use_modules(x):
             return couple_output(res, self._modules(x), sign, frac_bits)
         return self._fused(res, x, sign, frac_bits)
 
@@ -475,7 +479,7 @@ class _Half:
         """H(x) with plain autograd (used by stored-activation twins)."""
         if cond is not None:
             return self._modules(x, cond)
-        if self._use_modules():
+        if self._use_modules(x):
             return self._modules(x)
         return self._fused(torch.zeros_like(x), x, +1, None)[0]
 
@@ -702,6 +706,11 @@ class _LlamaAttentionHalf(_Half):
     def _dropouts(self):
         return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),)
 
+    def _beyond_fused(self, x):
+        spec = self.block._revtriton_attention
+        window = spec["window"]
+        return spec["qk_norm"] or not spec["fused_heads"] or (window is not None and x.shape[-2] > window)
+
     def _fused(self, res, x, sign, frac_bits):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         norm = b.input_layernorm
@@ -720,7 +729,8 @@ class _LlamaAttentionHalf(_Half):
         o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
                                            dropout=self._dropouts()[0] if b.training else 0.0,
-                                           positions=positions, segments=segments)
+                                           positions=positions, segments=segments, window=spec["window"],
+                                           qk_norm=(a.q_norm, a.k_norm) if spec["qk_norm"] else None)
         return a.o_proj(o)
 
 
@@ -749,46 +759,74 @@ class _LlamaOrdinaryBlock(_OrdinaryBlock):
     _half_classes = _LlamaBlock._half_classes
 
 
-def _rope_theta(config):
+def _rope_theta(config, name):
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type != "default":
-        raise NotImplementedError(f"revify: LLaMA RoPE type {rope_type!r} is not supported (default RoPE only)")
+        raise NotImplementedError(f"revify: {name} RoPE type {rope_type!r} is not supported (default RoPE only)")
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
-        raise NotImplementedError("revify: cannot find rope_theta in the LLaMA config")
+        raise NotImplementedError(f"revify: cannot find rope_theta in the {name} config")
     return float(theta)
 
 
+def _sliding_windows(config, depth) -> list:
+    """Each layer's sliding window (None: full attention), as the library's masks apply them:
+    ``layer_types`` when the config has them (Qwen2 / Qwen3), else ``sliding_window`` for every layer
+    (Mistral; LLaMA has none)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * depth
+    kinds = set(layer_types) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise NotImplementedError(f"revify: attention layer types {sorted(kinds)} are not supported")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 def _convert_llama(model, conversion):
+    """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
+    with RoPE and GQA, SwiGLU MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm).
+    What the fused kernels lack (qk-norm, a window shorter than the rows, head_dim * heads != width)
+    runs on the library path (``_Half._beyond_fused``)."""
     base = model.model if hasattr(model, "model") else model
-    config = base.config
+    config, name = base.config, type(model).__name__
+    if not len(base.layers):
+        raise ValueError(f"revify: {name} has no decoder layers")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = base.layers[0].self_attn if len(base.layers) else None
     unsupported = {
         f"hidden_act={config.hidden_act!r}": config.hidden_act != "silu",
         "mlp_bias=True": bool(getattr(config, "mlp_bias", False)),
-        f"head_dim={head_dim} != hidden_size / num_attention_heads": head_dim * heads != config.hidden_size,
+        "logit softcapping": any(getattr(config, key, None) for key in
+                                                   ("attn_logit_softcapping", "final_logit_softcapping")),
+        "partial rotary (partial_rotary_factor < 1)": float(getattr(config, "partial_rotary_factor", 1.0)) != 1.0,
+        f"attention scaling {getattr(attention, 'scaling', None)} != head_dim ** -0.5":
+            attention is not None and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12,
     }
-    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    bad = [feature for feature, is_bad in unsupported.items() if is_bad]
     if bad:
-        raise NotImplementedError(f"revify: {type(model).__name__} with {', '.join(bad)} is not supported")
-    spec = dict(heads=heads, kv_heads=kv_heads, rope_theta=_rope_theta(config))
+        raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
+    qk_norm = attention is not None and hasattr(attention, "q_norm")
+    spec = dict(heads=heads, kv_heads=kv_heads, rope_theta=_rope_theta(config, name), qk_norm=qk_norm,
+                fused_heads=head_dim * heads == config.hidden_size)
     rotary = getattr(base, "rotary_emb", None)
     if rotary is not None:  # the model's own RoPE must be the plain one we compute
         expected = 1.0 / (spec["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is not None and inv_freq.device.type != "meta" and not torch.allclose(
                 inv_freq.float().cpu(), expected, rtol=1e-2):  # bf16 buffers round
-            raise NotImplementedError("revify: this LLaMA's rotary frequencies differ from default RoPE")
+            raise NotImplementedError(f"revify: this {name}'s rotary frequencies differ from default RoPE")
         if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
             raise NotImplementedError("revify: RoPE with attention scaling is not supported")
-    for block in base.layers:
-        block._revtriton_attention = spec
+    for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
+        block._revtriton_attention = dict(spec, window=window)
+    layer_class = type(base.layers[0])
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_LlamaBlock, _LlamaOrdinaryBlock),
-                    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"))
-    _swap_class(base, _RevifiedLlamaModel, "transformers.models.llama.modeling_llama", "LlamaModel")
+                    (layer_class.__module__, layer_class.__name__))
+    _swap_class(base, _RevifiedLlamaModel, type(base).__module__, type(base).__name__)
     _disable_cache(model)
 
 
@@ -947,15 +985,16 @@ class _RevifiedGPT2Model(_NoCheckpointing):
 
 
 class _RevifiedLlamaModel(_NoCheckpointing):
-    """LlamaModel forward over a reversible stack: embeddings -> stack -> norm (no cache; position_ids,
+    """LlamaModel (and Mistral / Qwen2 / Qwen3) forward over a reversible stack: embeddings -> stack -> norm (no cache; position_ids,
     padding masks and packed rows through the attention halves' conditioning)."""
 
     def forward(self, input_ids=None, *args, **kwargs):
+        name = type(self).__name__.removeprefix("Revified")  # LlamaModel, MistralModel, ...
         if args:
-            raise TypeError("revified LlamaModel: pass arguments other than input_ids by keyword")
-        _check_hf_inputs("LlamaModel", kwargs)
+            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
+        _check_hf_inputs(name, kwargs)
         hidden = _embeddings_input(self, input_ids, kwargs, self.embed_tokens)
-        layout = _token_layout("LlamaModel", hidden, kwargs, rope=True)
+        layout = _token_layout(name, hidden, kwargs, rope=True)
         hidden = self.norm(self.layers(hidden, cond=layout))
         return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs)
 
@@ -964,21 +1003,27 @@ _FAMILIES = {
     "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
     "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
     "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
-    "llama_lm": ("transformers", "LlamaForCausalLM", _convert_llama),
-    "llama": ("transformers", "LlamaModel", _convert_llama),
 }
+# LLaMA and the decoders with its layer conventions: transformers module -> class prefix.
+_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+for _module, _prefix in _LLAMA_LIKE.items():
+    _FAMILIES[f"{_module}_lm"] = ("transformers", f"{_prefix}ForCausalLM", _convert_llama)
+    _FAMILIES[_module] = ("transformers", f"{_prefix}Model", _convert_llama)
 
 _BLOCK_BASES.update({
     "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
     "RevifiedGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2Block),
-    "RevifiedLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", _LlamaBlock),
     "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
     "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
-    "RevifiedOrdinaryLlamaDecoderLayer": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer",
-                                          _LlamaOrdinaryBlock),
     "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
-    "RevifiedLlamaModel": ("transformers.models.llama.modeling_llama", "LlamaModel", _RevifiedLlamaModel),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _NoCacheGeneration),
-    "RevifiedLlamaForCausalLM": ("transformers.models.llama.modeling_llama", "LlamaForCausalLM", _NoCacheGeneration),
 })
+for _module, _prefix in _LLAMA_LIKE.items():
+    _path = f"transformers.models.{_module}.modeling_{_module}"
+    _BLOCK_BASES.update({
+        f"Revified{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaBlock),
+        f"RevifiedOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaOrdinaryBlock),
+        f"Revified{_prefix}Model": (_path, f"{_prefix}Model", _RevifiedLlamaModel),
+        f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _NoCacheGeneration),
+    })

@@ -42,8 +42,32 @@ def hf_llama(seed=0, **overrides):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
 
 
-BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama}
-FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", "llama"]
+def hf_decoder(prefix, seed=0, **overrides):
+    """A tiny ``<prefix>ForCausalLM`` of a decoder with LLaMA's layer conventions."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config_class = getattr(transformers, f"{prefix}Config")
+    return getattr(transformers, f"{prefix}ForCausalLM")(config_class(**{**config, **overrides}))
+
+
+def hf_mistral(seed=0, **overrides):  # a window shorter than the test rows (24 tokens): it matters
+    return hf_decoder("Mistral", seed, **{"sliding_window": 16, **overrides})
+
+
+def hf_qwen2(seed=0, **overrides):  # q/k/v biases
+    return hf_decoder("Qwen2", seed, **overrides)
+
+
+def hf_qwen3(seed=0, **overrides):  # qk-norm, and head_dim * heads (128) wider than the model (64)
+    return hf_decoder("Qwen3", seed, **{"head_dim": 32, **overrides})
+
+
+BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2,
+            "qwen3": hf_qwen3}
+DECODERS = ["llama", "mistral", "qwen2", "qwen3"]  # LLaMA's layer conventions: model.model.layers
+FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS]
 
 
 def make_batch(family):
@@ -61,8 +85,9 @@ def loss_of(family, model, batch):
 
 
 def block_list(family, model):
-    return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h,
-            "llama": lambda: model.model.layers}[family]()
+    if family in DECODERS:
+        return model.model.layers
+    return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h}[family]()
 
 
 # -- gradients and a training step --------------------------------------------------------------
@@ -134,7 +159,18 @@ def _capture_blocks(blocks):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_halves_compute_the_original_blocks(family, seeded):
     """With F and G from revify, x + F(x) + G(x + F(x)) is each original block's output."""
-    model = BUILDERS[family](seed=seeded).eval()
+    _check_halves_compute_the_original_blocks(family, BUILDERS[family](seed=seeded))
+
+
+def test_qwen2_sliding_window_layers_keep_their_windows(seeded):
+    """Qwen2 with use_sliding_window: the layers past max_window_layers slide (window 8 < 24 tokens)."""
+    model = hf_qwen2(seeded, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    _check_halves_compute_the_original_blocks("qwen2", model)
+    assert [block._revtriton_attention["window"] for block in model.model.layers] == [None, 8, 8]
+
+
+def _check_halves_compute_the_original_blocks(family, model):
+    model.eval()
     records, handles = _capture_blocks(block_list(family, model))
     inputs, _ = make_batch(family)
 
@@ -326,7 +362,7 @@ def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("options", [{}, dict(preserve="meft3", ordinary_top=1, scale_bits=4, exact=False)])
 def test_save_pretrained_then_revtriton_from_pretrained_gives_the_converted_model_back(family, options, seeded,
                                                                                         tmp_path):

@@ -18,9 +18,9 @@ from revtriton.models import to_stored_activations
 from revtriton.ops.attention import packed_segments, sequence_mask
 
 from test_models import check_against_twin
-from test_revify import hf_gpt2, hf_llama
+from test_revify import hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3
 
-BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama}
+BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2, "qwen3": hf_qwen3}
 # meft3 with an ordinary top block: the layout reaches whole-layer halves with adapters and a stage
 # transition (meft1's top G adapter feeds the stream nobody reads: no gradient to compare).
 CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]

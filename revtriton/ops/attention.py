@@ -36,16 +36,19 @@ def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1) + 1
 
 
-def sequence_mask(segments: torch.Tensor, causal: bool) -> torch.Tensor:
+def sequence_mask(segments: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
     """Boolean attention mask [B, 1, T, T] from ``segments`` [B, T] (0: padding, k >= 1: the k-th
     sequence of the row): a query sees the keys of its own sequence (causally when ``causal``),
     never padding. Every query also sees itself, so padding rows stay finite (their outputs are
-    never read); real tokens never see another sequence's keys or padding."""
+    never read); real tokens never see another sequence's keys or padding. ``window`` (sliding-window
+    attention, Mistral's): a query sees only the ``window`` latest keys, itself included."""
     same = segments[:, None, :, None] == segments[:, None, None, :]
     allowed = same & (segments != 0)[:, None, None, :]
     tokens = segments.shape[-1]
     if causal:
         allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).tril_()
+    if window is not None:
+        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).triu_(1 - window)
     return allowed | torch.eye(tokens, dtype=torch.bool, device=segments.device)
 
 
@@ -69,26 +72,35 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
 
 
 def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
-                                   positions=None, segments=None):
+                                   positions=None, segments=None, window=None, qk_norm=None):
     """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
 
     ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
-    padded or packed rows (see :func:`sequence_mask`; default: one sequence per row)."""
+    padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
+    sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
+    (Qwen3)."""
     batch, tokens, _ = q.shape
     head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
     k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    if qk_norm is not None:
+        q, k = qk_norm[0](q), qk_norm[1](k)
     if rope_theta is not None:
         cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    if segments is None:
+    if window is not None and window >= tokens:
+        window = None  # the window covers every row
+    if segments is None and window is None:
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=sequence_mask(segments, causal), dropout_p=dropout)
+        if segments is None:
+            segments = torch.ones(batch, tokens, dtype=torch.long, device=q.device)
+        mask = sequence_mask(segments, causal, window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
