@@ -26,6 +26,7 @@ reaches it unchanged up to a term of ``2**-scale_bits`` (see :data:`PRESERVE_MOD
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 
@@ -35,7 +36,8 @@ from torch import nn
 from .engine import Coupling, ReversibleStack, block_phase
 from .halves.adapter import Adapter
 from .halves.base import half_output
-from .ops.attention import multi_head_attention_reference, norm_attention_couple, packed_segments
+from .ops.attention import (decode_attention_reference, multi_head_attention_reference, norm_attention_couple,
+                            packed_segments)
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output
 
@@ -468,7 +470,15 @@ class _Half:
         # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block).
         return x if x.dtype == weight.dtype else x.to(weight.dtype)
 
+    def _layout(self, cond):
+        """``cond`` (a token layout), or the block's KV-cache state while a model generates with a
+        cache (attention halves only; see :class:`_Decoding`)."""
+        if cond is None and self.takes_cond:
+            return getattr(self.block, "_revtriton_decoding", None)
+        return cond
+
     def couple(self, res, x, sign, frac_bits=None, cond=None):
+        cond = self._layout(cond)
         if cond is not None:
             return couple_output(res, self._modules(x, cond), sign, frac_bits)
         if self._use_modules(x):
@@ -477,6 +487,7 @@ class _Half:
 
     def __call__(self, x, cond=None):
         """H(x) with plain autograd (used by stored-activation twins)."""
+        cond = self._layout(cond)
         if cond is not None:
             return self._modules(x, cond)
         if self._use_modules(x):
@@ -635,6 +646,10 @@ class _GPT2AttentionHalf(_Half):
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
         q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
+        if isinstance(layout, _Decoding):
+            o = decode_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads,
+                                           extend=layout.extend_for(a.layer_idx), key_valid=layout.key_valid)
+            return a.resid_dropout(a.c_proj(o))
         segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True,
                                            rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0,
@@ -690,7 +705,8 @@ def _convert_gpt2(model, conversion):
     _convert_blocks(base, "h", config.hidden_size, conversion, (_GPT2Block, _GPT2OrdinaryBlock),
                     ("transformers.models.gpt2.modeling_gpt2", "GPT2Block"))
     _swap_class(base, _RevifiedGPT2Model, "transformers.models.gpt2.modeling_gpt2", "GPT2Model")
-    _disable_cache(model)
+    base._revtriton_caches = True
+    _set_up_generation(model, caches=True)
 
 
 # -- Hugging Face LLaMA ----------------------------------------------------------------------
@@ -725,12 +741,19 @@ class _LlamaAttentionHalf(_Half):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         x = self._input(x, b.input_layernorm.weight)
         n = b.input_layernorm(x)
+        qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
+        if isinstance(layout, _Decoding):
+            o = decode_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
+                                           kv_heads=spec["kv_heads"], extend=layout.extend_for(a.layer_idx),
+                                           rope_theta=spec["rope_theta"], positions=layout.positions,
+                                           key_valid=layout.key_valid, qk_norm=qk_norm)
+            return a.o_proj(o)
         positions, segments = (None, None) if layout is None else layout
         o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
                                            dropout=self._dropouts()[0] if b.training else 0.0,
                                            positions=positions, segments=segments, window=spec["window"],
-                                           qk_norm=(a.q_norm, a.k_norm) if spec["qk_norm"] else None)
+                                           qk_norm=qk_norm)
         return a.o_proj(o)
 
 
@@ -827,22 +850,98 @@ def _convert_llama(model, conversion):
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_LlamaBlock, _LlamaOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
     _swap_class(base, _RevifiedLlamaModel, type(base).__module__, type(base).__name__)
-    _disable_cache(model)
+    windows = any(block._revtriton_attention["window"] is not None for block in base.layers)
+    base._revtriton_caches = not windows  # the library's sliding cache drops keys: decode without one
+    _set_up_generation(model, caches=not windows)
 
 
 # -- Hugging Face base-model forward ---------------------------------------------------------
 
 
-def _disable_cache(model):
-    # No KV cache: decoding recomputes the whole prefix (generate() works, slower). The model's config
-    # keeps the user's use_cache (it is saved with the model); generate's default is no cache, and
-    # generate(use_cache=True) is served without one (see _NoCacheGeneration).
+def _set_up_generation(model, caches: bool):
+    """The LM class swap: gradient-checkpointing requests warn (:class:`_NoCheckpointing`); with
+    ``caches`` generate uses the library's KV cache (the attention halves run with it, see
+    :class:`_Decoding`), else it recomputes the whole prefix every step (:class:`_NoCacheGeneration`:
+    generate's default becomes no cache; the model's config keeps the user's use_cache, it is saved)."""
+    if not callable(getattr(model, "prepare_inputs_for_generation", None)):
+        return
+    cls = type(model)
+    if caches:
+        _swap_class(model, _RevifiedLM, cls.__module__, cls.__name__)
+        return
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and hasattr(generation_config, "use_cache"):
         generation_config.use_cache = False
-    if callable(getattr(model, "prepare_inputs_for_generation", None)):
-        cls = type(model)
-        _swap_class(model, _NoCacheGeneration, cls.__module__, cls.__name__)
+    _swap_class(model, _NoCacheGeneration, cls.__module__, cls.__name__)
+
+
+@dataclass(eq=False)
+class _Decoding:
+    """What the attention halves of a model generating with a KV cache need (no grad: the stack runs
+    forward only, so its halves may keep state): the library's cache (each layer appends its new keys
+    and values), the new tokens' positions [B, T] and which keys are real ([B, past + T], or None)."""
+
+    cache: object
+    positions: torch.Tensor
+    key_valid: torch.Tensor | None
+
+    def extend_for(self, layer_idx: int):
+        return lambda k, v: self.cache.update(k, v, layer_idx)
+
+
+@contextlib.contextmanager
+def _decoding(stack: nn.Module, state: _Decoding | None):
+    """Hand ``state`` to the attention halves of every block of ``stack`` for one forward."""
+    if state is None:
+        yield
+        return
+    for block in stack:
+        block._revtriton_decoding = state
+    try:
+        yield
+    finally:
+        for block in stack:
+            del block._revtriton_decoding
+
+
+def _generation_cache(model, name, hidden, kwargs):
+    """The KV-cache state of this call (:class:`_Decoding`), or None for a plain forward.
+
+    A cache is used when one is passed or ``use_cache=True`` is asked for explicitly, without grad
+    (generate, inference); training keeps none (the reversible backward has no use for it)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None and kwargs.get("use_cache") is not True:
+        return None
+    filled = cache is not None and bool(cache.get_seq_length())
+    if torch.is_grad_enabled() or not model._revtriton_caches:
+        if filled:
+            why = ("in training (with grad): call it with cache=None" if torch.is_grad_enabled() else
+                   "with sliding-window attention (generate recomputes the prefix)")
+            raise NotImplementedError(f"revified {name} keeps no KV cache {why}")
+        return None
+    if cache is None:
+        transformers = importlib.import_module("transformers")
+        cache = transformers.DynamicCache(config=model.config)
+    if any(type(layer).__name__ != "DynamicLayer" for layer in getattr(cache, "layers", ())):
+        raise NotImplementedError(f"revified {name}: only a DynamicCache of full-attention layers is supported, "
+                                  f"got {type(cache).__name__}")
+    batch, tokens = hidden.shape[:2]
+    past = cache.get_seq_length()
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        positions = torch.arange(past, past + tokens, device=hidden.device).expand(batch, tokens)
+    else:
+        positions = position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
+    mask = kwargs.get("attention_mask")
+    key_valid = None
+    if mask is not None:
+        if mask.dim() != 2 or tuple(mask.shape) != (batch, past + tokens):
+            raise NotImplementedError(f"revified {name}: with a cache, attention_mask must be a 2-D padding mask "
+                                      f"[batch, past + new tokens] = [{batch}, {past + tokens}], got "
+                                      f"{tuple(mask.shape)}")
+        if not bool(mask.bool().all()):
+            key_valid = mask.to(hidden.device).bool()
+    return _Decoding(cache, positions, key_valid)
 
 
 _warned_no_cache = []
@@ -863,16 +962,22 @@ class _NoCheckpointing:
         warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
 
 
-class _NoCacheGeneration(_NoCheckpointing):
-    """generate() of a revified LM: every step runs the whole prefix, whatever use_cache says.
-
-    The reversible stack keeps no KV cache. With ``use_cache=True`` generate would feed only the new
-    token each step and expect the cache to hold the rest (the stack would then see one token with
-    no context: wrong tokens, silently); here the prefix is never sliced and no cache is passed, so
-    the tokens are those of greedy decoding without a cache.
-    """
+class _RevifiedLM(_NoCheckpointing):
+    """The LM class of a revified decoder: generate() as the library's, with its KV cache."""
 
     _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
+
+
+class _NoCacheGeneration(_RevifiedLM):
+    """generate() of a revified LM that keeps no KV cache (sliding-window attention): every step runs
+    the whole prefix, whatever use_cache says.
+
+    With ``use_cache=True`` generate would feed only the new token each step and expect the cache to
+    hold the rest; here the prefix is never sliced and no cache is passed, so the tokens are those of
+    greedy decoding without a cache.
+    """
+
+    _class_prefix = "RevifiedNoCache"  # pickled by name: distinct from _RevifiedLM's class
 
     def prepare_inputs_for_generation(self, input_ids, *args, next_sequence_length=None, cache=None, **kwargs):
         if (next_sequence_length is not None or cache is not None) and not _warned_no_cache:
@@ -886,11 +991,6 @@ class _NoCacheGeneration(_NoCheckpointing):
 
 
 def _check_hf_inputs(model_name, kwargs):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None:
-        length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else len(cache)
-        if length:
-            raise NotImplementedError(f"revified {model_name} keeps no KV cache; call it with cache=None")
     unsupported = {
         "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
         "head_mask": kwargs.get("head_mask") is not None,
@@ -943,14 +1043,18 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     return positions, segments
 
 
-def _hf_output(module, output_class_name, hidden, kwargs):
+def _hf_output(module, output_class_name, hidden, kwargs, decoding=None):
+    cache = None if decoding is None else decoding.cache
     return_dict = kwargs.get("return_dict")
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     if not return_dict:
-        return (hidden,)
-    outputs = importlib.import_module("transformers.modeling_outputs")
-    return getattr(outputs, output_class_name)(last_hidden_state=hidden)
+        return (hidden,) if cache is None else (hidden, cache)
+    output_class = getattr(importlib.import_module("transformers.modeling_outputs"), output_class_name)
+    if cache is None:
+        return output_class(last_hidden_state=hidden)
+    field = "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"  # transformers 5 / 4
+    return output_class(last_hidden_state=hidden, **{field: cache})
 
 
 def _embeddings_input(module, input_ids, kwargs, embed):
@@ -972,16 +1076,20 @@ class _RevifiedGPT2Model(_NoCheckpointing):
             input_ids = input_ids.view(-1, input_ids.shape[-1])
         hidden = _embeddings_input(self, input_ids, kwargs, self.wte)
         tokens = hidden.shape[1]
-        layout = _token_layout("GPT2Model", hidden, kwargs, rope=False)  # checks position_ids' shape
+        decoding = _generation_cache(self, "GPT2Model", hidden, kwargs)
+        layout = None if decoding else _token_layout("GPT2Model", hidden, kwargs, rope=False)  # checks position_ids
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
+        if decoding is not None:
+            position_ids = decoding.positions
+        elif position_ids is None:
             position_ids = torch.arange(tokens, device=hidden.device).unsqueeze(0)
         hidden = hidden + self.wpe(position_ids).to(hidden.device)
         token_type_ids = kwargs.get("token_type_ids")
         if token_type_ids is not None:
             hidden = hidden + self.wte(token_type_ids.view(-1, tokens))
-        hidden = self.ln_f(self.h(self.drop(hidden), cond=layout))
-        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs)
+        with _decoding(self.h, decoding):
+            hidden = self.ln_f(self.h(self.drop(hidden), cond=layout))
+        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs, decoding)
 
 
 class _RevifiedLlamaModel(_NoCheckpointing):
@@ -994,9 +1102,11 @@ class _RevifiedLlamaModel(_NoCheckpointing):
             raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
         _check_hf_inputs(name, kwargs)
         hidden = _embeddings_input(self, input_ids, kwargs, self.embed_tokens)
-        layout = _token_layout(name, hidden, kwargs, rope=True)
-        hidden = self.norm(self.layers(hidden, cond=layout))
-        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs)
+        decoding = _generation_cache(self, name, hidden, kwargs)
+        layout = None if decoding else _token_layout(name, hidden, kwargs, rope=True)
+        with _decoding(self.layers, decoding):
+            hidden = self.norm(self.layers(hidden, cond=layout))
+        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding)
 
 
 _FAMILIES = {
@@ -1017,7 +1127,7 @@ _BLOCK_BASES.update({
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
     "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
     "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
-    "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _NoCacheGeneration),
+    "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),
 })
 for _module, _prefix in _LLAMA_LIKE.items():
     _path = f"transformers.models.{_module}.modeling_{_module}"
@@ -1025,5 +1135,6 @@ for _module, _prefix in _LLAMA_LIKE.items():
         f"Revified{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaBlock),
         f"RevifiedOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaOrdinaryBlock),
         f"Revified{_prefix}Model": (_path, f"{_prefix}Model", _RevifiedLlamaModel),
-        f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _NoCacheGeneration),
+        f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _RevifiedLM),
+        f"RevifiedNoCache{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _NoCacheGeneration),
     })

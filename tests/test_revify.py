@@ -226,7 +226,7 @@ def test_unsupported_architecture_names_the_class():
 def test_hf_cache_masks_and_per_block_calls(seeded):
     model = revify(hf_gpt2(seeded))
     assert model.config.use_cache is True  # the user's setting, saved with the model (issue 15)
-    assert model.generation_config.use_cache is False  # generate's default: no cache (the stack keeps none)
+    assert model.generation_config.use_cache is True  # generate uses the library's cache (test_generation.py)
     ids = torch.randint(0, 128, (2, 12))
     model.train()
     out = model(input_ids=ids, labels=ids, use_cache=True)  # training: no cache, loss works

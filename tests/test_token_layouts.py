@@ -17,7 +17,7 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 from revtriton.ops.attention import packed_segments, sequence_mask
 
-from test_models import check_against_twin
+from test_models import check_against_twin, max_relative_grad_error
 from test_revify import hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3
 
 BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2, "qwen3": hf_qwen3}
@@ -152,7 +152,11 @@ def test_padded_training_step_matches_the_stored_activation_twin(family, exact, 
     loss, twin_loss = loss_of(model), loss_of(twin)
     loss.backward()
     twin_loss.backward()
-    check_against_twin(model, twin, loss, twin_loss, exact)
+    if exact or not conversion:
+        check_against_twin(model, twin, loss, twin_loss, exact)
+    else:  # float meft3: each block's rebuild amplifies rounding by 2**12 (perf/reconstruction.py)
+        torch.testing.assert_close(loss, twin_loss, rtol=1e-6, atol=0)
+        assert max_relative_grad_error(model, twin) <= 1e-4
 
 
 def test_llama_generate_with_left_padding_gives_each_prompt_alone(seeded):

@@ -104,6 +104,39 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
 
 
+def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
+                               key_valid=None, qk_norm=None):
+    """Causal attention of new tokens over a KV cache (inference, no grad needed).
+
+    q [B, T, heads*hd], k and v [B, T, kv_heads*hd] are the new tokens' projections; ``extend(k, v)``
+    appends their keys and values ([B, kv_heads, T, hd], after qk-norm and RoPE) to the cache and
+    returns all of them ([B, kv_heads, past + T, hd]). ``positions`` [B, T]: RoPE positions;
+    ``key_valid`` [B, past + T]: False at padding keys. New token i sees the keys up to past + i."""
+    batch, tokens, _ = q.shape
+    head_dim = q.shape[-1] // heads
+    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
+    k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
+    if qk_norm is not None:
+        q, k = qk_norm[0](q), qk_norm[1](k)
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)
+        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+    k, v = extend(k, v)
+    keys = k.shape[-2]
+    past = keys - tokens
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    query_index = torch.arange(past, keys, device=q.device)[:, None]
+    key_index = torch.arange(keys, device=q.device)[None, :]
+    mask = (key_index <= query_index)[None, None]
+    if key_valid is not None:  # padding keys hidden; each token still sees itself (padding rows stay finite)
+        mask = (mask & key_valid[:, None, None, :].bool()) | (key_index == query_index)[None, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+
+
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
                              causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
     """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)]."""

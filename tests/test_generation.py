@@ -1,0 +1,97 @@
+"""KV-cache generation with revified Hugging Face decoders (issue 15).
+
+Without grad a reversible stack needs no inverse, so its attention halves can run with the
+library's own cache: each step feeds only the new tokens. The tokens must equal greedy decoding
+without a cache (the whole prefix every step), for every conversion and stream format, and a
+padded batch must decode each prompt as if alone. Models with a sliding window keep decoding
+without a cache (the library's sliding cache drops keys the halves would need to mask).
+"""
+import warnings
+
+import pytest
+import torch
+
+from revtriton.convert import revify
+
+from test_revify import hf_gpt2, hf_llama, hf_mistral, hf_qwen3
+
+BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "qwen3": hf_qwen3}
+CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]
+TOKENS = dict(bos_token_id=0, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy_without_cache(model, ids, steps):
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("conversion", CONVERSIONS)
+def test_cached_generate_equals_greedy_decoding_without_a_cache(family, exact, conversion, seeded):
+    model = revify(BUILDERS[family](seeded, initializer_range=0.3, **TOKENS), exact=exact, **conversion).eval()
+    ids = torch.randint(1, 128, (2, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "keeps no KV cache" warning: the cache is used
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             use_cache=True)
+    assert torch.equal(out, greedy_without_cache(model, ids, 8))
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_step_with_the_cache_is_the_last_position_of_the_whole_run(family, exact, seeded):
+    model = revify(BUILDERS[family](seeded), exact=exact).eval()
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        prefix = model(input_ids=ids[:, :7], use_cache=True)
+        cache = prefix.past_key_values
+        assert cache is not None and cache.get_seq_length() == 7
+        step = model(input_ids=ids[:, 7:], cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 9
+    atol = 5e-4 if exact else 1e-5  # exact: a float difference can flip one rounding to 2**-16
+    torch.testing.assert_close(prefix.logits, whole[:, :7], rtol=0, atol=atol)
+    torch.testing.assert_close(step.logits, whole[:, 7:], rtol=0, atol=atol)
+
+
+def test_left_padded_batch_decodes_each_prompt_as_if_alone(seeded):
+    model = revify(hf_llama(seeded, initializer_range=0.3, **TOKENS)).eval()
+    prompts = [torch.randint(1, 128, (n,)) for n in (7, 3)]
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 7 - len(prompt):], mask[row, 7 - len(prompt):] = prompt, 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
+    for row, prompt in zip(out, prompts):
+        alone = model.generate(prompt[None], max_new_tokens=5, do_sample=False, use_cache=True)[0]
+        assert torch.equal(row[7:], alone[len(prompt):])
+
+
+def test_sliding_window_models_decode_without_a_cache(seeded):
+    model = revify(hf_mistral(seeded, initializer_range=0.3, sliding_window=8, **TOKENS)).eval()
+    ids = torch.randint(1, 128, (1, 6))
+    with pytest.warns(UserWarning, match="recomputes the whole prefix"):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(out, greedy_without_cache(model, ids, 6))  # 12 tokens: past the window of 8
+
+
+def test_a_cache_while_training_raises(seeded):
+    transformers = pytest.importorskip("transformers")
+    model = revify(hf_llama(seeded)).train()
+    ids = torch.randint(0, 128, (1, 6))
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        model(input_ids=ids, cache=cache, labels=ids)
