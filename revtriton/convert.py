@@ -725,7 +725,18 @@ class _LlamaAttentionHalf(_Half):
     def _beyond_fused(self, x):
         spec = self.block._revtriton_attention
         window = spec["window"]
-        return spec["qk_norm"] or not spec["fused_heads"] or (window is not None and x.shape[-2] > window)
+        return (spec["qk_norm"] or not spec["fused_heads"] or spec["rope_module"] is not None
+                or (window is not None and x.shape[-2] > window))
+
+    def _rope(self) -> dict:
+        """The reference's RoPE options: theta, or the model's own scaled frequencies (read at call time:
+        the buffer follows the model's device)."""
+        spec = self.block._revtriton_attention
+        rotary = spec["rope_module"]
+        if rotary is None:
+            return dict(rope_theta=spec["rope_theta"])
+        return dict(rope_theta=spec["rope_theta"], rope_inv_freq=rotary.inv_freq,
+                    rope_scale=float(rotary.attention_scaling))
 
     def _fused(self, res, x, sign, frac_bits):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
@@ -745,15 +756,15 @@ class _LlamaAttentionHalf(_Half):
         if isinstance(layout, _Decoding):
             o = decode_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], extend=layout.extend_for(a.layer_idx),
-                                           rope_theta=spec["rope_theta"], positions=layout.positions,
-                                           key_valid=layout.key_valid, qk_norm=qk_norm)
+                                           positions=layout.positions, key_valid=layout.key_valid, qk_norm=qk_norm,
+                                           **self._rope())
             return a.o_proj(o)
         positions, segments = (None, None) if layout is None else layout
         o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
-                                           kv_heads=spec["kv_heads"], causal=True, rope_theta=spec["rope_theta"],
+                                           kv_heads=spec["kv_heads"], causal=True,
                                            dropout=self._dropouts()[0] if b.training else 0.0,
                                            positions=positions, segments=segments, window=spec["window"],
-                                           qk_norm=qk_norm)
+                                           qk_norm=qk_norm, **self._rope())
         return a.o_proj(o)
 
 
@@ -782,16 +793,37 @@ class _LlamaOrdinaryBlock(_OrdinaryBlock):
     _half_classes = _LlamaBlock._half_classes
 
 
-def _rope_theta(config, name):
+# RoPE variants whose frequencies are fixed when the model is built (the rotary embedding's inv_freq
+# and attention_scaling say it all); "dynamic" and "longrope" change them with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_spec(config, name, base, head_dim) -> dict:
+    """``rope_theta`` and ``rope_module``: None for default RoPE (the fused kernels compute it from
+    theta), else the model's rotary embedding, whose scaled frequencies the library path reads."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise NotImplementedError(f"revify: {name} RoPE type {rope_type!r} is not supported (default RoPE only)")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise NotImplementedError(f"revify: {name} RoPE type {rope_type!r} is not supported (supported: "
+                                  f"{', '.join(STATIC_ROPE_TYPES)}; its frequencies change with the sequence length)")
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise NotImplementedError(f"revify: cannot find rope_theta in the {name} config")
-    return float(theta)
+    theta = float(theta)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        if rope_type != "default":
+            raise NotImplementedError(f"revify: {name} has RoPE type {rope_type!r} but no rotary_emb.inv_freq to read")
+        return dict(rope_theta=theta, rope_module=None)
+    inv_freq = rotary.inv_freq
+    default = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if inv_freq.shape != default.shape:
+        raise NotImplementedError(f"revify: {name}'s rotary embedding covers {2 * inv_freq.numel()} of {head_dim} "
+                                  f"head dims (partial rotary is not supported)")
+    is_default = rope_type == "default" and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0 and (
+        inv_freq.device.type == "meta" or torch.allclose(inv_freq.float().cpu(), default, rtol=1e-2))  # bf16 rounds
+    return dict(rope_theta=theta, rope_module=None if is_default else rotary)
 
 
 def _sliding_windows(config, depth) -> list:
@@ -833,17 +865,8 @@ def _convert_llama(model, conversion):
     if bad:
         raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
     qk_norm = attention is not None and hasattr(attention, "q_norm")
-    spec = dict(heads=heads, kv_heads=kv_heads, rope_theta=_rope_theta(config, name), qk_norm=qk_norm,
-                fused_heads=head_dim * heads == config.hidden_size)
-    rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None:  # the model's own RoPE must be the plain one we compute
-        expected = 1.0 / (spec["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        inv_freq = getattr(rotary, "inv_freq", None)
-        if inv_freq is not None and inv_freq.device.type != "meta" and not torch.allclose(
-                inv_freq.float().cpu(), expected, rtol=1e-2):  # bf16 buffers round
-            raise NotImplementedError(f"revify: this {name}'s rotary frequencies differ from default RoPE")
-        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
-            raise NotImplementedError("revify: RoPE with attention scaling is not supported")
+    spec = dict(heads=heads, kv_heads=kv_heads, qk_norm=qk_norm, fused_heads=head_dim * heads == config.hidden_size,
+                **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
     layer_class = type(base.layers[0])

@@ -254,6 +254,31 @@ def test_llama_generate(seeded):
 def test_llama_unsupported_config_is_named(seeded):
     with pytest.raises(NotImplementedError, match="mlp_bias"):
         revify(hf_llama(seeded, mlp_bias=True))
+    with pytest.raises(NotImplementedError, match="'dynamic' is not supported"):
+        revify(hf_llama(seeded, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
+
+
+# Original contexts of 16 < the tests' 24 tokens: the scaled frequencies matter.
+SCALED_ROPE = {
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16, rope_theta=10000.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=10000.0),
+    "linear": dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPE))
+def test_scaled_rope_is_the_models_own(rope, seeded):
+    """Llama 3, YaRN (attention scaling of cos / sin) and linear RoPE: the halves read the model's own
+    rotary frequencies, so they still compute the library's blocks; a cached step matches too."""
+    model = hf_llama(seeded, rope_parameters=SCALED_ROPE[rope])
+    _check_halves_compute_the_original_blocks("llama", model)
+    ids = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        prefix = model(input_ids=ids[:, :20], use_cache=True)
+        step = model(input_ids=ids[:, 20:], cache=prefix.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step, whole[:, 20:], rtol=0, atol=5e-4)
 
 
 def test_bf16_model_trains_in_exact_mode(seeded):

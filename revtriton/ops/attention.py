@@ -14,15 +14,24 @@ from .reference import apply_row_scale, normalize_reference
 from .streams import ResidualScale, library_couple_output
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None):
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None,
+                 inv_freq=None, scale: float = 1.0):
     """cos/sin tables in the rotate-half (LLaMA / Hugging Face) convention: [seq_len, head_dim] for
-    positions 0..seq_len-1, or [B, 1, T, head_dim] at ``positions`` [B, T] (packed or padded rows)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions 0..seq_len-1, or [B, 1, T, head_dim] at ``positions`` [B, T] (packed or padded rows).
+
+    ``inv_freq`` [head_dim / 2] replaces ``theta``'s frequencies and ``scale`` multiplies both tables
+    (RoPE scaling: Llama 3, linear, YaRN, as the model's own rotary embedding computes them)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    else:
+        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     if positions is None:
         freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     else:  # one product per entry, as the outer product: the same bits at the same positions
         freqs = (positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq)[:, None]
     emb = torch.cat([freqs, freqs], dim=-1)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -72,13 +81,14 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
 
 
 def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
-                                   positions=None, segments=None, window=None, qk_norm=None):
+                                   positions=None, segments=None, window=None, qk_norm=None, rope_inv_freq=None,
+                                   rope_scale=1.0):
     """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
 
     ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
     padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
     sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
-    (Qwen3)."""
+    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`)."""
     batch, tokens, _ = q.shape
     head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
@@ -87,7 +97,8 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     if qk_norm is not None:
         q, k = qk_norm[0](q), qk_norm[1](k)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
+                                scale=rope_scale)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -105,7 +116,7 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
 
 
 def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
-                               key_valid=None, qk_norm=None):
+                               key_valid=None, qk_norm=None, rope_inv_freq=None, rope_scale=1.0):
     """Causal attention of new tokens over a KV cache (inference, no grad needed).
 
     q [B, T, heads*hd], k and v [B, T, kv_heads*hd] are the new tokens' projections; ``extend(k, v)``
@@ -120,7 +131,8 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     if qk_norm is not None:
         q, k = qk_norm[0](q), qk_norm[1](k)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)
+        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
+                                scale=rope_scale)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
     k, v = extend(k, v)
     keys = k.shape[-2]
