@@ -3,7 +3,7 @@ one reversible stack, in place, reusing each block's weights.
 
 Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
 ``GPT2Model``, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that share LLaMA's layer
-conventions (Mistral, Qwen2, Qwen3: ``...ForCausalLM`` / ``...Model``).
+conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``).
 
 How it works:
 
@@ -42,7 +42,7 @@ from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
-             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2 and Qwen3 equivalents")
+             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents")
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
@@ -712,21 +712,62 @@ def _convert_gpt2(model, conversion):
 # -- Hugging Face LLaMA ----------------------------------------------------------------------
 
 
+def _norm_eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _is_plain_rms_norm(norm) -> bool:
+    """Whether ``norm`` computes ``x * rsqrt(mean(x^2) + eps) * weight`` (what the fused kernels
+    compute), checked on a probe: Gemma's scales by ``1 + weight`` instead."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.device.type == "meta" or weight.dim() != 1:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(2, weight.numel(), generator=generator).to(device=weight.device, dtype=torch.float32)
+    with torch.no_grad():
+        got = norm(probe.to(weight.dtype)).float()
+        expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _norm_eps(norm)) * weight.float()
+    return torch.allclose(got, expected, rtol=1e-2, atol=1e-3)  # bf16 weights round
+
+
+def _residual_dropout(block, name):
+    """Phi-3's dropout on a branch's output before the residual add (Identity elsewhere)."""
+    return getattr(block, name, None) or nn.Identity()
+
+
 class _LlamaAttentionHalf(_Half):
     takes_cond = True
 
     def _projections(self):
         a = self.block.self_attn
+        if hasattr(a, "qkv_proj"):  # Phi-3: one q/k/v projection, rows [q, k, v]
+            return a.qkv_proj, a.o_proj
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj
 
     def _dropouts(self):
-        return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),)
+        return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),
+                _p(_residual_dropout(self.block, "resid_attn_dropout")))
 
     def _beyond_fused(self, x):
         spec = self.block._revtriton_attention
         window = spec["window"]
-        return (spec["qk_norm"] or not spec["fused_heads"] or spec["rope_module"] is not None
+        return (spec["qk_norm"] or not spec["fused_heads"] or not spec["fused_norm"] or spec["rope_module"] is not None
                 or (window is not None and x.shape[-2] > window))
+
+    def _qkv_weights(self):
+        a = self.block.self_attn
+        if hasattr(a, "qkv_proj"):
+            return a.qkv_proj.weight, a.qkv_proj.bias
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        return w_qkv, b_qkv
+
+    def _qkv(self, n):
+        a, spec = self.block.self_attn, self.block._revtriton_attention
+        if hasattr(a, "qkv_proj"):
+            q_width, kv_width = spec["heads"] * spec["head_dim"], spec["kv_heads"] * spec["head_dim"]
+            return a.qkv_proj(n).split([q_width, kv_width, kv_width], dim=-1)
+        return a.q_proj(n), a.k_proj(n), a.v_proj(n)
 
     def _rope(self) -> dict:
         """The reference's RoPE options: theta, or the model's own scaled frequencies (read at call time:
@@ -742,47 +783,62 @@ class _LlamaAttentionHalf(_Half):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         norm = b.input_layernorm
         x = self._input(x, norm.weight)
-        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        w_qkv, b_qkv = self._qkv_weights()
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
                                      a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
-                                     rope_theta=spec["rope_theta"], norm="rms", eps=norm.variance_epsilon)
+                                     rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm))
 
     def _modules(self, x, layout=None):
         b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
         x = self._input(x, b.input_layernorm.weight)
         n = b.input_layernorm(x)
         qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
+        q, k, v = self._qkv(n)
+        out = _residual_dropout(b, "resid_attn_dropout")
         if isinstance(layout, _Decoding):
-            o = decode_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
+            o = decode_attention_reference(q, k, v, heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], extend=layout.extend_for(a.layer_idx),
                                            positions=layout.positions, key_valid=layout.key_valid, qk_norm=qk_norm,
                                            **self._rope())
-            return a.o_proj(o)
+            return out(a.o_proj(o))
         positions, segments = (None, None) if layout is None else layout
-        o = multi_head_attention_reference(a.q_proj(n), a.k_proj(n), a.v_proj(n), heads=spec["heads"],
+        o = multi_head_attention_reference(q, k, v, heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], causal=True,
                                            dropout=self._dropouts()[0] if b.training else 0.0,
                                            positions=positions, segments=segments, window=spec["window"],
                                            qk_norm=qk_norm, **self._rope())
-        return a.o_proj(o)
+        return out(a.o_proj(o))
 
 
 class _LlamaMlpHalf(_Half):
     def _projections(self):
         m = self.block.mlp
+        if hasattr(m, "gate_up_proj"):  # Phi-3: one gate/up projection, rows [gate, up]
+            return m.gate_up_proj, m.down_proj
         return m.gate_proj, m.up_proj, m.down_proj
+
+    def _dropouts(self):
+        return (_p(_residual_dropout(self.block, "resid_mlp_dropout")),)
+
+    def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
+        spec = self.block._revtriton_attention
+        return not (spec["fused_mlp"] and spec["fused_norm"])
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         norm = b.post_attention_layernorm
         x = self._input(x, norm.weight)
-        return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, m.gate_proj.weight, m.up_proj.weight,
-                                 m.down_proj.weight, eps=norm.variance_epsilon)
+        if hasattr(m, "gate_up_proj"):
+            w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+        else:
+            w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
+        return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, w_gate, w_up, m.down_proj.weight,
+                                 eps=_norm_eps(norm))
 
     def _modules(self, x):
         b = self.block
-        return b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
+        h = b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
+        return _residual_dropout(b, "resid_mlp_dropout")(h)
 
 
 class _LlamaBlock(_RevifiedBlock):
@@ -842,9 +898,10 @@ def _sliding_windows(config, depth) -> list:
 
 def _convert_llama(model, conversion):
     """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
-    with RoPE and GQA, SwiGLU MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm).
-    What the fused kernels lack (qk-norm, a window shorter than the rows, head_dim * heads != width)
-    runs on the library path (``_Half._beyond_fused``)."""
+    with RoPE and GQA, gated MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm), Gemma
+    (RMSNorm by 1 + weight, GeGLU), Phi-3 (fused qkv and gate/up projections, residual dropout).
+    What the fused kernels lack (qk-norm, another norm or activation, scaled RoPE, a window shorter
+    than the rows, head_dim * heads != width) runs on the library path (``_Half._beyond_fused``)."""
     base = model.model if hasattr(model, "model") else model
     config, name = base.config, type(model).__name__
     if not len(base.layers):
@@ -853,7 +910,6 @@ def _convert_llama(model, conversion):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = base.layers[0].self_attn if len(base.layers) else None
     unsupported = {
-        f"hidden_act={config.hidden_act!r}": config.hidden_act != "silu",
         "mlp_bias=True": bool(getattr(config, "mlp_bias", False)),
         "logit softcapping": any(getattr(config, key, None) for key in
                                                    ("attn_logit_softcapping", "final_logit_softcapping")),
@@ -865,8 +921,11 @@ def _convert_llama(model, conversion):
     if bad:
         raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
     qk_norm = attention is not None and hasattr(attention, "q_norm")
-    spec = dict(heads=heads, kv_heads=kv_heads, qk_norm=qk_norm, fused_heads=head_dim * heads == config.hidden_size,
-                **_rope_spec(config, name, base, head_dim))
+    layer = base.layers[0]
+    spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
+                fused_heads=head_dim * heads == config.hidden_size,
+                fused_norm=all(_is_plain_rms_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)),
+                fused_mlp=config.hidden_act == "silu", **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
     layer_class = type(base.layers[0])
@@ -1138,7 +1197,8 @@ _FAMILIES = {
     "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
 }
 # LLaMA and the decoders with its layer conventions: transformers module -> class prefix.
-_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+               "phi3": "Phi3"}
 for _module, _prefix in _LLAMA_LIKE.items():
     _FAMILIES[f"{_module}_lm"] = ("transformers", f"{_prefix}ForCausalLM", _convert_llama)
     _FAMILIES[_module] = ("transformers", f"{_prefix}Model", _convert_llama)

@@ -13,9 +13,9 @@ import torch
 
 from revtriton.convert import revify
 
-from test_revify import hf_gpt2, hf_llama, hf_mistral, hf_qwen3
+from test_revify import hf_gemma, hf_gpt2, hf_llama, hf_mistral, hf_phi3, hf_qwen3
 
-BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "qwen3": hf_qwen3}
+BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3}
 CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]
 TOKENS = dict(bos_token_id=0, eos_token_id=None, pad_token_id=0)
 

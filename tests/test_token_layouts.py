@@ -18,9 +18,10 @@ from revtriton.models import to_stored_activations
 from revtriton.ops.attention import packed_segments, sequence_mask
 
 from test_models import check_against_twin, max_relative_grad_error
-from test_revify import hf_gpt2, hf_llama, hf_mistral, hf_qwen2, hf_qwen3
+from test_revify import FLOAT_TWIN_BOUND, hf_gemma, hf_gpt2, hf_llama, hf_mistral, hf_phi3, hf_qwen2, hf_qwen3
 
-BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2, "qwen3": hf_qwen3}
+BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2, "qwen3": hf_qwen3,
+            "gemma": hf_gemma, "phi3": hf_phi3}
 # meft3 with an ordinary top block: the layout reaches whole-layer halves with adapters and a stage
 # transition (meft1's top G adapter feeds the stream nobody reads: no gradient to compare).
 CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]
@@ -133,8 +134,11 @@ def test_packed_gradients_are_the_sum_over_sequences_alone(family, seeded):
         mask[0, -1] = 0
         labels = ids.masked_fill(mask == 0, -100)
         (model(input_ids=ids, attention_mask=mask, labels=labels).loss * (len(s) - 1)).backward()
+    # Gemma's own RMSNorm computes in float32 whatever the model's dtype: float32 rounding of inputs that
+    # differ by float64 noise between a packed row and a sequence alone.
+    tolerance = dict(rtol=1e-4, atol=1e-8) if family == "gemma" else dict(rtol=1e-9, atol=1e-12)
     for (name, p), g in zip(model.named_parameters(), packed_grads):
-        torch.testing.assert_close(g, p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, p.grad, **tolerance, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -153,14 +157,14 @@ def test_padded_training_step_matches_the_stored_activation_twin(family, exact, 
     loss.backward()
     twin_loss.backward()
     if exact or not conversion:
-        check_against_twin(model, twin, loss, twin_loss, exact)
+        check_against_twin(model, twin, loss, twin_loss, exact, FLOAT_TWIN_BOUND.get(family, 1e-5))
     else:  # float meft3: each block's rebuild amplifies rounding by 2**12 (perf/reconstruction.py)
         torch.testing.assert_close(loss, twin_loss, rtol=1e-6, atol=0)
         assert max_relative_grad_error(model, twin) <= 1e-4
 
 
 def test_llama_generate_with_left_padding_gives_each_prompt_alone(seeded):
-    model = revify(hf_llama(seeded)).eval()
+    model = revify(hf_llama(seeded, eos_token_id=None, pad_token_id=0)).eval()  # no early stop at a random EOS
     prompts = sequences((6, 3))
     ids, mask, _ = padded(prompts, "left")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
