@@ -27,19 +27,20 @@ reaches it unchanged up to a term of ``2**-scale_bits`` (see :data:`PRESERVE_MOD
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .engine import Coupling, ReversibleStack, block_phase
+from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
 from .ops.attention import (decode_attention_reference, multi_head_attention_reference, norm_attention_couple,
                             packed_segments)
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
-from .ops.streams import MAX_SCALE_SHIFT, couple_output
+from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents")
@@ -87,6 +88,8 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
     conversion = _Conversion(options, preserve, scale_bits, adapter_size, ordinary_top)
     target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
+    if type(target).__name__ == "FeatureGetterNet" and type(target).__module__.startswith("timm"):
+        target = target.model  # timm features_only: the wrapped model (its forward_intermediates) is converted
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
         if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
             convert(target, conversion)
@@ -298,6 +301,9 @@ class _WholeLayer:
     def takes_cond(self) -> bool:  # the attention half takes the token layout
         return self.attention.takes_cond
 
+    def parameters(self):
+        return self.attention.parameters()
+
     def __call__(self, x, cond=None):
         mid = x + half_output(self.attention, x, cond)
         out = mid + self.mlp(mid)
@@ -316,6 +322,9 @@ class _SublayerWithAdapter(_WholeLayer):
     @property
     def takes_cond(self) -> bool:
         return self.branch.takes_cond
+
+    def parameters(self):
+        return self.branch.parameters()
 
     def __call__(self, x, cond=None):
         return x + half_output(self.branch, x, cond) + self.adapter(x)
@@ -446,6 +455,9 @@ class _Half:
     def __init__(self, block: nn.Module):
         self.block = block
 
+    def parameters(self):  # the block's (what the engine reads a stream's value dtype from)
+        return self.block.parameters()
+
     def _projections(self):  # the modules whose raw weights the fused path reads
         return ()
 
@@ -505,12 +517,36 @@ def _p(dropout) -> float:
 # -- timm VisionTransformer ------------------------------------------------------------------
 
 
+def _timm_fused_attention(block) -> bool:
+    """Whether a timm Block's attention branch is what the fused half computes: LayerNorm, the
+    standard Attention without qk-norm, scale-norm or gate, full width. Else the library path runs the
+    block's own modules (qk-norm and the rest included)."""
+    from timm.models.vision_transformer import Attention
+
+    a = block.attn
+    return (type(a) is Attention and isinstance(block.norm1, nn.LayerNorm) and block.norm1.weight is not None
+            and all(isinstance(getattr(a, name, None), nn.Identity) for name in ("q_norm", "k_norm", "norm"))
+            and getattr(a, "gate", None) is None
+            and a.head_dim * a.num_heads == a.qkv.in_features == a.proj.out_features)
+
+
+def _timm_fused_mlp(block) -> bool:
+    from timm.layers import Mlp
+
+    m = block.mlp
+    return (type(m) is Mlp and isinstance(block.norm2, nn.LayerNorm) and block.norm2.weight is not None
+            and isinstance(m.norm, nn.Identity) and _timm_activation(m.act) is not None)
+
+
 class _TimmAttentionHalf(_Half):
     def _projections(self):
         return self.block.attn.qkv, self.block.attn.proj
 
     def _dropouts(self):
         return _p(self.block.attn.attn_drop), _p(self.block.attn.proj_drop)
+
+    def _beyond_fused(self, x):
+        return not getattr(self.block, "_revtriton_fused", (True, True))[0]
 
     def _row(self, x):
         return _drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
@@ -543,10 +579,13 @@ def _timm_activation(act: nn.Module) -> str | None:
 
 class _TimmMlpHalf(_Half):
     def _projections(self):
-        return self.block.mlp.fc1, self.block.mlp.fc2
+        return tuple(m for m in (getattr(self.block.mlp, "fc1", None), getattr(self.block.mlp, "fc2", None)) if m)
 
     def _dropouts(self):
-        return _p(self.block.mlp.drop1), _p(self.block.mlp.drop2)
+        return tuple(_p(getattr(self.block.mlp, name, None)) for name in ("drop1", "drop2"))
+
+    def _beyond_fused(self, x):
+        return not getattr(self.block, "_revtriton_fused", (True, True))[1]
 
     def _row(self, x):
         return _drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
@@ -575,33 +614,88 @@ class _TimmOrdinaryBlock(_OrdinaryBlock):
 
 
 def _check_timm_block(i, block):
-    from timm.layers import Mlp
-    from timm.models.vision_transformer import Attention, Block
+    """timm's vision_transformer.Block (x + drop_path(ls(attn(norm1(x)))), then the MLP alike): its
+    parts run fused where they are the standard ones, else through its own modules."""
+    from timm.models.vision_transformer import Block
 
     where = f"timm block {i} ({type(block).__name__})"
-    if not isinstance(block, Block):
-        raise NotImplementedError(f"{where}: revify supports timm's standard vision_transformer.Block only")
-    a, m = block.attn, block.mlp
-    if type(a) is not Attention or type(m) is not Mlp:
-        raise NotImplementedError(f"{where}: attention {type(a).__name__} / MLP {type(m).__name__} not supported "
-                                  f"(standard Attention and Mlp only)")
-    for name, sub in (("norm1", block.norm1), ("norm2", block.norm2)):
-        if not isinstance(sub, nn.LayerNorm) or sub.weight is None:
-            raise NotImplementedError(f"{where}: {name} is {type(sub).__name__}; an affine LayerNorm is required")
-    extras = [name for name in ("q_norm", "k_norm", "norm") if not isinstance(getattr(a, name), nn.Identity)]
-    if extras or getattr(a, "gate", None) is not None or not isinstance(m.norm, nn.Identity):
-        raise NotImplementedError(f"{where}: qk-norm, scale-norm and gated attention are not supported")
-    if a.head_dim * a.num_heads != a.qkv.in_features or a.proj.out_features != a.qkv.in_features:
-        raise NotImplementedError(f"{where}: attention width must equal the model width")
-    if _timm_activation(m.act) is None:
-        raise NotImplementedError(f"{where}: MLP activation {type(m.act).__name__} not supported (GELU, ReLU)")
+    if type(block) is not Block:
+        raise NotImplementedError(f"{where}: revify supports timm's standard vision_transformer.Block only "
+                                  f"(parallel, residual-post-norm and other block variants differ in their residuals)")
+    block._revtriton_fused = (_timm_fused_attention(block), _timm_fused_mlp(block))
+
+
+class _BlockSteps(nn.Module):
+    """Stand-in for a revified ViT's ``blocks`` while timm's ``forward_intermediates`` runs: timm calls
+    the blocks one by one (``x = blk(x)``, keeping what it needs); here step i runs block i of the
+    reversible stack on both streams, kept between the steps, and returns their readout.
+
+    Each block is its own reversible segment: with grad, each step keeps its output streams for the
+    backward (the intermediates are outputs, so memory grows with depth as with stored activations).
+    Without grad, exact streams stay int32 between the steps (the same bits as the whole stack); with
+    grad they pass as float values, which round on the stream's dtype beyond 2**(24 - frac_bits)."""
+
+    def __init__(self, stack, stop=None, state=None):
+        super().__init__()
+        self.stack = stack
+        self.stop = len(stack) if stop is None else stop
+        self.state = {} if state is None else state  # shared with slices: the streams between steps
+
+    def __len__(self):
+        return self.stop
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            return _BlockSteps(self.stack, min(self.stop, len(self) if index.stop is None else index.stop), self.state)
+        raise NotImplementedError("revified ViT: forward_intermediates takes its blocks in order from the first")
+
+    def __iter__(self):
+        return iter([functools.partial(self._step, i) for i in range(self.stop)])
+
+    def _one(self, i):
+        stack = self.stack
+        return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
+                               streams="duplicate", readout=stack.readout)
+
+    def _step(self, i, x):
+        stack, state = self.stack, self.state
+        if i == 0:
+            streams = (x, x) if stack.streams == "duplicate" else tuple(x.chunk(2, dim=-1))
+            state["dtype"] = x.dtype
+        elif state.get("returned") is not x:
+            raise RuntimeError("revified ViT: forward_intermediates must pass each block's output to the next "
+                               "unchanged (the reversible stack keeps two streams between them)")
+        else:
+            streams = state["streams"]
+        k, dtype = stack.frac_bits, state["dtype"]
+        fixed = streams[0].dtype == torch.int32
+        if is_reversible_block(stack[i]) and stack.exact and not torch.is_grad_enabled() and not fixed:
+            streams = tuple(to_fixed(s, k) for s in streams)  # as a segment of the whole stack starts
+        elif fixed and not is_reversible_block(stack[i]):
+            streams = tuple(from_fixed(s, k, dtype) for s in streams)  # a stage transition takes float values
+        y1, y2 = self._one(i).forward_streams(*streams)
+        state["streams"] = (y1, y2)
+        if y1.dtype == torch.int32:
+            y1, y2 = from_fixed(y1, k, dtype), from_fixed(y2, k, dtype)
+        out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
+        state["returned"] = out
+        return out
 
 
 class _TimmRevifiedModel:
-    """timm's set_grad_checkpointing(True) on a revified ViT: a warning (checkpoint_seq would call the
-    reversible blocks one by one)."""
+    """A revified timm ViT: set_grad_checkpointing(True) warns (checkpoint_seq would call the
+    reversible blocks one by one); forward_intermediates (and features_only models) steps through the
+    stack block by block (:class:`_BlockSteps`)."""
 
     _keeps_class_name = True
+
+    def forward_intermediates(self, *args, **kwargs):
+        stack = self._modules["blocks"]
+        self._modules["blocks"] = _BlockSteps(stack)
+        try:
+            return super().forward_intermediates(*args, **kwargs)
+        finally:
+            self._modules["blocks"] = stack
 
     def set_grad_checkpointing(self, enable: bool = True):
         if enable:

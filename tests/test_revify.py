@@ -301,15 +301,87 @@ def test_bf16_model_trains_in_exact_mode(seeded):
 
 
 @pytest.mark.timm
-def test_timm_unsupported_features_raise(seeded):
+def test_timm_unsupported_models_raise_naming_the_class(seeded):
     timm = pytest.importorskip("timm")
-    with pytest.raises(NotImplementedError, match="qk-norm"):
-        revify(timm_vit(seeded, qk_norm=True))
-    with pytest.raises(TypeError, match="VisionTransformer|supported"):
-        revify(timm.create_model("resnet18", pretrained=False))
+    for name, options, cls in [("resnet18", {}, "ResNet"), ("eva02_tiny_patch14_224", dict(img_size=28), "eva.Eva"),
+                               ("swin_tiny_patch4_window7_224", dict(img_size=32, window_size=2), "SwinTransformer"),
+                               ("beit_base_patch16_224", dict(img_size=32, depth=2), "beit.Beit")]:
+        with pytest.raises(TypeError, match=rf"revify does not support timm\.models\..*{cls}"):
+            revify(timm.create_model(name, pretrained=False, **options))
     model = revify(timm_vit(seeded))
     with pytest.raises(NotImplementedError, match="runs only inside"):
         model.forward_features(torch.randn(1, 3, 32, 32), is_causal=True)
+
+
+@pytest.mark.timm
+def test_timm_qk_norm_runs_the_blocks_own_modules(seeded):
+    model = timm_vit(seeded, qk_norm=True)
+    _check_halves_compute_the_original_blocks("timm_vit", model)
+    assert not model.blocks[0]._revtriton_fused[0] and model.blocks[0]._revtriton_fused[1]
+    model.train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    batch = make_batch("timm_vit")
+    torch.manual_seed(seeded)
+    loss = loss_of("timm_vit", model, batch)
+    loss.backward()
+    torch.manual_seed(seeded)
+    twin_loss = loss_of("timm_vit", twin, batch)
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+
+
+def _pruned_features(model, k, x):
+    """forward_features of the model pruned to blocks 0..k, without the final norm and prefix tokens (the
+    pruned stack is a slice: the same blocks, so gradients reach the model's own parameters)."""
+    blocks, norm = model.blocks, model.norm
+    try:
+        assert model.prune_intermediate_layers(indices=[k], prune_norm=True, prune_head=False) == [k]
+        assert isinstance(model.blocks, ReversibleStack) and len(model.blocks) == k + 1
+        return model.forward_features(x)[:, model.num_prefix_tokens:]
+    finally:
+        model.blocks, model.norm = blocks, norm
+
+
+@pytest.mark.timm
+@pytest.mark.parametrize("exact", [False, True])
+def test_timm_forward_intermediates_are_the_pruned_models_features(exact, seeded):
+    """Each intermediate is what the model pruned after that block computes (bitwise: exact streams stay
+    int32 between the blocks), the final output is forward_features, and features_only models work."""
+    timm = pytest.importorskip("timm")
+    model = revify(timm_vit(seeded), exact=exact).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        final, intermediates = model.forward_intermediates(x, indices=DEPTH, output_fmt="NLC")
+        assert torch.equal(final, model.forward_features(x))
+        for k, got in enumerate(intermediates):
+            assert torch.equal(got, _pruned_features(model, k, x)), k
+    assert isinstance(model.blocks, ReversibleStack)  # the stand-in is gone
+    torch.manual_seed(seeded)
+    features = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, depth=DEPTH,
+                                 features_only=True, out_indices=(1, 2))
+    revify(features, exact=exact).eval()
+    with torch.no_grad():
+        out = features(x)
+        expected = features.model.forward_intermediates(x, indices=[1, 2], intermediates_only=True)
+    assert isinstance(features.model.blocks, ReversibleStack) and len(out) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+@pytest.mark.timm
+def test_timm_forward_intermediates_gradients(seeded):
+    """With grad, a loss on intermediates trains as the same loss on separately computed features."""
+    model = revify(timm_vit(seeded, drop_path_rate=0.0), exact=False).double().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    final, intermediates = model.forward_intermediates(x, indices=DEPTH, output_fmt="NLC")
+    (final.square().mean() + intermediates[1].square().mean()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}  # the head's stay None
+    model.zero_grad(set_to_none=True)
+    (model.forward_features(x).square().mean() + _pruned_features(model, 1, x).square().mean()).backward()
+    assert sum(g is not None for g in grads.values()) > 0.8 * len(grads)
+    for name, p in model.named_parameters():
+        assert (grads[name] is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
 class LoraLinear(torch.nn.Module):

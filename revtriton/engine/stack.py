@@ -114,7 +114,14 @@ class ReversibleStack(nn.Module):
         return len(self._modules)
 
     def __getitem__(self, index):
-        return list(self._modules.values())[index]
+        """A layer; a slice is a ReversibleStack of those layers with the same options (as
+        nn.Sequential: timm's prune_intermediate_layers assigns ``blocks[:n]``)."""
+        layers = list(self._modules.values())
+        if isinstance(index, slice):
+            return ReversibleStack(layers[index], exact=self.exact, frac_bits=self.frac_bits,
+                                   anchor_every=self.anchor_every, schedule=self.schedule, streams=self.streams,
+                                   readout=getattr(self, "readout", "mean"))
+        return layers[index]
 
     def __iter__(self):
         return iter(self._modules.values())
