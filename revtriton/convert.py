@@ -625,63 +625,6 @@ def _check_timm_block(i, block):
     block._revtriton_fused = (_timm_fused_attention(block), _timm_fused_mlp(block))
 
 
-class _BlockSteps(nn.Module):
-    """Stand-in for a revified ViT's ``blocks`` while timm's ``forward_intermediates`` runs: timm calls
-    the blocks one by one (``x = blk(x)``, keeping what it needs); here step i runs block i of the
-    reversible stack on both streams, kept between the steps, and returns their readout.
-
-    Each block is its own reversible segment: with grad, each step keeps its output streams for the
-    backward (the intermediates are outputs, so memory grows with depth as with stored activations).
-    Without grad, exact streams stay int32 between the steps (the same bits as the whole stack); with
-    grad they pass as float values, which round on the stream's dtype beyond 2**(24 - frac_bits)."""
-
-    def __init__(self, stack, stop=None, state=None):
-        super().__init__()
-        self.stack = stack
-        self.stop = len(stack) if stop is None else stop
-        self.state = {} if state is None else state  # shared with slices: the streams between steps
-
-    def __len__(self):
-        return self.stop
-
-    def __getitem__(self, index):
-        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
-            return _BlockSteps(self.stack, min(self.stop, len(self) if index.stop is None else index.stop), self.state)
-        raise NotImplementedError("revified ViT: forward_intermediates takes its blocks in order from the first")
-
-    def __iter__(self):
-        return iter([functools.partial(self._step, i) for i in range(self.stop)])
-
-    def _one(self, i):
-        stack = self.stack
-        return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
-                               streams="duplicate", readout=stack.readout)
-
-    def _step(self, i, x):
-        stack, state = self.stack, self.state
-        if i == 0:
-            streams = (x, x) if stack.streams == "duplicate" else tuple(x.chunk(2, dim=-1))
-            state["dtype"] = x.dtype
-        elif state.get("returned") is not x:
-            raise RuntimeError("revified ViT: forward_intermediates must pass each block's output to the next "
-                               "unchanged (the reversible stack keeps two streams between them)")
-        else:
-            streams = state["streams"]
-        k, dtype = stack.frac_bits, state["dtype"]
-        fixed = streams[0].dtype == torch.int32
-        if is_reversible_block(stack[i]) and stack.exact and not torch.is_grad_enabled() and not fixed:
-            streams = tuple(to_fixed(s, k) for s in streams)  # as a segment of the whole stack starts
-        elif fixed and not is_reversible_block(stack[i]):
-            streams = tuple(from_fixed(s, k, dtype) for s in streams)  # a stage transition takes float values
-        y1, y2 = self._one(i).forward_streams(*streams)
-        state["streams"] = (y1, y2)
-        if y1.dtype == torch.int32:
-            y1, y2 = from_fixed(y1, k, dtype), from_fixed(y2, k, dtype)
-        out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
-        state["returned"] = out
-        return out
-
-
 class _TimmRevifiedModel:
     """A revified timm ViT: set_grad_checkpointing(True) warns (checkpoint_seq would call the
     reversible blocks one by one); forward_intermediates (and features_only models) steps through the
@@ -1034,6 +977,69 @@ def _convert_llama(model, conversion):
 # -- Hugging Face base-model forward ---------------------------------------------------------
 
 
+class _BlockSteps(nn.Module):
+    """A reversible stack run block by block, for per-block outputs (timm's ``forward_intermediates``,
+    Hugging Face's ``output_hidden_states``): step i (``steps[i](x)``, in order, ``x`` the previous
+    step's output) runs block i on both streams, kept between the steps, and returns their readout.
+    It also stands in for a revified ViT's ``blocks`` while timm's ``forward_intermediates`` calls them
+    one by one.
+
+    Each block is its own reversible segment: with grad, each step keeps its output streams for the
+    backward (the intermediates are outputs, so memory grows with depth as with stored activations).
+    Without grad, exact streams stay int32 between the steps (the same bits as the whole stack); with
+    grad they pass as float values, which round on the stream's dtype beyond 2**(24 - frac_bits)."""
+
+    def __init__(self, stack, stop=None, state=None, cond=None):
+        super().__init__()
+        self.stack = stack
+        self.stop = len(stack) if stop is None else stop
+        self.state = {} if state is None else state  # shared with slices: the streams between steps
+        self.cond = cond
+
+    def __len__(self):
+        return self.stop
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            stop = min(self.stop, len(self) if index.stop is None else index.stop)
+            return _BlockSteps(self.stack, stop, self.state, self.cond)
+        raise NotImplementedError("revified ViT: forward_intermediates takes its blocks in order from the first")
+
+    def __iter__(self):
+        return iter([functools.partial(self._step, i) for i in range(self.stop)])
+
+    def _one(self, i):
+        stack = self.stack
+        return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
+                               streams="duplicate", readout=stack.readout)
+
+    def _step(self, i, x):
+        stack, state = self.stack, self.state
+        if i == 0:
+            streams = (x, x) if stack.streams == "duplicate" else tuple(x.chunk(2, dim=-1))
+            state["dtype"] = x.dtype
+        elif state.get("returned") is not x:
+            raise RuntimeError("revified ViT: forward_intermediates must pass each block's output to the next "
+                               "unchanged (the reversible stack keeps two streams between them)")
+        else:
+            streams = state["streams"]
+        k, dtype = stack.frac_bits, state["dtype"]
+        fixed = streams[0].dtype == torch.int32
+        if is_reversible_block(stack[i]) and stack.exact and not torch.is_grad_enabled() and not fixed:
+            streams = tuple(to_fixed(s, k) for s in streams)  # as a segment of the whole stack starts
+        elif fixed and not is_reversible_block(stack[i]):
+            streams = tuple(from_fixed(s, k, dtype) for s in streams)  # a stage transition takes float values
+        y1, y2 = self._one(i).forward_streams(*streams, cond=self.cond)
+        state["streams"] = (y1, y2)
+        if y1.dtype == torch.int32:
+            y1, y2 = from_fixed(y1, k, dtype), from_fixed(y2, k, dtype)
+        out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
+        state["returned"] = out
+        return out
+
+
+
+
 def _set_up_generation(model, caches: bool):
     """The LM class swap: gradient-checkpointing requests warn (:class:`_NoCheckpointing`); with
     ``caches`` generate uses the library's KV cache (the attention halves run with it, see
@@ -1171,8 +1177,6 @@ def _check_hf_inputs(model_name, kwargs):
         "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
         "head_mask": kwargs.get("head_mask") is not None,
         "output_attentions=True": bool(kwargs.get("output_attentions")),
-        "output_hidden_states=True (the reversible stack keeps no per-block states)":
-            bool(kwargs.get("output_hidden_states")),
     }
     bad = [name for name, is_bad in unsupported.items() if is_bad]
     if bad:
@@ -1219,18 +1223,37 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     return positions, segments
 
 
-def _hf_output(module, output_class_name, hidden, kwargs, decoding=None):
+def _run_layers(stack, hidden, final_norm, kwargs, layout):
+    """``(final_norm(stack(hidden)), hidden_states or None)``. With ``output_hidden_states`` the stack
+    runs block by block (:class:`_BlockSteps`): the states are the library's, the stack's input then
+    each block's readout, the last one the normed output (True, or the indices to keep, others None)."""
+    wanted = kwargs.get("output_hidden_states")
+    if not wanted:
+        return final_norm(stack(hidden, cond=layout)), None
+    states, x = [hidden], hidden
+    for step in _BlockSteps(stack, cond=layout):
+        x = step(x)
+        states.append(x)
+    states[-1] = final_norm(x)
+    if wanted is not True:  # transformers 5: an index or a list of them (negative from the end)
+        keep = {i % len(states) for i in ([wanted] if isinstance(wanted, int) else wanted)}
+        states = [state if i in keep else None for i, state in enumerate(states)]
+    return states[-1], tuple(states)
+
+
+def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None):
     cache = None if decoding is None else decoding.cache
     return_dict = kwargs.get("return_dict")
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     if not return_dict:
-        return (hidden,) if cache is None else (hidden, cache)
+        return tuple(item for item in (hidden, cache, hidden_states) if item is not None)
     output_class = getattr(importlib.import_module("transformers.modeling_outputs"), output_class_name)
-    if cache is None:
-        return output_class(last_hidden_state=hidden)
-    field = "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"  # transformers 5 / 4
-    return output_class(last_hidden_state=hidden, **{field: cache})
+    extra = {} if hidden_states is None else {"hidden_states": hidden_states}
+    if cache is not None:
+        field = "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"  # transformers 5 / 4
+        extra[field] = cache
+    return output_class(last_hidden_state=hidden, **extra)
 
 
 def _embeddings_input(module, input_ids, kwargs, embed):
@@ -1264,8 +1287,8 @@ class _RevifiedGPT2Model(_NoCheckpointing):
         if token_type_ids is not None:
             hidden = hidden + self.wte(token_type_ids.view(-1, tokens))
         with _decoding(self.h, decoding):
-            hidden = self.ln_f(self.h(self.drop(hidden), cond=layout))
-        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs, decoding)
+            hidden, states = _run_layers(self.h, self.drop(hidden), self.ln_f, kwargs, layout)
+        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs, decoding, states)
 
 
 class _RevifiedLlamaModel(_NoCheckpointing):
@@ -1281,8 +1304,8 @@ class _RevifiedLlamaModel(_NoCheckpointing):
         decoding = _generation_cache(self, name, hidden, kwargs)
         layout = None if decoding else _token_layout(name, hidden, kwargs, rope=True)
         with _decoding(self.layers, decoding):
-            hidden = self.norm(self.layers(hidden, cond=layout))
-        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding)
+            hidden, states = _run_layers(self.layers, hidden, self.norm, kwargs, layout)
+        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
 
 
 _FAMILIES = {

@@ -245,8 +245,8 @@ def test_hf_cache_masks_and_per_block_calls(seeded):
     model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
     with pytest.raises(NotImplementedError, match="attention_mask must be a 2-D padding mask"):
         model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12))  # padding masks: test_token_layouts.py
-    with pytest.raises(NotImplementedError, match="output_hidden_states"):
-        model.transformer(input_ids=ids, output_hidden_states=True)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model.transformer(input_ids=ids, output_attentions=True)
     with pytest.raises(NotImplementedError, match="runs only inside"):
         model.transformer.h[0](torch.randn(1, 4, 64))
     with pytest.raises(ValueError, match="already a ReversibleStack"):
@@ -499,3 +499,60 @@ def test_from_pretrained_refuses_a_model_that_was_not_revified(seeded, tmp_path)
     hf_gpt2(seed=seeded).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not saved from a revified model"):
         from_pretrained(tmp_path)
+
+
+# -- output_hidden_states -------------------------------------------------------------------------
+
+
+def _base_and_names(family, model):
+    return (model.transformer, "h", "ln_f") if family == "gpt2" else (model.model, "layers", "norm")
+
+
+def _pruned_last_hidden(family, model, k, ids):
+    """The base model's output with only blocks 0..k-1 and no final norm (a slice: the same blocks)."""
+    base, blocks_name, norm_name = _base_and_names(family, model)
+    blocks, norm = getattr(base, blocks_name), getattr(base, norm_name)
+    try:
+        setattr(base, blocks_name, blocks[:k])
+        setattr(base, norm_name, torch.nn.Identity())
+        return base(input_ids=ids).last_hidden_state
+    finally:
+        setattr(base, blocks_name, blocks)
+        setattr(base, norm_name, norm)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_output_hidden_states_are_each_blocks_readout(family, exact, seeded):
+    """The library's layout (the stack's input, each block's output, the last one normed); each state is
+    what the model cut after that block computes, and the logits are those of the plain forward."""
+    model = revify(BUILDERS[family](seeded), exact=exact).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        assert torch.equal(out.logits, model(input_ids=ids).logits)
+        states = out.hidden_states
+        assert len(states) == DEPTH + 1
+        base = _base_and_names(family, model)[0]
+        embedded = (base.wte(ids) + base.wpe(torch.arange(12)) if family == "gpt2" else base.embed_tokens(ids))
+        assert torch.equal(states[0], embedded)
+        for k in range(1, DEPTH):
+            assert torch.equal(states[k], _pruned_last_hidden(family, model, k, ids)), k
+        assert torch.equal(states[-1], base(input_ids=ids).last_hidden_state)
+        picked = model(input_ids=ids, output_hidden_states=[1, -1]).hidden_states
+    assert picked[0] is None and torch.equal(picked[1], states[1]) and torch.equal(picked[-1], states[-1])
+
+
+def test_output_hidden_states_gradients(seeded):
+    """With grad, a loss on a hidden state trains as the same loss on the cut model's output."""
+    model = revify(hf_llama(seeded).double(), exact=False).train()
+    ids = torch.randint(0, 128, (2, 12))
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    (out.loss + out.hidden_states[2].square().mean()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (model(input_ids=ids, labels=ids).loss + _pruned_last_hidden("llama", model, 2, ids).square().mean()).backward()
+    for name, p in model.named_parameters():
+        assert (grads[name] is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")

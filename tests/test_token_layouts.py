@@ -107,6 +107,8 @@ def test_padded_and_packed_rows_give_each_sequence_alone(family, exact, conversi
             ids, mask, positions = padded(seqs, side)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
             assert torch.isfinite(logits).all()  # padding rows too
+            stepped = model(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+            assert torch.equal(stepped.logits, logits)  # block by block, with the same layout
             torch.testing.assert_close(real_tokens(logits, seqs, side), alone, rtol=0, atol=atol)
         ids, positions = packed(seqs)
         torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits[0], alone, rtol=0, atol=atol)
