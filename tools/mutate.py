@@ -263,8 +263,7 @@ MUTANTS = [
            ("tests/test_token_layouts.py", "-k", "each_sequence_alone and plain and False"),
            "position_ids that restart are not read as packed sequences: one causal sequence per row"),
     Mutant("rope-ignores-positions", "revtriton/ops/attention.py",
-           "cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions)",
-           "cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device)",
+           "rope_theta, q.device, positions=positions, inv_freq", "rope_theta, q.device, inv_freq",
            ("tests/test_token_layouts.py", "-k", "layout_reaches"),
            "LLaMA's RoPE uses 0..T-1 whatever position_ids say"),
     Mutant("transition-without-layout", "revtriton/halves/base.py",
@@ -274,7 +273,7 @@ MUTANTS = [
            "an ordinary_top block (stage transition) runs without the token layout: packed rows see each other"),
     # ---- decoders with LLaMA's layer conventions (issue 15)
     Mutant("qwen3-without-qk-norm", "revtriton/convert.py",
-           'qk_norm=(a.q_norm, a.k_norm) if spec["qk_norm"] else None)', "qk_norm=None)",
+           'qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None', "qk_norm = None",
            ("tests/test_revify.py", "-k", "halves_compute_the_original_blocks and qwen3"),
            "Qwen3's per-head q/k RMSNorm is skipped"),
     Mutant("mistral-window-ignored", "revtriton/convert.py",

@@ -80,15 +80,8 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
 
 
-def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
-                                   positions=None, segments=None, window=None, qk_norm=None, rope_inv_freq=None,
-                                   rope_scale=1.0):
-    """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
-
-    ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
-    padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
-    sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
-    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`)."""
+def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale):
+    """[B, T, heads*hd] projections -> [B, heads or kv_heads, T, hd], qk-normed and rotated."""
     batch, tokens, _ = q.shape
     head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
@@ -100,9 +93,25 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
         cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
                                 scale=rope_scale)
         q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    return q, k, v
+
+
+def _repeat_kv(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
+                                   positions=None, segments=None, window=None, qk_norm=None, rope_inv_freq=None,
+                                   rope_scale=1.0):
+    """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
+
+    ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
+    padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
+    sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
+    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`)."""
+    batch, tokens, _ = q.shape
+    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale)
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     if window is not None and window >= tokens:
         window = None  # the window covers every row
     if segments is None and window is None:
@@ -112,7 +121,7 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
             segments = torch.ones(batch, tokens, dtype=torch.long, device=q.device)
         mask = sequence_mask(segments, causal, window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    return o.transpose(1, 2).reshape(batch, tokens, -1)
 
 
 def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
@@ -124,29 +133,18 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     returns all of them ([B, kv_heads, past + T, hd]). ``positions`` [B, T]: RoPE positions;
     ``key_valid`` [B, past + T]: False at padding keys. New token i sees the keys up to past + i."""
     batch, tokens, _ = q.shape
-    head_dim = q.shape[-1] // heads
-    q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
-    k = k.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, tokens, kv_heads, head_dim).transpose(1, 2)
-    if qk_norm is not None:
-        q, k = qk_norm[0](q), qk_norm[1](k)
-    if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
-                                scale=rope_scale)
-        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale)
     k, v = extend(k, v)
     keys = k.shape[-2]
     past = keys - tokens
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     query_index = torch.arange(past, keys, device=q.device)[:, None]
     key_index = torch.arange(keys, device=q.device)[None, :]
     mask = (key_index <= query_index)[None, None]
     if key_valid is not None:  # padding keys hidden; each token still sees itself (padding rows stay finite)
         mask = (mask & key_valid[:, None, None, :].bool()) | (key_index == query_index)[None, None]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return o.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    return o.transpose(1, 2).reshape(batch, tokens, -1)
 
 
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
