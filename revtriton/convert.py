@@ -27,6 +27,7 @@ reaches it unchanged up to a term of ``2**-scale_bits`` (see :data:`PRESERVE_MOD
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 from dataclasses import dataclass
@@ -486,7 +487,9 @@ class _Half:
         """``cond`` (a token layout), or the block's KV-cache state while a model generates with a
         cache (attention halves only; see :class:`_Decoding`)."""
         if cond is None and self.takes_cond:
-            return getattr(self.block, "_revtriton_decoding", None)
+            state = _DECODING.get()
+            if state is not None and id(self.block) in state.blocks:
+                return state
         return cond
 
     def couple(self, res, x, sign, frac_bits=None, cond=None):
@@ -753,18 +756,43 @@ def _norm_eps(norm) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
-def _is_plain_rms_norm(norm) -> bool:
+def _is_plain_rms_norm(norm) -> bool | None:
     """Whether ``norm`` computes ``x * rsqrt(mean(x^2) + eps) * weight`` (what the fused kernels
-    compute), checked on a probe: Gemma's scales by ``1 + weight`` instead."""
+    compute), checked on a probe: Gemma's scales by ``1 + weight`` instead. None when it cannot be
+    probed yet (weights on the meta device or sharded: decided at the first call)."""
     weight = getattr(norm, "weight", None)
-    if weight is None or weight.device.type == "meta" or weight.dim() != 1:
+    if weight is None or weight.dim() != 1:
         return False
+    if weight.device.type == "meta" or type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+        return None
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(2, weight.numel(), generator=generator).to(device=weight.device, dtype=torch.float32)
     with torch.no_grad():
         got = norm(probe.to(weight.dtype)).float()
         expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _norm_eps(norm)) * weight.float()
     return torch.allclose(got, expected, rtol=1e-2, atol=1e-3)  # bf16 weights round
+
+
+# What an attention spec of a block converted before a key existed means (pickled models).
+_SPEC_DEFAULTS = dict(window=None, qk_norm=False, fused_heads=True, fused_norm=True, fused_mlp=True, rope_module=None)
+
+
+def _layer_spec(block) -> dict:
+    """The block's conversion spec (``_convert_llama``), completed for models pickled before a key
+    existed; ``fused_norm`` left undecided at conversion (weights on the meta device) is probed now."""
+    spec = block._revtriton_attention
+    if any(key not in spec for key in _SPEC_DEFAULTS):
+        spec.update({key: value for key, value in _SPEC_DEFAULTS.items() if key not in spec},
+                    head_dim=spec.get("head_dim", getattr(block.self_attn, "head_dim", None)))
+    if spec["fused_norm"] is None:
+        spec["fused_norm"] = _layer_norms_are_plain(block)
+    return spec
+
+
+def _layer_norms_are_plain(block):
+    """True / False, or None while the norms' weights cannot be probed (meta device, sharded)."""
+    verdicts = [_is_plain_rms_norm(norm) for norm in (block.input_layernorm, block.post_attention_layernorm)]
+    return None if None in verdicts else all(verdicts)
 
 
 def _residual_dropout(block, name):
@@ -786,7 +814,7 @@ class _LlamaAttentionHalf(_Half):
                 _p(_residual_dropout(self.block, "resid_attn_dropout")))
 
     def _beyond_fused(self, x):
-        spec = self.block._revtriton_attention
+        spec = _layer_spec(self.block)
         window = spec["window"]
         return (spec["qk_norm"] or not spec["fused_heads"] or not spec["fused_norm"] or spec["rope_module"] is not None
                 or (window is not None and x.shape[-2] > window))
@@ -800,7 +828,7 @@ class _LlamaAttentionHalf(_Half):
         return w_qkv, b_qkv
 
     def _qkv(self, n):
-        a, spec = self.block.self_attn, self.block._revtriton_attention
+        a, spec = self.block.self_attn, _layer_spec(self.block)
         if hasattr(a, "qkv_proj"):
             q_width, kv_width = spec["heads"] * spec["head_dim"], spec["kv_heads"] * spec["head_dim"]
             return a.qkv_proj(n).split([q_width, kv_width, kv_width], dim=-1)
@@ -809,7 +837,7 @@ class _LlamaAttentionHalf(_Half):
     def _rope(self) -> dict:
         """The reference's RoPE options: theta, or the model's own scaled frequencies (read at call time:
         the buffer follows the model's device)."""
-        spec = self.block._revtriton_attention
+        spec = _layer_spec(self.block)
         rotary = spec["rope_module"]
         if rotary is None:
             return dict(rope_theta=spec["rope_theta"])
@@ -817,7 +845,7 @@ class _LlamaAttentionHalf(_Half):
                     rope_scale=float(rotary.attention_scaling))
 
     def _fused(self, res, x, sign, frac_bits):
-        b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
+        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
         norm = b.input_layernorm
         x = self._input(x, norm.weight)
         w_qkv, b_qkv = self._qkv_weights()
@@ -826,7 +854,7 @@ class _LlamaAttentionHalf(_Half):
                                      rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm))
 
     def _modules(self, x, layout=None):
-        b, a, spec = self.block, self.block.self_attn, self.block._revtriton_attention
+        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
         x = self._input(x, b.input_layernorm.weight)
         n = b.input_layernorm(x)
         qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
@@ -858,7 +886,7 @@ class _LlamaMlpHalf(_Half):
         return (_p(_residual_dropout(self.block, "resid_mlp_dropout")),)
 
     def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
-        spec = self.block._revtriton_attention
+        spec = _layer_spec(self.block)
         return not (spec["fused_mlp"] and spec["fused_norm"])
 
     def _fused(self, res, x, sign, frac_bits):
@@ -961,7 +989,7 @@ def _convert_llama(model, conversion):
     layer = base.layers[0]
     spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
                 fused_heads=head_dim * heads == config.hidden_size,
-                fused_norm=all(_is_plain_rms_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)),
+                fused_norm=_layer_norms_are_plain(layer),
                 fused_mlp=config.hidden_act == "silu", **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
@@ -1066,41 +1094,72 @@ class _Decoding:
     cache: object
     positions: torch.Tensor
     key_valid: torch.Tensor | None
+    blocks: frozenset = frozenset()  # ids of the blocks of the stack this forward runs
 
     def extend_for(self, layer_idx: int):
         return lambda k, v: self.cache.update(k, v, layer_idx)
 
 
+# The decoding state of the running forward: per thread / task (two threads may decode with one model),
+# for the blocks of one stack only.
+_DECODING: contextvars.ContextVar = contextvars.ContextVar("revtriton_decoding", default=None)
+
+
 @contextlib.contextmanager
 def _decoding(stack: nn.Module, state: _Decoding | None):
-    """Hand ``state`` to the attention halves of every block of ``stack`` for one forward."""
+    """Hand ``state`` to the attention halves of every block of ``stack`` for one forward. If the
+    forward fails (an exact stream's overflow report re-runs the halves), the cache is cut back to
+    what it held before, so it never keeps a failed or doubled step."""
     if state is None:
         yield
         return
-    for block in stack:
-        block._revtriton_decoding = state
+    state.blocks = frozenset(id(block) for block in stack)
+    past = state.cache.get_seq_length()
+    token = _DECODING.set(state)
     try:
         yield
+    except BaseException:
+        added = state.cache.get_seq_length() - past
+        if added > 0:
+            state.cache.crop(-added)  # a negative length removes that many tokens (transformers 4 and 5)
+        raise
     finally:
-        for block in stack:
-            del block._revtriton_decoding
+        _DECODING.reset(token)
 
 
 def _generation_cache(model, name, hidden, kwargs):
     """The KV-cache state of this call (:class:`_Decoding`), or None for a plain forward.
 
-    A cache is used when one is passed or ``use_cache=True`` is asked for explicitly, without grad
-    (generate, inference); training keeps none (the reversible backward has no use for it)."""
+    As the library's models: a cache is kept when one is passed or ``use_cache`` (default: the
+    config's) is on, here only without grad (generate, inference; the stack then runs forward
+    only). With grad none is kept (the reversible backward has no use for one): an explicit
+    ``use_cache=True`` then warns, a filled cache raises."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is None and kwargs.get("use_cache") is not True:
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = bool(getattr(model.config, "use_cache", False))
+    if cache is None and not use_cache:
         return None
     filled = cache is not None and bool(cache.get_seq_length())
-    if torch.is_grad_enabled() or not model._revtriton_caches:
+    caches = getattr(model, "_revtriton_caches", False)  # older pickles: none
+    if torch.is_grad_enabled() or not caches:
         if filled:
-            why = ("in training (with grad): call it with cache=None" if torch.is_grad_enabled() else
+            why = ("with grad enabled: decode under torch.no_grad() / torch.inference_mode()" if caches else
                    "with sliding-window attention (generate recomputes the prefix)")
             raise NotImplementedError(f"revified {name} keeps no KV cache {why}")
+        if kwargs.get("use_cache") is True and not _warned_grad_cache:
+            _warned_grad_cache.append(True)
+            import warnings
+
+            why = ("with grad enabled (decode under torch.no_grad() to get one)" if caches else
+                   "with sliding-window attention")
+            warnings.warn(f"revtriton: revified {name} returns no KV cache {why}: feed the whole sequence at every "
+                          f"step", stacklevel=3)
         return None
+    position_ids = kwargs.get("position_ids")
+    if (not filled and kwargs.get("attention_mask") is None and position_ids is not None and position_ids.dim() == 2
+            and bool((packed_segments(position_ids)[:, -1] != 1).any())):
+        return None  # packed rows (DataCollatorWithFlattening): kept apart by the layout, not decoded
     if cache is None:
         transformers = importlib.import_module("transformers")
         cache = transformers.DynamicCache(config=model.config)
@@ -1109,7 +1168,6 @@ def _generation_cache(model, name, hidden, kwargs):
                                   f"got {type(cache).__name__}")
     batch, tokens = hidden.shape[:2]
     past = cache.get_seq_length()
-    position_ids = kwargs.get("position_ids")
     if position_ids is None:
         positions = torch.arange(past, past + tokens, device=hidden.device).expand(batch, tokens)
     else:
@@ -1127,6 +1185,7 @@ def _generation_cache(model, name, hidden, kwargs):
 
 
 _warned_no_cache = []
+_warned_grad_cache = []
 
 
 _CHECKPOINTING_MESSAGE = (

@@ -78,7 +78,10 @@ def test_left_padded_batch_decodes_each_prompt_as_if_alone(seeded):
         assert torch.equal(row[7:], alone[len(prompt):])
 
 
-def test_sliding_window_models_decode_without_a_cache(seeded):
+def test_sliding_window_models_decode_without_a_cache(seeded, monkeypatch):
+    import revtriton.convert
+
+    monkeypatch.setattr(revtriton.convert, "_warned_no_cache", [])  # it warns once per process
     model = revify(hf_mistral(seeded, initializer_range=0.3, sliding_window=8, **TOKENS)).eval()
     ids = torch.randint(1, 128, (1, 6))
     with pytest.warns(UserWarning, match="recomputes the whole prefix"):
@@ -95,3 +98,83 @@ def test_a_cache_while_training_raises(seeded):
         model(input_ids=ids, cache=cache, use_cache=True)
     with pytest.raises(NotImplementedError, match="KV cache"):
         model(input_ids=ids, cache=cache, labels=ids)
+
+
+def test_the_default_use_cache_returns_a_cache_to_continue_from(seeded):
+    """As the library's models: without grad, config.use_cache (True) keeps a cache, so a hand-written
+    decoding loop feeding only the new tokens is right; with grad none is kept, and an explicit
+    use_cache=True says so."""
+    model = revify(hf_llama(seeded)).eval()
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        prefix = model(input_ids=ids[:, :7])
+        step = model(input_ids=ids[:, 7:], past_key_values=prefix.past_key_values).logits
+    torch.testing.assert_close(step, whole[:, 7:], rtol=0, atol=5e-4)
+    assert model(input_ids=ids).past_key_values is None  # with grad
+    import revtriton.convert
+
+    revtriton.convert._warned_grad_cache.clear()
+    with pytest.warns(UserWarning, match="returns no KV cache with grad enabled"):
+        model(input_ids=ids, use_cache=True)
+
+
+def test_two_threads_decode_with_one_model(seeded):
+    """The decoding state is per thread: two threads generating with one model do not mix caches."""
+    import threading
+
+    model = revify(hf_llama(seeded)).eval()
+    ids = [torch.randint(0, 128, (1, n)) for n in (5, 9)]
+    with torch.no_grad():
+        expected = [model(input_ids=i).logits for i in ids]
+    results, errors = {}, []
+
+    def run(k):
+        try:
+            with torch.no_grad():
+                for _ in range(10):
+                    results[k] = model(input_ids=ids[k], use_cache=True)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for k in range(2):
+        assert results[k].past_key_values.get_seq_length() == ids[k].shape[1]
+        torch.testing.assert_close(results[k].logits, expected[k], rtol=0, atol=5e-4)
+
+
+def test_another_model_inside_a_cached_forward_keeps_its_own_cache(seeded, monkeypatch):
+    """A model run inside another's cached forward (a reward or draft model called from a hook) gets
+    none of the outer model's decoding state."""
+    outer, inner = revify(hf_llama(seeded)).eval(), revify(hf_llama(seeded + 1)).eval()
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        expected = inner(input_ids=ids, use_cache=False).logits
+    seen = []
+    hook = outer.model.layers[1].self_attn.q_proj.register_forward_hook(  # called on the cache path
+        lambda *_: seen.append(inner(input_ids=ids, use_cache=False).logits))
+    try:
+        with torch.no_grad():
+            out = outer(input_ids=ids, use_cache=True)
+    finally:
+        hook.remove()
+    assert seen and all(torch.equal(logits, expected) for logits in seen)
+    assert out.past_key_values.get_seq_length() == 6
+
+
+def test_a_failed_cached_forward_leaves_the_cache_as_it_was(seeded):
+    """An exact stream that overflows raises; the overflow report re-runs the halves. The cache keeps
+    what it held before the call, not the failed step twice."""
+    model = revify(hf_llama(seeded), frac_bits=28).eval()
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        cache = model(input_ids=ids).past_key_values
+        assert cache.get_seq_length() == 5
+        with pytest.raises(OverflowError):
+            model(inputs_embeds=torch.full((1, 3, 64), 300.0), past_key_values=cache)
+    assert cache.get_seq_length() == 5

@@ -47,18 +47,27 @@ def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
 
 def sequence_mask(segments: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
     """Boolean attention mask [B, 1, T, T] from ``segments`` [B, T] (0: padding, k >= 1: the k-th
-    sequence of the row): a query sees the keys of its own sequence (causally when ``causal``),
-    never padding. Every query also sees itself, so padding rows stay finite (their outputs are
-    never read); real tokens never see another sequence's keys or padding. ``window`` (sliding-window
-    attention, Mistral's): a query sees only the ``window`` latest keys, itself included."""
+    sequence of the row): a token sees the keys of its own sequence (causally when ``causal``), never
+    padding; a padding query sees every real key (causally), as the library's padding masks hide keys
+    only, so a loss read at padding positions matches theirs. A query with no key left (left padding's
+    first positions) sees itself, so its row stays finite. ``window`` (sliding-window attention,
+    Mistral's): a query sees only the ``window`` latest keys, itself included."""
+    padding_query = (segments == 0)[:, None, :, None]
     same = segments[:, None, :, None] == segments[:, None, None, :]
-    allowed = same & (segments != 0)[:, None, None, :]
+    allowed = (same | padding_query) & (segments != 0)[:, None, None, :]
     tokens = segments.shape[-1]
     if causal:
         allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).tril_()
     if window is not None:
         allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).triu_(1 - window)
-    return allowed | torch.eye(tokens, dtype=torch.bool, device=segments.device)
+    return _see_self_if_empty(allowed)
+
+
+def _see_self_if_empty(allowed: torch.Tensor) -> torch.Tensor:
+    """Rows [..., T_q, T_k] with no allowed key see their own position (the last T_q keys)."""
+    queries, keys = allowed.shape[-2:]
+    own = torch.arange(keys - queries, keys, device=allowed.device)[:, None] == torch.arange(keys, device=allowed.device)
+    return allowed | (own & ~allowed.any(-1, keepdim=True))
 
 
 def apply_rope_reference(t, cos, sin):
@@ -121,7 +130,7 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
             segments = torch.ones(batch, tokens, dtype=torch.long, device=q.device)
         mask = sequence_mask(segments, causal, window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-    return o.transpose(1, 2).reshape(batch, tokens, -1)
+    return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 
 
 def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
@@ -141,10 +150,10 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     query_index = torch.arange(past, keys, device=q.device)[:, None]
     key_index = torch.arange(keys, device=q.device)[None, :]
     mask = (key_index <= query_index)[None, None]
-    if key_valid is not None:  # padding keys hidden; each token still sees itself (padding rows stay finite)
-        mask = (mask & key_valid[:, None, None, :].bool()) | (key_index == query_index)[None, None]
+    if key_valid is not None:  # padding keys hidden; a query left with none sees itself (finite rows)
+        mask = _see_self_if_empty(mask & key_valid[:, None, None, :].bool())
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return o.transpose(1, 2).reshape(batch, tokens, -1)
+    return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 
 
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
