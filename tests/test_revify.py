@@ -556,3 +556,23 @@ def test_output_hidden_states_gradients(seeded):
         assert (grads[name] is None) == (p.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_model_built_on_the_meta_device_keeps_the_fused_halves(seeded):
+    """revify before the weights exist (meta device, then to_empty + load_state_dict, as FSDP2 set-ups
+    do): the norms are probed at the first call, so the halves still take the fused path."""
+    transformers = pytest.importorskip("transformers")
+    reference = revify(hf_llama(seeded)).eval()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(reference.config)
+    revify(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    model.model.rotary_emb.inv_freq.copy_(reference.model.rotary_emb.inv_freq)  # a non-persistent buffer
+    model.eval()
+    attention, mlp = model.model.layers[0].coupling_halves()
+    x = torch.randn(1, 4, 64)
+    assert not attention._beyond_fused(x) and not mlp._beyond_fused(x)
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, reference(input_ids=ids, use_cache=False).logits)
