@@ -35,12 +35,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from revtriton import ReversibleStack
 from revtriton.profiling import peak_memory, saved_bytes
 
-from .stacks import Preset, make_blocks
+from .stacks import Preset, StoredActivationStack, make_blocks
 
 MIB = 2**20
 FLOAT_VS_CHECKPOINT = 1.03  # revtriton float streams' time / checkpoint's
@@ -85,24 +84,6 @@ def revtorch_module():
     return revtorch
 
 
-class SplitStoredStack(nn.Module):
-    """The coupled blocks under plain autograd (optionally checkpointing each block), split streams."""
-
-    def __init__(self, blocks, checkpoint_blocks: bool = False):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        self.checkpoint_blocks = checkpoint_blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        for block in self.blocks:
-            if self.checkpoint_blocks and torch.is_grad_enabled():
-                x1, x2 = checkpoint(block, x1, x2, use_reentrant=False)
-            else:
-                x1, x2 = block(x1, x2)
-        return torch.cat([x1, x2], dim=-1)
-
-
 class RevTorchStack(nn.Module):
     """The same halves in RevTorch's ReversibleSequence (it splits the last dim, as configured here)."""
 
@@ -124,9 +105,9 @@ def build(label: str, preset: Preset, depth: int, revtorch=None) -> nn.Module:
     torch.manual_seed(0)  # the same weights in every variant
     blocks = make_blocks(preset, depth, "reference")
     if label == "plain":
-        return SplitStoredStack(blocks)
+        return StoredActivationStack(blocks, streams="split")
     if label == "checkpoint":
-        return SplitStoredStack(blocks, checkpoint_blocks=True)
+        return StoredActivationStack(blocks, checkpoint_blocks=True, streams="split")
     if label == "revtorch":
         return RevTorchStack(blocks, revtorch)
     return ReversibleStack(blocks, exact=label == "revtriton", streams="split")

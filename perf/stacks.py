@@ -143,21 +143,24 @@ def make_blocks(preset: Preset, depth: int, halves: str = "reference") -> list[R
 
 
 class StoredActivationStack(nn.Module):
-    """The same coupling stack under plain autograd (optionally checkpointing each block)."""
+    """The same coupling stack under plain autograd (optionally checkpointing each block); streams as
+    ReversibleStack's: ``"duplicate"`` (both start as x, the output is their mean) or ``"split"`` (x's
+    halves, the output their concatenation)."""
 
-    def __init__(self, blocks, checkpoint_blocks: bool = False):
+    def __init__(self, blocks, checkpoint_blocks: bool = False, streams: str = "duplicate"):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.checkpoint_blocks = checkpoint_blocks
+        self.streams = streams
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1 = x2 = x
+        x1, x2 = x.chunk(2, dim=-1) if self.streams == "split" else (x, x)
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
                 x1, x2 = checkpoint(block, x1, x2, use_reentrant=False)
             else:
                 x1, x2 = block(x1, x2)
-        return (x1 + x2) * 0.5
+        return torch.cat([x1, x2], dim=-1) if self.streams == "split" else (x1 + x2) * 0.5
 
 
 class PreNormStack(nn.Module):
