@@ -44,7 +44,8 @@ from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
-             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents")
+             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
+             "transformers ViTForImageClassification / ViTModel")
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
@@ -660,6 +661,82 @@ def _convert_timm_vit(model, conversion):
                     ("timm.models.vision_transformer", "Block"))
 
 
+# -- Hugging Face ViT (pre-norm encoder) -------------------------------------------------------------
+
+_HF_MLP_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+class _HFViTAttentionHalf(_Half):
+    def _projections(self):
+        a = self.block.attention
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+    def _dropouts(self):
+        return float(self.block.attention.attention_dropout or 0.0), _p(self.block.dropout)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, a = self.block, self.block.attention
+        norm = b.layernorm_before
+        x = self._input(x, norm.weight)
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
+                                     a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
+                                     eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.dropout(b.attention(b.layernorm_before(self._input(x, b.layernorm_before.weight)))[0])
+
+
+class _HFViTMlpHalf(_Half):
+    def _projections(self):
+        return self.block.mlp.fc1, self.block.mlp.fc2
+
+    def _dropouts(self):
+        return (_p(self.block.dropout),)
+
+    def _beyond_fused(self, x):
+        return _HF_MLP_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.layernorm_after
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
+                               m.fc2.bias, norm="layer", activation=_HF_MLP_ACTIVATIONS[m.config.hidden_act],
+                               eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.dropout(b.mlp(b.layernorm_after(self._input(x, b.layernorm_after.weight))))
+
+
+class _HFViTBlock(_RevifiedBlock):
+    _half_classes = (_HFViTAttentionHalf, _HFViTMlpHalf)
+
+
+class _HFViTOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _HFViTBlock._half_classes
+
+
+def _convert_hf_vit(model, conversion):
+    base = model.vit if hasattr(model, "vit") else model
+    layers = getattr(base, "layers", None)
+    if layers is None or not len(layers) or not hasattr(layers[0], "layernorm_before"):
+        raise NotImplementedError(f"revify: this transformers version's {type(model).__name__} has no pre-norm "
+                                  f"`layers` of ViTLayer (transformers 5 layout) to convert")
+    attention = layers[0].attention
+    if attention.head_dim * attention.num_attention_heads != base.config.hidden_size:
+        raise NotImplementedError("revify: HF ViT with head_dim * heads != hidden_size is not supported")
+    layer_class = type(layers[0])
+    _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HFViTBlock, _HFViTOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _swap_class(base, _RevifiedHFViTModel, type(base).__module__, type(base).__name__)
+    if model is not base:  # the classifier: gradient-checkpointing requests warn there too
+        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
+
+
 # -- Hugging Face GPT-2 ----------------------------------------------------------------------
 
 _HF_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
@@ -1202,9 +1279,12 @@ class _NoCheckpointing:
 
         warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
 
+    activation_checkpointing_enable = gradient_checkpointing_enable  # its transformers 5 name
+
 
 class _RevifiedLM(_NoCheckpointing):
-    """The LM class of a revified decoder: generate() as the library's, with its KV cache."""
+    """The top class of a revified Hugging Face model (an LM: generate() as the library's, with its KV
+    cache; a classifier)."""
 
     _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
 
@@ -1282,10 +1362,11 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     return positions, segments
 
 
-def _run_layers(stack, hidden, final_norm, kwargs, layout):
+def _run_layers(stack, hidden, final_norm, kwargs, layout, tie_last=True):
     """``(final_norm(stack(hidden)), hidden_states or None)``. With ``output_hidden_states`` the stack
     runs block by block (:class:`_BlockSteps`): the states are the library's, the stack's input then
-    each block's readout, the last one the normed output (True, or the indices to keep, others None)."""
+    each block's readout, the last one the normed output unless ``tie_last`` is False (HF ViT) (True,
+    or the indices to keep, others None)."""
     wanted = kwargs.get("output_hidden_states")
     if not wanted:
         return final_norm(stack(hidden, cond=layout)), None
@@ -1293,11 +1374,13 @@ def _run_layers(stack, hidden, final_norm, kwargs, layout):
     for step in _BlockSteps(stack, cond=layout):
         x = step(x)
         states.append(x)
-    states[-1] = final_norm(x)
+    out = final_norm(x)
+    if tie_last:
+        states[-1] = out
     if wanted is not True:  # transformers 5: an index or a list of them (negative from the end)
         keep = {i % len(states) for i in ([wanted] if isinstance(wanted, int) else wanted)}
         states = [state if i in keep else None for i, state in enumerate(states)]
-    return states[-1], tuple(states)
+    return out, tuple(states)
 
 
 def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None):
@@ -1367,8 +1450,33 @@ class _RevifiedLlamaModel(_NoCheckpointing):
         return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
 
 
+class _RevifiedHFViTModel(_NoCheckpointing):
+    """ViTModel forward over a reversible stack: embeddings -> stack -> layernorm -> pooler (the
+    library's own forward loops over the layers one by one)."""
+
+    def forward(self, pixel_values=None, *args, **kwargs):
+        if args:
+            raise TypeError("revified ViTModel: pass arguments other than pixel_values by keyword")
+        _check_hf_inputs("ViTModel", kwargs)
+        if kwargs.get("attention_mask") is not None:
+            raise NotImplementedError("revified ViTModel: attention_mask is not supported (every patch attends)")
+        expected_dtype = self.embeddings.patch_embeddings.projection.weight.dtype
+        hidden = self.embeddings(pixel_values.to(expected_dtype), bool_masked_pos=kwargs.get("bool_masked_pos"),
+                                 interpolate_pos_encoding=kwargs.get("interpolate_pos_encoding"))
+        sequence, states = _run_layers(self.layers, hidden, self.layernorm, kwargs, None, tie_last=False)
+        pooled = self.pooler(sequence) if self.pooler is not None else None
+        return_dict = kwargs.get("return_dict")
+        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
+            return tuple(item for item in (sequence, pooled, states) if item is not None)
+        outputs = importlib.import_module("transformers.modeling_outputs")
+        extra = {} if states is None else {"hidden_states": states}
+        return outputs.BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled, **extra)
+
+
 _FAMILIES = {
     "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
+    "hf_vit_classifier": ("transformers", "ViTForImageClassification", _convert_hf_vit),
+    "hf_vit": ("transformers", "ViTModel", _convert_hf_vit),
     "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
     "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
 }
@@ -1387,6 +1495,11 @@ _BLOCK_BASES.update({
     "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
     "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),
+    "RevifiedViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTBlock),
+    "RevifiedOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTOrdinaryBlock),
+    "RevifiedViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _RevifiedHFViTModel),
+    "RevifiedViTForImageClassification": ("transformers.models.vit.modeling_vit", "ViTForImageClassification",
+                                          _RevifiedLM),
 })
 for _module, _prefix in _LLAMA_LIKE.items():
     _path = f"transformers.models.{_module}.modeling_{_module}"

@@ -72,17 +72,26 @@ def hf_phi3(seed=0, **overrides):  # one qkv and one gate/up projection (the fus
     return hf_decoder("Phi3", seed, **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0, **overrides})
 
 
+def hf_vit(seed=0, **overrides):  # the library's own ViT (pre-norm encoder), 32 px images, 16 patches
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                  intermediate_size=96, num_labels=10)
+    return transformers.ViTForImageClassification(transformers.ViTConfig(**{**config, **overrides}))
+
+
 BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2,
-            "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3}
+            "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3, "hf_vit": hf_vit}
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]  # LLaMA's layer conventions: model.model.layers
 # Float streams' twin bound: Gemma scales its embeddings by sqrt(width) (8 here), so its streams and the float
 # rounding of their rebuild are larger (5.9e-6 worst of 30 seeds against 1e-5).
 FLOAT_TWIN_BOUND = {"gemma": 1e-4}
-FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS]
+FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS, "hf_vit"]
+IMAGES = ("timm_vit", "hf_vit")
 
 
 def make_batch(family):
-    if family == "timm_vit":
+    if family in IMAGES:
         return torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     ids = torch.randint(0, 128, (2, 24))
     return ids, ids
@@ -92,12 +101,16 @@ def loss_of(family, model, batch):
     inputs, labels = batch
     if family == "timm_vit":
         return F.cross_entropy(model(inputs), labels)
+    if family == "hf_vit":
+        return model(pixel_values=inputs, labels=labels).loss
     return model(input_ids=inputs, labels=labels).loss  # the library's own loss
 
 
 def block_list(family, model):
     if family in DECODERS:
         return model.model.layers
+    if family == "hf_vit":
+        return model.vit.layers
     return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h}[family]()
 
 
@@ -187,7 +200,9 @@ def _check_halves_compute_the_original_blocks(family, model):
 
     def output():
         with torch.no_grad():
-            return model(inputs) if family == "timm_vit" else model(input_ids=inputs).logits
+            if family == "timm_vit":
+                return model(inputs)
+            return model(pixel_values=inputs).logits if family == "hf_vit" else model(input_ids=inputs).logits
 
     before = output()
     for handle in handles:
@@ -576,3 +591,19 @@ def test_a_model_built_on_the_meta_device_keeps_the_fused_halves(seeded):
     ids = torch.randint(0, 128, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, use_cache=False).logits, reference(input_ids=ids, use_cache=False).logits)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_hf_vit_keeps_the_library_function_and_hidden_state_layout(seeded):
+    """The library's ViT (transformers 5: pre-norm layers): a preserving conversion (meft3 at 2**-16)
+    computes its logits and its hidden states (the last one before the final layernorm, as ViT's)."""
+    original = hf_vit(seeded).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        theirs = original(pixel_values=x, output_hidden_states=True)
+        ours = model(pixel_values=x, output_hidden_states=True)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=1e-4)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == DEPTH + 1
+    for a, b in zip(ours.hidden_states, theirs.hidden_states):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
