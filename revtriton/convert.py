@@ -1212,6 +1212,9 @@ def _generation_cache(model, name, hidden, kwargs):
     only). With grad none is kept (the reversible backward has no use for one): an explicit
     ``use_cache=True`` then warns, a filled cache raises."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
+        raise TypeError(f"revified {name}: the cache must be a transformers Cache (DynamicCache), got "
+                        f"{type(cache).__name__} (legacy tuple caches are not supported)")
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = bool(getattr(model.config, "use_cache", False))
@@ -1247,6 +1250,9 @@ def _generation_cache(model, name, hidden, kwargs):
     past = cache.get_seq_length()
     if position_ids is None:
         positions = torch.arange(past, past + tokens, device=hidden.device).expand(batch, tokens)
+    elif position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"revified {name}: position_ids must be [batch or 1, new tokens] = [{batch}, {tokens}], "
+                         f"got {tuple(position_ids.shape)}")
     else:
         positions = position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
     mask = kwargs.get("attention_mask")

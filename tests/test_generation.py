@@ -178,3 +178,14 @@ def test_a_failed_cached_forward_leaves_the_cache_as_it_was(seeded):
         with pytest.raises(OverflowError):
             model(inputs_embeds=torch.full((1, 3, 64), 300.0), past_key_values=cache)
     assert cache.get_seq_length() == 5
+
+
+def test_bad_caches_and_positions_raise_clearly(seeded):
+    model = revify(hf_llama(seeded)).eval()
+    ids = torch.randint(0, 128, (1, 4))
+    with torch.no_grad():
+        legacy = ((torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16)),) * 3
+        with pytest.raises(TypeError, match="legacy tuple caches"):
+            model(input_ids=ids, past_key_values=legacy)
+        with pytest.raises(ValueError, match="position_ids must be"):
+            model(input_ids=ids, use_cache=True, position_ids=torch.arange(3)[None])
