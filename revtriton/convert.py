@@ -663,7 +663,8 @@ def _convert_timm_vit(model, conversion):
 
 # -- Hugging Face ViT (pre-norm encoder) -------------------------------------------------------------
 
-_HF_MLP_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# Hugging Face activation names -> the fused MLP's (GPT-2's activation_function, ViT's hidden_act).
+_HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
 class _HFViTAttentionHalf(_Half):
@@ -697,14 +698,14 @@ class _HFViTMlpHalf(_Half):
         return (_p(self.block.dropout),)
 
     def _beyond_fused(self, x):
-        return _HF_MLP_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
+        return _HF_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         norm = b.layernorm_after
         x = self._input(x, norm.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
-                               m.fc2.bias, norm="layer", activation=_HF_MLP_ACTIVATIONS[m.config.hidden_act],
+                               m.fc2.bias, norm="layer", activation=_HF_ACTIVATIONS[m.config.hidden_act],
                                eps=norm.eps)
 
     def _modules(self, x):
@@ -739,7 +740,6 @@ def _convert_hf_vit(model, conversion):
 
 # -- Hugging Face GPT-2 ----------------------------------------------------------------------
 
-_HF_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
 class _GPT2AttentionHalf(_Half):
@@ -807,7 +807,7 @@ def _convert_gpt2(model, conversion):
     _PLAIN_PROJECTIONS.add(Conv1D)
     base = model.transformer if hasattr(model, "transformer") else model
     config = base.config
-    activation = _HF_GPT2_ACTIVATIONS.get(config.activation_function)
+    activation = _HF_ACTIVATIONS.get(config.activation_function)
     unsupported = {
         f"activation_function={config.activation_function!r}": activation is None,
         "add_cross_attention=True": bool(getattr(config, "add_cross_attention", False)),
@@ -1248,13 +1248,9 @@ def _generation_cache(model, name, hidden, kwargs):
                                   f"got {type(cache).__name__}")
     batch, tokens = hidden.shape[:2]
     past = cache.get_seq_length()
-    if position_ids is None:
+    positions = _position_ids(name, kwargs, hidden)
+    if positions is None:
         positions = torch.arange(past, past + tokens, device=hidden.device).expand(batch, tokens)
-    elif position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
-        raise ValueError(f"revified {name}: position_ids must be [batch or 1, new tokens] = [{batch}, {tokens}], "
-                         f"got {tuple(position_ids.shape)}")
-    else:
-        positions = position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
     mask = kwargs.get("attention_mask")
     key_valid = None
     if mask is not None:
@@ -1328,6 +1324,18 @@ def _check_hf_inputs(model_name, kwargs):
         raise NotImplementedError(f"revified {model_name} does not support {', '.join(bad)}")
 
 
+def _position_ids(name, kwargs, hidden):
+    """The call's ``position_ids`` as int64 [B, T] (T: this call's tokens), checked; None when absent."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return None
+    batch, tokens = hidden.shape[:2]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"revified {name}: position_ids must be [batch or 1, tokens] = [{batch}, {tokens}], "
+                         f"got {tuple(position_ids.shape)}")
+    return position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
+
+
 def _token_layout(model_name, hidden, kwargs, rope: bool):
     """The attention halves' conditioning for padded or packed rows: ``(positions, segments)``
     (int64 [B, T] each; segments as :func:`revtriton.ops.attention.sequence_mask` reads them), or
@@ -1339,12 +1347,7 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     batch, tokens = hidden.shape[:2]
     device = hidden.device
     default_positions = torch.arange(tokens, device=device).expand(batch, tokens)
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None:
-        if position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
-            raise ValueError(f"revified {model_name}: position_ids must be [batch or 1, tokens] = "
-                             f"[{batch}, {tokens}], got {tuple(position_ids.shape)}")
-        position_ids = position_ids.to(device=device, dtype=torch.long).expand(batch, tokens)
+    position_ids = _position_ids(model_name, kwargs, hidden)
     mask = kwargs.get("attention_mask")
     segments = None
     if mask is not None:
@@ -1389,15 +1392,17 @@ def _run_layers(stack, hidden, final_norm, kwargs, layout, tie_last=True):
     return out, tuple(states)
 
 
-def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None):
+def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None, pooler_output=None):
     cache = None if decoding is None else decoding.cache
     return_dict = kwargs.get("return_dict")
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     if not return_dict:
-        return tuple(item for item in (hidden, cache, hidden_states) if item is not None)
+        return tuple(item for item in (hidden, pooler_output, cache, hidden_states) if item is not None)
     output_class = getattr(importlib.import_module("transformers.modeling_outputs"), output_class_name)
     extra = {} if hidden_states is None else {"hidden_states": hidden_states}
+    if pooler_output is not None:
+        extra["pooler_output"] = pooler_output
     if cache is not None:
         field = "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"  # transformers 5 / 4
         extra[field] = cache
@@ -1471,12 +1476,8 @@ class _RevifiedHFViTModel(_NoCheckpointing):
                                  interpolate_pos_encoding=kwargs.get("interpolate_pos_encoding"))
         sequence, states = _run_layers(self.layers, hidden, self.layernorm, kwargs, None, tie_last=False)
         pooled = self.pooler(sequence) if self.pooler is not None else None
-        return_dict = kwargs.get("return_dict")
-        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
-            return tuple(item for item in (sequence, pooled, states) if item is not None)
-        outputs = importlib.import_module("transformers.modeling_outputs")
-        extra = {} if states is None else {"hidden_states": states}
-        return outputs.BaseModelOutputWithPooling(last_hidden_state=sequence, pooler_output=pooled, **extra)
+        return _hf_output(self, "BaseModelOutputWithPooling", sequence, kwargs, hidden_states=states,
+                          pooler_output=pooled)
 
 
 _FAMILIES = {
