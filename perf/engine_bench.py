@@ -1,7 +1,7 @@
 """``python -m perf.engine_bench``: the engine's CPU benchmark against the anchor libraries (issues 2, 20).
 
 Step time (forward + backward), bytes saved for backward and peak memory of one two-stream stack
-run six ways: plain autograd (every activation stored, 1.00x), ``torch.utils.checkpoint`` per
+run five ways: plain autograd (every activation stored, 1.00x), ``torch.utils.checkpoint`` per
 block, RevTorch 0.2.4's ReversibleSequence (when ``revtorch`` is installed: an optional
 dependency of this benchmark only), and revtriton's ReversibleStack with float and with exact
 (int32) streams. The blocks are the same in all of them (the same modules, the same seed):

@@ -145,8 +145,7 @@ def _pareprop(stepper, streams, dy1, dy2, trace):
         return recovered
 
     upcoming = issue_rebuild(n - 1, streams)
-    if isinstance(streams, list):
-        streams.clear()  # the caller's list: the last layer's rebuild holds what it still needs
+    streams.clear()  # the caller's list: the last layer's rebuild holds what it still needs
     for i in reversed(range(n)):
         current = upcoming
         if i > 0:  # queued before grads(i) so the two run side by side

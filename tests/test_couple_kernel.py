@@ -306,6 +306,9 @@ def test_library_couple_output_is_couple_output(seeded, kernel_selected):
         for scale in (None, ResidualScale(0.3)):
             got, want = library_couple_output(res, h, sign, None, scale), couple_output(res, h, sign, None, scale)
             assert torch.equal(got[0], want[0])
+            # ... and both are the coupling written out (not only each other)
+            written = res + sign * h if scale is None else (res * 0.3 + h if sign > 0 else (res - h) / 0.3)
+            torch.testing.assert_close(got[0], written, rtol=1e-6, atol=1e-6)
     fixed = to_fixed(res, 16)
     with dispatch.count_launches() as launches:
         got, _ = library_couple_output(fixed, h, 1, 16, ResidualScale(0.25))

@@ -213,6 +213,31 @@ def test_backward_twice_needs_retain_graph_like_autograd(exact):
         out.backward()
 
 
+def test_the_engine_can_tell_whether_a_backward_keeps_the_graph():
+    """The engine frees the final streams early only when it can ask autograd whether the running
+    backward retains the graph (a private API; without it every backward would keep them: the memory
+    bar would be lost silently). A torch that drops it must fail here."""
+    from revtriton.engine import segment
+
+    assert callable(getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None))
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(segment._keeps_graph())
+            return grad
+
+    x = torch.randn(3, requires_grad=True)
+    Probe.apply(x).sum().backward(retain_graph=True)
+    Probe.apply(x).sum().backward()
+    assert seen == [True, False]
+
+
 def test_in_place_change_of_a_returned_input_is_refused():
     """An invertible layer returning its input unchanged makes the final stream the caller's tensor:
     modifying it before backward is caught (autograd's saved-tensor check did this before)."""

@@ -380,7 +380,7 @@ class _SegmentBackward:
         self.cond_leaves = cond_leaves
         self.cond = run.cond_value(cond_leaves)
         self.grad_leaves = [leaf for leaf in cond_leaves if leaf.requires_grad]
-        self._owned = ()  # the input grads the last step made (fresh tensors nothing else holds)
+        self._owned = ()  # the input grads the last step() made (fresh tensors nothing else holds)
 
     def streams_entering(self, i, rebuilt):
         """The output streams of layer i: the exact anchor when one was kept, else ``rebuilt``."""
@@ -457,8 +457,9 @@ class _SegmentBackward:
         finally:
             grad.neg_()
 
-    def _block_grads(self, rb: _BlockRebuild, dy1, dy2, owned=(False, False), rebuild_f=None) -> BlockGrads:
-        """The two local backward calls of a block; ``rebuild_f`` (step) rebuilds F between them."""
+    def _block_grads(self, rb: _BlockRebuild, dy1, dy2, owned=(False, False), rebuild_f=None):
+        """The two local backward calls of a block; ``rebuild_f`` (step) rebuilds F between them.
+        Returns ``(BlockGrads, mine)``: ``mine``, the input grads made here that nothing else holds."""
         hooks = BlockHooks.of(rb.layer)
         owned1, owned2 = owned
         if hooks is not None:
@@ -488,11 +489,10 @@ class _SegmentBackward:
         rb.input_f = None
         if hooks is not None:
             dx1, dx2 = hooks.backward_after(dx1, dx2, *grad_out)
-            self._owned = ()
-        else:
-            self._owned = tuple(t for t, mine in ((dx1, owned1 or coupling.scale1 != 1.0),
-                                                  (dx2, owned2 or fresh or coupling.scale2 != 1.0)) if mine)
-        return BlockGrads(dx1, dx2)
+            return BlockGrads(dx1, dx2), ()  # a hook may keep them
+        mine = tuple(t for t, made_here in ((dx1, owned1 or coupling.scale1 != 1.0),
+                                            (dx2, owned2 or fresh or coupling.scale2 != 1.0)) if made_here)
+        return BlockGrads(dx1, dx2), mine
 
     # -- the steps schedules compose -----------------------------------------------------------
 
@@ -517,9 +517,7 @@ class _SegmentBackward:
     def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
         """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
         if recovered.kind == "block":
-            grads = self._block_grads(recovered.tensors[0], dy1, dy2)
-            self._owned = ()
-            return grads
+            return self._block_grads(recovered.tensors[0], dy1, dy2)[0]
         return self._invertible_grads(recovered, dy1, dy2)
 
     def step(self, i: int, streams: list, dy1: torch.Tensor, dy2: torch.Tensor):
@@ -531,6 +529,7 @@ class _SegmentBackward:
         if not is_reversible_block(layer):
             recovered = self._recover_invertible(i, streams)
             streams.clear()
+            self._owned = ()
             return recovered, self._invertible_grads(recovered, dy1, dy2)
         rb = self._begin(i, streams)
         streams.clear()
@@ -545,7 +544,8 @@ class _SegmentBackward:
 
         with _scratch_buffers(self.run.updated_buffers.get(i, ())):  # BatchNorm & co. update copies
             self._in_phase(rb, g_phase, rb.token_leaf)
-            grads = self._block_grads(rb, dy1, dy2, owned, rebuild_f=lambda: self._in_phase(rb, f_phase))
+            grads, self._owned = self._block_grads(rb, dy1, dy2, owned,
+                                                   rebuild_f=lambda: self._in_phase(rb, f_phase))
         return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=())), grads
 
     # -- invertible layers -------------------------------------------------------------------------
@@ -567,7 +567,6 @@ class _SegmentBackward:
         return self._checked(Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2)))
 
     def _invertible_grads(self, recovered: Recovered, dy1, dy2) -> BlockGrads:
-        self._owned = ()
         o1, o2, v1, v2 = recovered.tensors
         outputs = [o for o in (o1, o2) if o.requires_grad]
         if outputs:

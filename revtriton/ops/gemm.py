@@ -371,9 +371,9 @@ def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_s
         return exact_add_reference(res, h, sign, frac_bits, scale)
     if scale is None:
         return (res.float() + sign * h).to(res.dtype)
-    if sign > 0:
-        return (res.float() * scale.value + h).to(res.dtype)
-    return ((res.float() - h) / scale.value).to(res.dtype)
+    if sign > 0:  # the scale's semantics live in streams.ResidualScale
+        return (scale.apply(res.float(), None) + h).to(res.dtype)
+    return scale.undo(res.float() - h, None).to(res.dtype)
 
 
 def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale: ResidualScale | None = None):
