@@ -17,7 +17,7 @@ median ms, TFLOP/s and GB/s (minimum traffic) next to two ceilings measured in t
 ``--dispatch`` adds, and ``--dispatch-only`` runs alone, the dispatcher's report (issue 19): for
 each transformer half and shape (:data:`DISPATCH_SHAPES`, bf16 autocast, exact streams) the
 candidate ``revtriton.ops.backend`` chose (measured now or read from its cache), the timings it
-chose on, both candidates timed again here (forward + backward) and the chosen one's speed as a
+chose on, every candidate timed again here (forward + backward) and the chosen one's speed as a
 fraction of the faster (bar: >= 0.98); ``--dispatch-only`` exits 1 when a bar is missed.
 
 Results: ``perf/results/<device>-<date>-kernels.json`` and ``.csv`` (``-dispatch.json`` for
@@ -270,7 +270,7 @@ def dispatch_halves(dim: int) -> dict:
 
 
 def dispatch_report(shapes=DISPATCH_SHAPES, device="cuda", halves=None, exact: bool = True) -> list[dict]:
-    """One row per (half, shape): the dispatcher's choice and timings, both candidates re-timed
+    """One row per (half, shape): the dispatcher's choice and timings, every candidate re-timed
     here (forward + backward of one couple under bf16 autocast) and chosen / fastest speed."""
     from revtriton.ops import backend
     from revtriton.ops.streams import to_fixed

@@ -217,7 +217,7 @@ def test_the_engine_can_tell_whether_a_backward_keeps_the_graph():
     """The engine frees the final streams early only when it can ask autograd whether the running
     backward retains the graph (a private API; without it every backward would keep them: the memory
     bar would be lost silently). A torch that drops it must fail here."""
-    from revtriton.engine import segment
+    from revtriton.ops.graph import backward_keeps_graph
 
     assert callable(getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None))
     seen = []
@@ -229,7 +229,7 @@ def test_the_engine_can_tell_whether_a_backward_keeps_the_graph():
 
         @staticmethod
         def backward(ctx, grad):
-            seen.append(segment._keeps_graph())
+            seen.append(backward_keeps_graph())
             return grad
 
     x = torch.randn(3, requires_grad=True)

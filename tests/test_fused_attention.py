@@ -560,3 +560,75 @@ def test_unsupported_head_dim_falls_back_to_the_reference_with_one_warning(seede
     with force_triton(), warnings.catch_warnings():
         warnings.simplefilter("error")  # the same shape again: no second warning
         norm_attention_couple(res, x, 1, None, *args, heads=2)
+
+
+# --------------------------------------------------------------------------------------------
+# The sub-op mixes of the half (ops.backend races them with the pure candidates, issue 19)
+
+MIXES = ["triton_gemm_sdpa", "torch_gemm_flash"]  # fused GEMMs + SDPA core; cuBLAS GEMMs + Triton core
+
+
+def run_candidate(name, *args, **options):
+    from revtriton.ops import backend
+
+    return backend.ops()["norm_attention"].candidates[name].run(*args, **options)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("tokens,causal,heads,kv_heads,rope_theta,norm,bias", [CASES[0], CASES[2], CASES[3]])
+def test_sub_op_mixes_match_the_reference(seeded, mix, tokens, causal, heads, kv_heads, rope_theta, norm, bias):
+    batch, dim = 2, 64
+    params = make_half_params(dim, heads, kv_heads, norm, bias)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    res = torch.randn(batch, tokens, dim, requires_grad=True)
+    g = torch.randn(batch, tokens, dim)
+    options = dict(heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm)
+    leaves = [t for t in (res, x, *args) if t is not None]
+    results = []
+    for name in (mix, "torch"):
+        with force_triton(), count_launches() as launches:
+            stream, port = run_candidate(name, res, x, -1, None, *args, **options)
+            grads = torch.autograd.grad(port, leaves, g)
+        results.append((stream, grads, launches.total()))
+    (s, grads, n), (s_ref, grads_ref, n_ref) = results
+    assert n > 0 and n_ref == 0  # the mix ran Triton kernels for its Triton sub-ops
+    assert rel_err(s, s_ref) <= 1e-5
+    for got, want in zip(grads, grads_ref):
+        assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_sub_op_mixes_are_exact_couples(seeded, mix):
+    """Exact streams: within one grid step of the reference, the mix's own inverse restores res bitwise,
+    and two runs are bitwise equal (what the exact-mode race checks before it times a candidate)."""
+    batch, tokens, heads, kv_heads, dim, frac_bits = 2, 9, 4, 2, 64, 16
+    params = make_half_params(dim, heads, kv_heads, "rms", False)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    x = torch.randn(batch, tokens, dim)
+    res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms")
+    with force_triton(), torch.no_grad():
+        s, _ = run_candidate(mix, res, x, 1, frac_bits, *args, **options)
+        again, _ = run_candidate(mix, res, x, 1, frac_bits, *args, **options)
+        s_ref, _ = run_candidate("torch", res, x, 1, frac_bits, *args, **options)
+        back, _ = run_candidate(mix, s, x, -1, frac_bits, *args, **options)
+    assert s.dtype == torch.int32 and torch.equal(s, again)
+    assert (s - s_ref).abs().max().item() <= 1
+    assert torch.equal(back, res)
+
+
+def test_sdpa_core_graph_is_kept_for_retain_graph_and_freed_otherwise(seeded):
+    params = make_half_params(64, 4, 2, "layer", True)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    res = torch.randn(2, 9, 64)
+    with force_triton():
+        _, port = run_candidate("triton_gemm_sdpa", res, x, 1, None, *args, heads=4, kv_heads=2, causal=True,
+                                rope_theta=10000.0)
+    port.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    port.sum().backward()  # the graph was kept: the same gradient again
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="second time"):
+        port.sum().backward()

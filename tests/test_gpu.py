@@ -249,6 +249,28 @@ def test_flash_attention_bf16_matches_sdpa(head_dim, heads, kv_heads, causal):
         assert rel(g, r) <= TOL[torch.bfloat16], name
 
 
+@pytest.mark.parametrize("mix", ["triton_gemm_sdpa", "torch_gemm_flash"])
+def test_attention_sub_op_mixes_match_the_library_path_in_bf16(mix):
+    """The attention half's mixes (fused GEMMs + SDPA core, cuBLAS GEMMs + Triton core) under bf16
+    autocast against the library path, forward and gradients."""
+    from revtriton.ops import backend
+
+    torch.manual_seed(0)
+    half = RMSNormAttention(512, 8, kv_heads=2, rope_theta=10000.0, causal=True).cuda()
+    x = torch.randn(2, 300, 512, device="cuda", requires_grad=True)
+    res = torch.randn(2, 300, 512, device="cuda")
+    g = torch.randn_like(res)
+    results = []
+    for name in (mix, "torch"):
+        with backend.use_backend(name), torch.autocast("cuda", dtype=torch.bfloat16):
+            stream, port = half.couple(res, x, 1, None)
+        results.append((stream.float(), torch.autograd.grad(port, [x, *half.parameters()], g)))
+    (s, grads), (s_ref, grads_ref) = results
+    assert rel(s, s_ref) <= TOL[torch.bfloat16]
+    for got, want in zip(grads, grads_ref):
+        assert rel(got, want) <= TOL[torch.bfloat16]
+
+
 def test_dispatch_choice_is_at_least_098_of_the_faster_path():
     """Every half: the candidate the dispatcher measured and pinned is >= 0.98 x the faster of the
     two when both are timed again (forward + backward, bf16 autocast, exact streams)."""

@@ -194,7 +194,7 @@ MUTANTS = [
            ("tests/test_engine.py", "-k", "float_mode_gradients_match"),
            "the gradient negated in place for a half's backward stays negated"),
     Mutant("final-streams-freed-under-retain-graph", "revtriton/engine/segment.py",
-           "        if not _keeps_graph():", "        if True:",
+           "        if not backward_keeps_graph():  # then the streams stay for the next backward", "        if True:",
            ("tests/test_engine.py", "-k", "backward_twice"),
            "backward(retain_graph=True) still frees the final streams: a second backward fails"),
     # ---- the static performance model and launch limits (issue 17)
@@ -401,6 +401,24 @@ MUTANTS = [
            "return pack_low_bits(res, self.shift)", "return (res & ((1 << self.shift) - 1)).to(torch.int32)",
            ("tests/test_scaled_couplings.py", "-k", "bytes_kept"),
            "the dropped bits are kept as one int32 per element (4 / (shift / 8) times the packed size)"),
+    # ---- the attention half's sub-op mixes (issue 19)
+    Mutant("sdpa-core-rope-backward-dropped", "revtriton/ops/fused_attention.py",
+           "        packed[:, :, :rotated] = rope_unrotate_reference(packed[:, :, :rotated], *plan.rope)",
+           "        pass",
+           ("tests/test_fused_attention.py", "-k", "sub_op_mixes_match"),
+           "the fused-GEMM + SDPA mix leaves dq and dk rotated (no RoPE backward)"),
+    Mutant("flash-core-not-causal", "revtriton/ops/fused_attention.py",
+           "    return FlashAttention.apply(q, k, v, bool(causal))",
+           "    return FlashAttention.apply(q, k, v, False)",
+           ("tests/test_fused_attention.py", "-k", "sub_op_mixes_match"),
+           "the cuBLAS + Triton flash mix drops the causal mask"),
+    Mutant("sub-op-mix-not-registered", "revtriton/ops/attention.py",
+           'backend.register_candidate("norm_attention", "torch_gemm_flash", _norm_attention_torch_gemm_flash,\n'
+           "                           available=triton_runs_on, supports=_triton_supports)",
+           "",
+           ("tests/test_dispatch_choice.py", "-k", "sub_op_mix"),
+           "the cuBLAS + Triton flash mix is never raced"),
+
 ]
 
 

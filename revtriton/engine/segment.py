@@ -9,6 +9,7 @@ import torch
 
 from ..halves.base import couple_half
 from ..ops.dispatch import replayed
+from ..ops.graph import backward_keeps_graph
 from ..ops.streams import stream_grad_dtype
 from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
@@ -34,12 +35,6 @@ SECOND_BACKWARD_MESSAGE = (
     "its first backward freed (as autograd frees saved tensors). Pass retain_graph=True to the first backward "
     "to run it again."
 )
-
-
-def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (retain_graph=True): then the streams stay for the next one."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if keep is None else bool(keep())
 
 
 def _accumulates_into_leaves(anchor) -> bool:
@@ -244,7 +239,7 @@ class ReversibleSegmentFunction(torch.autograd.Function):
             raise RuntimeError("revtriton: the streams a reversible segment's backward starts from were modified in "
                                "place after its forward (an in-place op on what a stack's invertible layer returned "
                                "unchanged): its gradients would be wrong")
-        if not _keeps_graph():
+        if not backward_keeps_graph():  # then the streams stay for the next backward
             ctx.streams = None  # the schedule empties ``final`` once the last layer is rebuilt: then they are freed
         final = list(streams)
         del streams

@@ -1,7 +1,18 @@
 """norm + attention coupling half: pure-torch references and the dispatching couple.
 
-``norm_attention_couple`` goes through ``dispatch.run_op``: candidates ``triton`` (the fused
-half of ops/fused_attention.py) and ``torch`` (the reference: F.linear GEMMs and SDPA).
+``norm_attention_couple`` goes through ``dispatch.run_op``. Its candidates cover each sub-op's
+implementations (the projections: fused Triton GEMMs or cuBLAS; the attention core: the Triton
+flash kernels or SDPA), raced together on first use (ops.backend):
+
+===================  ===============================  ====================
+candidate            QKV and out-projection GEMMs     attention core
+===================  ===============================  ====================
+``triton``           fused Triton (norm, RoPE, couple  Triton flash
+                     in their pro- / epilogues)
+``torch``            cuBLAS (F.linear), torch norm    SDPA
+``triton_gemm_sdpa`` fused Triton                     SDPA
+``torch_gemm_flash`` cuBLAS (F.linear), torch norm    Triton flash
+===================  ===============================  ====================
 """
 from __future__ import annotations
 
@@ -133,6 +144,17 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 
 
+def flash_core_attention(q, k, v, *, heads, kv_heads, causal, rope_theta=None):
+    """:func:`multi_head_attention_reference` (no layouts, no dropout) with the Triton flash kernels as
+    the core; RoPE runs in torch. The core of the ``torch_gemm_flash`` candidate."""
+    from .fused_attention import flash_attention
+
+    batch, tokens, _ = q.shape
+    q, k, v = _heads(q, k, v, heads, kv_heads, None, rope_theta, None, None, 1.0)
+    o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    return o.reshape(batch, tokens, heads * o.shape[-1])
+
+
 def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
                                key_valid=None, qk_norm=None, rope_inv_freq=None, rope_scale=1.0):
     """Causal attention of new tokens over a KV cache (inference, no grad needed).
@@ -157,14 +179,16 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
 
 
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
-                             causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None):
-    """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)]."""
+                             causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None,
+                             core=multi_head_attention_reference):
+    """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)].
+    ``core``: the attention on the projections (:func:`multi_head_attention_reference`'s contract)."""
     kv_heads = kv_heads or heads
     dim = x.shape[-1]
     head_dim = dim // heads
     n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
     q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    o = multi_head_attention_reference(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta)
+    o = core(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta)
     return apply_row_scale(F.linear(o, w_proj, b_proj), row_scale)
 
 
@@ -194,6 +218,17 @@ def _norm_attention_torch(res, x, sign, frac_bits, *weights, scale=None, **optio
     return library_couple_output(res, norm_attention_reference(x, *weights, **options), sign, frac_bits, scale)
 
 
+def _norm_attention_triton_gemm_sdpa(res, x, sign, frac_bits, *weights, **options):
+    from .fused_attention import fused_norm_attention_couple
+
+    return fused_norm_attention_couple(res, x, sign, frac_bits, *weights, core="sdpa", **options)
+
+
+def _norm_attention_torch_gemm_flash(res, x, sign, frac_bits, *weights, scale=None, **options):
+    h = norm_attention_reference(x, *weights, core=flash_core_attention, **options)
+    return library_couple_output(res, h, sign, frac_bits, scale)
+
+
 def _triton_supports(args, options) -> bool:
     from .fused_attention import SUPPORTED_HEAD_DIMS
 
@@ -204,3 +239,7 @@ backend.register_op("norm_attention", lambda args, options: backend.couple_key(a
 backend.register_candidate("norm_attention", "triton", _norm_attention_triton, available=triton_runs_on,
                            supports=_triton_supports)
 backend.register_candidate("norm_attention", "torch", _norm_attention_torch)
+backend.register_candidate("norm_attention", "triton_gemm_sdpa", _norm_attention_triton_gemm_sdpa,
+                           available=triton_runs_on, supports=_triton_supports)
+backend.register_candidate("norm_attention", "torch_gemm_flash", _norm_attention_torch_gemm_flash,
+                           available=triton_runs_on, supports=_triton_supports)

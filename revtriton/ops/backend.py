@@ -3,7 +3,10 @@
 Every op the halves use (``norm_mlp``, ``swiglu_mlp``, ``norm_attention``: a whole couple,
 forward and backward) has two or more *candidates* registered here: ``triton`` (the fused
 kernels) and ``torch`` (cuBLAS GEMMs through ``F.linear`` and SDPA, i.e. the pure-torch
-reference). ``ops.dispatch.run_op`` is the one dispatch point; it asks :func:`choose`.
+reference); ``norm_attention`` also has the two mixes of its sub-ops (fused GEMMs with SDPA,
+cuBLAS GEMMs with the Triton flash core: ops/attention.py), so each sub-op's implementation is
+chosen by measurement in the half it runs in. ``ops.dispatch.run_op`` is the one dispatch point;
+it asks :func:`choose`.
 
 How a candidate is chosen for one call:
 
@@ -46,7 +49,7 @@ from . import launches
 BACKENDS = ("auto", "triton", "torch")
 ENV_BACKEND = "REVTRITON_BACKEND"
 ENV_CACHE_DIR = "REVTRITON_BACKEND_CACHE_DIR"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: norm_attention's sub-op candidates (a choice made without them is stale)
 WARMUP = 3  # timed runs dropped (after the two runs of the determinism check)
 REPEATS = 10
 BUDGET_S = 2.0  # per candidate, after warm-up: stop repeating once it is spent (at least one repeat)
@@ -118,10 +121,14 @@ def ops() -> dict:
 # Overrides
 
 
-def _check_backend(value, source) -> str:
-    if value not in BACKENDS:
-        raise ValueError(f"{source}={value!r} is not a backend: use one of {', '.join(BACKENDS)}")
-    return value
+def _check_backend(value, source, candidates: bool = False) -> str:
+    """``value`` if it is a backend (or, with ``candidates``, a candidate some op registered)."""
+    if value in BACKENDS:
+        return value
+    named = sorted({name for op in _ops.values() for name in op.candidates} - set(BACKENDS)) if candidates else []
+    if value in named:
+        return value
+    raise ValueError(f"{source}={value!r} is not a backend: use one of {', '.join(BACKENDS + tuple(named))}")
 
 
 def current_backend() -> str:
@@ -137,9 +144,11 @@ def use_backend(name: str):
     """Run the ops inside on one backend: ``"triton"``, ``"torch"`` or ``"auto"`` (measured choice).
 
     Overrides ``REVTRITON_BACKEND``. Reversible stacks replay the forward's setting in backward.
+    A candidate of one op (``"triton_gemm_sdpa"``, ...) may be named too, for benchmarks of that op:
+    an op without it raises when called inside.
     """
     global _override
-    previous, _override = _override, _check_backend(name, "use_backend")
+    previous, _override = _override, _check_backend(name, "use_backend", candidates=True)
     try:
         yield
     finally:

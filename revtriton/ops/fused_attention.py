@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
+from .graph import backward_keeps_graph
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
 
@@ -237,6 +238,62 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
     return dq, dk, dv
 
 
+class FlashAttention(torch.autograd.Function):
+    """The Triton attention core as an autograd op on [B, T, H, D] q and [B, T, KV, D] k, v: the
+    core of the library-GEMM candidate (cuBLAS projections, Triton flash attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = attention_fwd(q, k, v, causal=causal)
+        ctx.causal = causal
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, causal=ctx.causal)
+        return dq, dk, dv, None
+
+
+def flash_attention(q, k, v, *, causal: bool):
+    """o [B, T, H, D] = softmax(q k^T / sqrt(D)) v with the Triton kernels, differentiable (GQA: k and
+    v have KV heads). Two launches backward, one forward."""
+    return FlashAttention.apply(q, k, v, bool(causal))
+
+
+# --------------------------------------------------------------------------------------------
+# SDPA as the attention core of the fused half (its other candidate core)
+
+
+def _sdpa_core(qkv, plan, keep_graph: bool):
+    """Attention of the packed, rotated qkv [M, (H + 2 KV) D] by SDPA (flash / cuDNN / efficient on a
+    GPU). Returns (o [B, T, H, D] contiguous, graph): ``graph`` = (SDPA's output, the qkv leaf) for
+    :func:`_sdpa_core_backward` when ``keep_graph``, else None."""
+    leaf = qkv.detach().requires_grad_() if keep_graph else qkv
+    with torch.set_grad_enabled(keep_graph):
+        q, k, v = (t.transpose(1, 2) for t in _split_heads(leaf, plan.batch, plan.tokens, plan.heads,
+                                                             plan.kv_heads, plan.head_dim))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, enable_gqa=plan.kv_heads != plan.heads)
+    rows = o.detach().transpose(1, 2).contiguous()
+    return rows, ((o, leaf) if keep_graph else None)
+
+
+def _sdpa_core_backward(graph, do, plan, retain: bool):
+    """dqkv [M, (H + 2 KV) D] from SDPA's graph, with dq and dk taken back through the RoPE of the
+    QKV epilogue (the rotation's transpose), as attention_bwd does in its kernels."""
+    o, leaf = graph
+    grad_o = do.view(plan.batch, plan.tokens, plan.heads, plan.head_dim).transpose(1, 2).to(o.dtype)
+    dqkv, = torch.autograd.grad(o, leaf, grad_o, retain_graph=retain)
+    if plan.rope is not None:
+        packed = dqkv.view(plan.batch, plan.tokens, plan.heads + 2 * plan.kv_heads, plan.head_dim)
+        rotated = plan.heads + plan.kv_heads
+        packed[:, :, :rotated] = rope_unrotate_reference(packed[:, :, :rotated], *plan.rope)
+    return dqkv
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -366,10 +423,16 @@ def _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm,
         raise ValueError(f"rope_theta must be positive or None, got {rope_theta!r}")
 
 
+ATTENTION_CORES = ("triton", "sdpa")
+
+
 class _Plan:
     """Shapes and switches of one couple call (constant across forward and backward)."""
 
-    def __init__(self, x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype):
+    def __init__(self, x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core="triton"):
+        if core not in ATTENTION_CORES:
+            raise ValueError(f"core must be one of {ATTENTION_CORES}, got {core!r}")
+        self.core = core  # the attention core between the two GEMMs: Triton flash kernels or SDPA
         self.batch, self.tokens, self.dim = x.shape
         self.rows = self.batch * self.tokens
         self.heads, self.kv_heads = heads, kv_heads
@@ -381,25 +444,30 @@ class _Plan:
                      if rope_theta is not None else None)
 
 
-def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale):
+def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale,
+                   keep_graph=False):
     """The four launches (a coupling ``scale`` in the last one's epilogue). Returns (stream
-    [B, T, dim], saved tensors for backward)."""
+    [B, T, dim], saved tensors for backward, SDPA's graph when the core is SDPA and ``keep_graph``)."""
     x2 = gemm.as_rows(x, plan.dim)
     n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
                                    norm_bias=norm_bias, out_dtype=plan.dot_dtype)
     qkv = qkv_projection(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,              # launch 2
                          tokens=plan.tokens, rope=plan.rope)
-    q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-    o, lse = attention_fwd(q, k, v, causal=plan.causal)                                         # launch 3
+    graph = lse = None
+    if plan.core == "sdpa":
+        o, graph = _sdpa_core(qkv, plan, keep_graph)
+    else:
+        q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+        o, lse = attention_fwd(q, k, v, causal=plan.causal)                                     # launch 3
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
     res2 = gemm.as_rows(res, plan.dim)
     stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
                                 row_scale=row_scale, scale=scale)
-    return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse)
+    return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse), graph
 
 
 def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj,
-                    row_scale, param_dtypes, need_dx=True):
+                    row_scale, param_dtypes, need_dx=True, sdpa_graph=None, retain=False):
     """Gradients of sign * H(x) given g = d loss / d stream: ten launches (nine without biases),
     every weight gradient a raw GEMM (split-K partials when it cannot fill the GPU), every bias and
     norm-parameter gradient a partial sum reduced in one fixed-order launch at the end (no
@@ -417,11 +485,14 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
     if w_proj_dtype is not None:
         dw_proj = gemm.linear_weight_grad(gs, o.view(rows, -1), out_dtype=w_proj_dtype, pending=pending)  # launch 3
     # attention (+ RoPE backward), written straight into the packed dqkv buffer.
-    dqkv = torch.empty_like(qkv)
-    q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-    dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-    attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,             # launches 4, 5
-                  dq=dq, dk=dk, dv=dv)
+    if plan.core == "sdpa":
+        dqkv = _sdpa_core_backward(sdpa_graph, do, plan, retain)
+    else:
+        dqkv = torch.empty_like(qkv)
+        q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+        dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
+        attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,         # launches 4, 5
+                      dq=dq, dk=dk, dv=dv)
     dqkv2 = dqkv.view(rows, -1)
     # QKV projection and the norm: dN = dqkv @ W_qkv, then the norm backward (dgamma / dbeta partials).
     dx = norm_part = None
@@ -446,8 +517,8 @@ class FusedNormAttentionCouple(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale):
-        stream, (x2, mean, rstd, n, qkv, o, lse) = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv,
-                                                                  b_qkv, w_proj, b_proj, row_scale, scale)
+        stream, (x2, mean, rstd, n, qkv, o, lse), ctx.sdpa_graph = _fused_forward(
+            plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale, keep_graph=True)
         ctx.plan = plan
         ctx.res_scale = None if scale is None else scale.value  # not the forward's dropped bits
         ctx.param_dtypes = [None if t is None else t.dtype for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_proj,
@@ -465,13 +536,21 @@ class FusedNormAttentionCouple(torch.autograd.Function):
             else None
         if g is None:
             return (None, grad_res) + (None,) * 9
+        # SDPA's graph (SDPA core) is dropped once used unless the backward keeps the graph.
+        retain = backward_keeps_graph()
+        sdpa_graph = ctx.sdpa_graph
+        if plan.core == "sdpa" and sdpa_graph is None:
+            raise RuntimeError("revtriton: the fused attention half's backward ran a second time after its first "
+                               "freed the graph; pass retain_graph=True to the first backward")
+        if not retain:
+            ctx.sdpa_graph = None
         need = ctx.needs_input_grad
         # Only the gradients asked for: a frozen parameter's dtype is passed as None.
         param_dtypes = [dtype if need[i + 3] else None for i, dtype in enumerate(ctx.param_dtypes)]
         with torch.autocast(g.device.type, enabled=False):
             dx, dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj = _fused_backward(
                 plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj, row_scale,
-                param_dtypes, need_dx=need[2])
+                param_dtypes, need_dx=need[2], sdpa_graph=sdpa_graph, retain=retain)
         param_grads = [None if d is None or not need[i + 3] else d.to(dtype) for i, (d, dtype) in
                        enumerate(zip((dgamma, dbeta, dw_qkv, db_qkv, dw_proj, db_proj), ctx.param_dtypes))]
         return (None, grad_res, None if dx is None or not need[2] else dx.to(ctx.x_dtype), *param_grads, None, None)
@@ -479,14 +558,15 @@ class FusedNormAttentionCouple(torch.autograd.Function):
 
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
                                 heads, kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6,
-                                row_scale=None, scale: ResidualScale | None = None):
+                                row_scale=None, scale: ResidualScale | None = None, core: str = "triton"):
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
     Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``
     (``scale``: a scaled coupling, ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse).
     Forward: normalize (once per row, in the operand dtype) -> QKV GEMM (raw operands, bias +
     RoPE epilogue) -> flash attention -> out-projection GEMM (bias, row_scale, residual +/- or
-    the exact int32 add, the coupling scale): 4 launches.
+    the exact int32 add, the coupling scale): 4 launches. ``core="sdpa"`` runs the attention core
+    with SDPA instead of the Triton flash kernels (the GEMMs stay fused; ops.backend races both).
     Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
     attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
     with fp32 accumulation.
@@ -499,7 +579,7 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
     scale = check_residual_scale(scale, sign, frac_bits, res)
     dot_dtype = _compute_dtype(x, w_qkv)
-    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype)
+    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core)
     if row_scale is not None:
         row_scale = row_scale.reshape(plan.rows).to(torch.float32).contiguous()
     # Weights in the operand dtype (a no-op without autocast); autograd takes the cast back.
@@ -507,8 +587,8 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     tensors = (res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if not needs_grad:
-        stream, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
-                                   row_scale, scale)
+        stream, _, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
+                                      row_scale, scale)
         return stream, None
     out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
                                          row_scale, scale)
