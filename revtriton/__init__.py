@@ -40,7 +40,8 @@ from .engine import Coupling, ReversibleBlock, ReversibleStack  # noqa: E402
 from .halves import (  # noqa: E402
     Adapter, CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
 from .models import (  # noqa: E402
-    GPTConfig, RevGPT, RevMViT, RevViT, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible, to_stored_activations)
+    GPTConfig, RevGPT, RevMViT, RevViT, rev_causal_lm, rev_gpt, rev_llama, rev_mvit, rev_vit, to_reversible,
+    to_stored_activations)
 from .schedules import ScheduleTrace  # noqa: E402
 
 __version__ = "0.1.0"
@@ -48,4 +49,5 @@ __version__ = "0.1.0"
 __all__ = ["revify", "from_pretrained", "train_adapters_only", "PRESERVE_MODES", "Coupling", "ReversibleBlock", "ReversibleStack",
            "Adapter", "CouplingHalf", "GenericHalf", "LayerNormAttention",
            "LayerNormMLP", "RMSNormAttention", "RMSNormSwiGLU", "as_half", "GPTConfig", "RevGPT", "RevMViT", "RevViT",
+           "rev_causal_lm",
            "rev_gpt", "rev_llama", "rev_mvit", "rev_vit", "to_reversible", "to_stored_activations", "ScheduleTrace"]

@@ -419,6 +419,16 @@ MUTANTS = [
            ("tests/test_dispatch_choice.py", "-k", "sub_op_mix"),
            "the cuBLAS + Triton flash mix is never raced"),
 
+    # ---- the RevGPT presets as Hugging Face models (issue 15)
+    Mutant("hf-preset-exact-gelu", "revtriton/models/hf.py",
+           'activation_function="gelu_new"', 'activation_function="gelu"',
+           ("tests/test_hf_presets.py", "-k", "function"),
+           "the GPT-2 style preset uses exact GELU where RevGPT uses the tanh approximation"),
+    Mutant("hf-preset-rope-theta-dropped", "revtriton/models/hf.py",
+           "rope_theta=c.rope_theta, ", "",
+           ("tests/test_hf_presets.py", "-k", "function"),
+           "the LLaMA style preset ignores the preset's RoPE base"),
+
 ]
 
 
