@@ -44,6 +44,7 @@ from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
+             "transformers GPTNeoXForCausalLM / GPTNeoXModel",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
              "transformers ViTForImageClassification / ViTModel")
 
@@ -102,7 +103,23 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
                                         ordinary_top=ordinary_top)
             return model
     cls = type(target)
+    post_norm = _post_norm_layer(target)
+    if post_norm is not None:
+        raise NotImplementedError(
+            f"revify: {cls.__name__} has post-norm layers ({post_norm}: LayerNorm after the residual add, as BERT "
+            f"and RoBERTa): a reversible coupling adds each half's output to a stream, which a norm applied after "
+            f"the add does not fit; pre-norm models are supported: {', '.join(SUPPORTED)}")
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+def _post_norm_layer(model: nn.Module) -> str | None:
+    """The class name of a BERT-style post-norm sublayer output (``LayerNorm(dropout(dense(h)) + input)``)
+    inside ``model``, or None."""
+    for module in model.modules():
+        if type(module).__name__.endswith(("SelfOutput", "Output")) and isinstance(getattr(module, "LayerNorm", None),
+                                                                                  nn.LayerNorm):
+            return type(module).__name__
+    return None
 
 
 def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
@@ -196,10 +213,11 @@ class _RevifiedBlock:
         if mode is None:
             return attention, mlp
         adapters = self.revtriton_adapters
+        parallel = _parallel_residual(self)
         if mode == "meft1":
-            return _WholeLayer(attention, mlp, adapters["f"]), adapters["g"]
+            return _WholeLayer(attention, mlp, adapters["f"], parallel), adapters["g"]
         if mode == "meft2":
-            return adapters["f"], _WholeLayer(attention, mlp)
+            return adapters["f"], _WholeLayer(attention, mlp, parallel=parallel)
         return _SublayerWithAdapter(attention, adapters["f"]), _SublayerWithAdapter(mlp, adapters["g"])
 
     def reversible_phase(self, work, *tensors):
@@ -222,7 +240,12 @@ class _OrdinaryBlock:
 
     def forward(self, x, cond=None):  # cond: the token layout of a Hugging Face model (see _token_layout)
         attention, mlp = (cls(self) for cls in self._half_classes)
-        return _WholeLayer(attention, mlp)(x, cond)
+        return _WholeLayer(attention, mlp, parallel=_parallel_residual(self))(x, cond)
+
+
+def _parallel_residual(block) -> bool:
+    """GPT-NeoX's parallel residual, ``x + A(x) + M(x)`` (the attribute of its layers)."""
+    return bool(getattr(block, "use_parallel_residual", False))
 
 
 # -- function-preserving conversion (MEFT) ------------------------------------------------------
@@ -293,11 +316,12 @@ FLOAT_ANCHOR_BITS = 8
 
 
 class _WholeLayer:
-    """The pretrained layer as one half, ``L(x) = mid + M(mid)`` with ``mid = x + A(x)``, plus an
-    adapter beside it when given (torch epilogue)."""
+    """The pretrained layer as one half, ``L(x) = mid + M(mid)`` with ``mid = x + A(x)`` (``parallel``:
+    ``L(x) = x + A(x) + M(x)``, GPT-NeoX's parallel residual), plus an adapter beside it when given
+    (torch epilogue)."""
 
-    def __init__(self, attention, mlp, adapter=None):
-        self.attention, self.mlp, self.adapter = attention, mlp, adapter
+    def __init__(self, attention, mlp, adapter=None, parallel=False):
+        self.attention, self.mlp, self.adapter, self.parallel = attention, mlp, adapter, parallel
 
     @property
     def takes_cond(self) -> bool:  # the attention half takes the token layout
@@ -307,8 +331,11 @@ class _WholeLayer:
         return self.attention.parameters()
 
     def __call__(self, x, cond=None):
-        mid = x + half_output(self.attention, x, cond)
-        out = mid + self.mlp(mid)
+        if self.parallel:
+            out = x + half_output(self.attention, x, cond) + self.mlp(x)
+        else:
+            mid = x + half_output(self.attention, x, cond)
+            out = mid + self.mlp(mid)
         return out if self.adapter is None else out + self.adapter(x)
 
     def couple(self, res, x, sign, frac_bits=None, scale=None, cond=None):
@@ -1079,6 +1106,128 @@ def _convert_llama(model, conversion):
     _set_up_generation(model, caches=not windows)
 
 
+# -- Hugging Face GPT-NeoX -------------------------------------------------------------------
+
+
+class _NeoXAttentionHalf(_Half):
+    """GPT-NeoX attention: LayerNorm, one q/k/v projection with rows interleaved per head
+    ([head][q, k, v][head_dim]), rotary on the first ``rotary_ndims`` of each head, biases."""
+
+    takes_cond = True
+
+    def _projections(self):
+        return self.block.attention.query_key_value, self.block.attention.dense
+
+    def _dropouts(self):
+        return (float(getattr(self.block.attention, "attention_dropout", 0.0) or 0.0),
+                _p(self.block.post_attention_dropout))
+
+    def _beyond_fused(self, x):  # partial rotary or scaled RoPE: the kernels rotate whole heads by theta
+        spec = self.block._revtriton_attention
+        return spec["rope_dims"] != spec["head_dim"] or spec["rope_module"] is not None
+
+    def _grouped_rows(self, t):
+        """The interleaved q/k/v rows (or bias) regrouped as [q; k; v] (what the fused kernels read)."""
+        heads = self.block._revtriton_attention["heads"]
+        return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
+        norm, qkv = b.input_layernorm, a.query_key_value
+        x = self._input(x, norm.weight)
+        b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, self._grouped_rows(qkv.weight),
+                                     b_qkv, a.dense.weight, a.dense.bias, heads=spec["heads"], causal=True,
+                                     rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps)
+
+    def _modules(self, x, layout=None):
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
+        x = self._input(x, b.input_layernorm.weight)
+        batch, tokens, _ = x.shape
+        qkv = a.query_key_value(b.input_layernorm(x)).view(batch, tokens, spec["heads"], 3 * spec["head_dim"])
+        q, k, v = (t.reshape(batch, tokens, -1) for t in qkv.chunk(3, dim=-1))
+        rotary = spec["rope_module"]
+        rope = dict(rope_theta=spec["rope_theta"], rope_dims=spec["rope_dims"])
+        if rotary is not None:
+            rope.update(rope_inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling))
+        if isinstance(layout, _Decoding):
+            o = decode_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"],
+                                           extend=layout.extend_for(a.layer_idx), positions=layout.positions,
+                                           key_valid=layout.key_valid, **rope)
+        else:
+            positions, segments = (None, None) if layout is None else layout
+            o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
+                                               dropout=self._dropouts()[0] if b.training else 0.0,
+                                               positions=positions, segments=segments, **rope)
+        return b.post_attention_dropout(a.dense(o))
+
+
+class _NeoXMlpHalf(_Half):
+    def _projections(self):
+        return self.block.mlp.dense_h_to_4h, self.block.mlp.dense_4h_to_h
+
+    def _dropouts(self):
+        return (_p(self.block.post_mlp_dropout),)
+
+    def _beyond_fused(self, x):
+        return self.block._revtriton_activation is None
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.post_attention_layernorm
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
+                               m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
+                               activation=b._revtriton_activation, eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.post_mlp_dropout(b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight))))
+
+
+class _NeoXBlock(_RevifiedBlock):
+    _half_classes = (_NeoXAttentionHalf, _NeoXMlpHalf)
+
+
+class _NeoXOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _NeoXBlock._half_classes
+
+
+def _convert_neox(model, conversion):
+    """GPT-NeoX (Pythia): pre-norm LayerNorm blocks with the parallel residual ``x + A(x) + M(x)``
+    (or the sequential one, ``use_parallel_residual=False``), partial rotary, biases. A plain
+    conversion couples attention (F) and MLP (G) as every family; a preserving one keeps the layer
+    whole (meft1 / meft2: ``L(x)`` as one half, parallel or not); meft3 splits the layer into its
+    two sublayers, which a parallel residual does not compose."""
+    base = model.gpt_neox if hasattr(model, "gpt_neox") else model
+    config, name = base.config, type(model).__name__
+    if not len(base.layers):
+        raise ValueError(f"revify: {name} has no decoder layers")
+    parallel = bool(config.use_parallel_residual)
+    if parallel and conversion.preserve == "meft3":
+        raise NotImplementedError(f"revify: {name} with use_parallel_residual=True cannot be converted with "
+                                  f"preserve='meft3' (its sublayers run in parallel, not one after the other); "
+                                  f"use 'meft1' or 'meft2'")
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    attention = base.layers[0].attention
+    if abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12:
+        raise NotImplementedError(f"revify: {name} with attention scaling {attention.scaling} != head_dim ** -0.5 "
+                                  f"is not supported")
+    rope_dims = int(attention.rotary_ndims)
+    spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, **_rope_spec(config, name, base, rope_dims))
+    activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
+    for block in base.layers:
+        block._revtriton_attention = dict(spec)
+        block._revtriton_activation = activation
+    layer_class = type(base.layers[0])
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_NeoXBlock, _NeoXOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _swap_class(base, _RevifiedNeoXModel, type(base).__module__, type(base).__name__)
+    base._revtriton_caches = True
+    _set_up_generation(model, caches=True)
+
+
 # -- Hugging Face base-model forward ---------------------------------------------------------
 
 
@@ -1461,6 +1610,23 @@ class _RevifiedLlamaModel(_NoCheckpointing):
         return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
 
 
+class _RevifiedNeoXModel(_NoCheckpointing):
+    """GPTNeoXModel forward over a reversible stack: embed_in -> emb_dropout -> stack ->
+    final_layer_norm (position_ids, padding masks and packed rows through the attention halves'
+    conditioning; a KV cache when decoding)."""
+
+    def forward(self, input_ids=None, *args, **kwargs):
+        if args:
+            raise TypeError("revified GPTNeoXModel: pass arguments other than input_ids by keyword")
+        _check_hf_inputs("GPTNeoXModel", kwargs)
+        hidden = _embeddings_input(self, input_ids, kwargs, self.embed_in)
+        decoding = _generation_cache(self, "GPTNeoXModel", hidden, kwargs)
+        layout = None if decoding else _token_layout("GPTNeoXModel", hidden, kwargs, rope=True)
+        with _decoding(self.layers, decoding):
+            hidden, states = _run_layers(self.layers, self.emb_dropout(hidden), self.final_layer_norm, kwargs, layout)
+        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
+
+
 class _RevifiedHFViTModel(_NoCheckpointing):
     """ViTModel forward over a reversible stack: embeddings -> stack -> layernorm -> pooler (the
     library's own forward loops over the layers one by one)."""
@@ -1486,6 +1652,8 @@ _FAMILIES = {
     "hf_vit": ("transformers", "ViTModel", _convert_hf_vit),
     "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
     "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
+    "gpt_neox_lm": ("transformers", "GPTNeoXForCausalLM", _convert_neox),
+    "gpt_neox": ("transformers", "GPTNeoXModel", _convert_neox),
 }
 # LLaMA and the decoders with its layer conventions: transformers module -> class prefix.
 _LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
@@ -1507,6 +1675,13 @@ _BLOCK_BASES.update({
     "RevifiedViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _RevifiedHFViTModel),
     "RevifiedViTForImageClassification": ("transformers.models.vit.modeling_vit", "ViTForImageClassification",
                                           _RevifiedLM),
+})
+_NEOX_PATH = "transformers.models.gpt_neox.modeling_gpt_neox"
+_BLOCK_BASES.update({
+    "RevifiedGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _NeoXBlock),
+    "RevifiedOrdinaryGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _NeoXOrdinaryBlock),
+    "RevifiedGPTNeoXModel": (_NEOX_PATH, "GPTNeoXModel", _RevifiedNeoXModel),
+    "RevifiedGPTNeoXForCausalLM": (_NEOX_PATH, "GPTNeoXForCausalLM", _RevifiedLM),
 })
 for _module, _prefix in _LLAMA_LIKE.items():
     _path = f"transformers.models.{_module}.modeling_{_module}"

@@ -72,6 +72,18 @@ def hf_phi3(seed=0, **overrides):  # one qkv and one gate/up projection (the fus
     return hf_decoder("Phi3", seed, **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "pad_token_id": 0, **overrides})
 
 
+def hf_neox(seed=0, **overrides):  # Pythia's layers: parallel residual, rotary on a quarter of each head, biases
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                  max_position_embeddings=64, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0)
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**{**config, **overrides}))
+
+
+def hf_neox_sequential(seed=0, **overrides):  # the sequential residual and full rotary: the fused path's layers
+    return hf_neox(seed, **{"use_parallel_residual": False, "rotary_pct": 1.0, **overrides})
+
+
 def hf_vit(seed=0, **overrides):  # the library's own ViT (pre-norm encoder), 32 px images, 16 patches
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
@@ -81,12 +93,14 @@ def hf_vit(seed=0, **overrides):  # the library's own ViT (pre-norm encoder), 32
 
 
 BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2,
-            "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3, "hf_vit": hf_vit}
+            "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3, "neox": hf_neox, "neox_sequential": hf_neox_sequential,
+            "hf_vit": hf_vit}
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]  # LLaMA's layer conventions: model.model.layers
 # Float streams' twin bound: Gemma scales its embeddings by sqrt(width) (8 here), so its streams and the float
 # rounding of their rebuild are larger (5.9e-6 worst of 30 seeds against 1e-5).
 FLOAT_TWIN_BOUND = {"gemma": 1e-4}
-FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS, "hf_vit"]
+NEOX = ["neox", "neox_sequential"]  # GPT-NeoX's layers: model.gpt_neox.layers
+FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS, *NEOX, "hf_vit"]
 IMAGES = ("timm_vit", "hf_vit")
 
 
@@ -109,6 +123,8 @@ def loss_of(family, model, batch):
 def block_list(family, model):
     if family in DECODERS:
         return model.model.layers
+    if family in NEOX:
+        return model.gpt_neox.layers
     if family == "hf_vit":
         return model.vit.layers
     return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h}[family]()
@@ -182,7 +198,8 @@ def _capture_blocks(blocks):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_halves_compute_the_original_blocks(family, seeded):
-    """With F and G from revify, x + F(x) + G(x + F(x)) is each original block's output."""
+    """With F and G from revify, x + F(x) + G(x + F(x)) is each original block's output (x + F(x) + G(x):
+    GPT-NeoX's parallel residual)."""
     _check_halves_compute_the_original_blocks(family, BUILDERS[family](seed=seeded))
 
 
@@ -214,7 +231,8 @@ def _check_halves_compute_the_original_blocks(family, model):
             x = record["x"]
             h = x + f(x)
             expected = record["y"]
-            err = ((h + g(h)) - expected).abs().max() / expected.abs().max()
+            got = h + g(x) if getattr(block, "use_parallel_residual", False) else h + g(h)
+            err = (got - expected).abs().max() / expected.abs().max()
             assert err < 1e-5, err
     # ... and the converted model is a different function (fine-tune after converting).
     after = output()
@@ -313,6 +331,17 @@ def test_bf16_model_trains_in_exact_mode(seeded):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_post_norm_encoders_raise_naming_the_feature():
+    """BERT-style encoders put LayerNorm after the residual add: no reversible coupling keeps that."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    for model_class, config_class, part in [(transformers.BertForMaskedLM, transformers.BertConfig, "BertSelfOutput"),
+                                            (transformers.RobertaModel, transformers.RobertaConfig,
+                                             "RobertaSelfOutput")]:
+        with pytest.raises(NotImplementedError, match=rf"post-norm layers \({part}: LayerNorm after the residual add"):
+            revify(model_class(config_class(**small)))
 
 
 @pytest.mark.timm
@@ -487,12 +516,14 @@ def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox"])
 @pytest.mark.parametrize("options", [{}, dict(preserve="meft3", ordinary_top=1, scale_bits=4, exact=False)])
 def test_save_pretrained_then_revtriton_from_pretrained_gives_the_converted_model_back(family, options, seeded,
                                                                                         tmp_path):
     from revtriton import from_pretrained
 
+    if family in NEOX and options.get("preserve") == "meft3":  # a parallel residual: not sublayer by sublayer
+        options = dict(options, preserve="meft1")
     model = revify(BUILDERS[family](seed=seeded), **options)
     with torch.no_grad():  # trained adapters (zero at conversion) must survive the round trip
         for name, p in model.named_parameters():
@@ -522,6 +553,8 @@ def test_from_pretrained_refuses_a_model_that_was_not_revified(seeded, tmp_path)
 
 
 def _base_and_names(family, model):
+    if family in NEOX:
+        return model.gpt_neox, "layers", "final_layer_norm"
     return (model.transformer, "h", "ln_f") if family == "gpt2" else (model.model, "layers", "norm")
 
 
@@ -538,7 +571,7 @@ def _pruned_last_hidden(family, model, k, ids):
         setattr(base, norm_name, norm)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox"])
 @pytest.mark.parametrize("exact", [False, True])
 def test_output_hidden_states_are_each_blocks_readout(family, exact, seeded):
     """The library's layout (the stack's input, each block's output, the last one normed); each state is
@@ -551,7 +584,8 @@ def test_output_hidden_states_are_each_blocks_readout(family, exact, seeded):
         states = out.hidden_states
         assert len(states) == DEPTH + 1
         base = _base_and_names(family, model)[0]
-        embedded = (base.wte(ids) + base.wpe(torch.arange(12)) if family == "gpt2" else base.embed_tokens(ids))
+        embedded = (base.wte(ids) + base.wpe(torch.arange(12)) if family == "gpt2" else
+                    base.embed_in(ids) if family in NEOX else base.embed_tokens(ids))
         assert torch.equal(states[0], embedded)
         for k in range(1, DEPTH):
             assert torch.equal(states[k], _pruned_last_hidden(family, model, k, ids)), k
@@ -609,3 +643,45 @@ def test_hf_vit_keeps_the_library_function_and_hidden_state_layout(seeded):
     assert len(ours.hidden_states) == len(theirs.hidden_states) == DEPTH + 1
     for a, b in zip(ours.hidden_states, theirs.hidden_states):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+# -- GPT-NeoX: the parallel residual ------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft2"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_neox_preserving_conversion_keeps_the_library_function(preserve, parallel, seeded):
+    """meft1 / meft2 keep the layer whole as one half, ``x + A(x) + M(x)`` for the parallel residual
+    (``x + A(x) + M(x + A(x))`` else): logits and cached generation are the library model's."""
+    original = hf_neox(seeded, use_parallel_residual=parallel, initializer_range=0.3).eval()
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs, ours = original(input_ids=ids).logits, model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3 * theirs.abs().max().item())
+    # the plain coupling is another function: what the preserving one is for
+    plain = revify(copy.deepcopy(original), exact=False).eval()
+    with torch.no_grad():
+        assert (plain(input_ids=ids).logits - theirs).abs().max() > 100 * (ours - theirs).abs().max()
+
+
+def test_neox_parallel_residual_refuses_meft3(seeded):
+    with pytest.raises(NotImplementedError, match="use_parallel_residual=True cannot be converted with "
+                                                  "preserve='meft3'"):
+        revify(hf_neox(seeded), preserve="meft3")
+    revify(hf_neox(seeded, use_parallel_residual=False), preserve="meft3")  # sequential sublayers: fine
+
+
+def test_neox_fused_path_reads_the_interleaved_qkv_rows(seeded):
+    """Full rotary and default RoPE: the attention half runs the fused op with q / k / v rows regrouped
+    from GPT-NeoX's per-head interleaving; its output is the module path's (partial rotary never fuses)."""
+    model = revify(hf_neox_sequential(seeded), exact=False).eval()
+    attention, mlp = model.gpt_neox.layers[0].coupling_halves()
+    x = torch.randn(2, 9, 64)
+    assert not attention._use_modules(x) and not mlp._use_modules(x)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x), attention._modules(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mlp(x), mlp._modules(x), rtol=1e-5, atol=1e-6)
+    partial = revify(hf_neox(seeded)).gpt_neox.layers[0].coupling_halves()[0]
+    assert partial._use_modules(x)

@@ -19,14 +19,23 @@ from revtriton.models import to_stored_activations
 from revtriton.ops.attention import packed_segments, sequence_mask
 
 from test_models import check_against_twin, max_relative_grad_error
-from test_revify import FLOAT_TWIN_BOUND, hf_gemma, hf_gpt2, hf_llama, hf_mistral, hf_phi3, hf_qwen2, hf_qwen3
+from test_revify import (FLOAT_TWIN_BOUND, hf_gemma, hf_gpt2, hf_llama, hf_mistral, hf_neox, hf_neox_sequential,
+                         hf_phi3, hf_qwen2, hf_qwen3)
 
 BUILDERS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": functools.partial(hf_mistral, sliding_window=4),
-            "qwen2": hf_qwen2, "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3}  # Mistral: a window < sequences
+            "qwen2": hf_qwen2, "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3,  # Mistral: a window < sequences
+            "neox": hf_neox, "neox_sequential": hf_neox_sequential}
 # meft3 with an ordinary top block: the layout reaches whole-layer halves with adapters and a stage
 # transition (meft1's top G adapter feeds the stream nobody reads: no gradient to compare).
 CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3", ordinary_top=1), id="meft3-top1")]
 LENGTHS = (10, 7, 4)
+
+
+def conversion_of(family, conversion):
+    """meft3 splits a layer into its sublayers: GPT-NeoX's parallel residual keeps it whole (meft2)."""
+    if family == "neox" and conversion.get("preserve") == "meft3":
+        return dict(conversion, preserve="meft2")
+    return conversion
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +107,7 @@ def test_sequence_mask_sees_its_own_sequence_causally_and_never_padding():
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 def test_padded_and_packed_rows_give_each_sequence_alone(family, exact, conversion, seeded):
-    model = revify(BUILDERS[family](seeded), exact=exact, **conversion).eval()
+    model = revify(BUILDERS[family](seeded), exact=exact, **conversion_of(family, conversion)).eval()
     # Float rounding differs between a row and its sequence alone (~1e-7); exact streams round every
     # half output to 2**-16, so such a difference can flip a rounding: one grid step (1.5e-5) per flip,
     # carried to the logits (at most 1.2e-4 over 40 seeds; a token that saw another sequence: ~0.1).
@@ -150,7 +159,7 @@ def test_packed_gradients_are_the_sum_over_sequences_alone(family, seeded):
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 def test_padded_training_step_matches_the_stored_activation_twin(family, exact, conversion, seeded):
-    model = revify(BUILDERS[family](seeded), exact=exact, **conversion).train()
+    model = revify(BUILDERS[family](seeded), exact=exact, **conversion_of(family, conversion)).train()
     twin = to_stored_activations(copy.deepcopy(model))
     ids, mask, positions = padded(sequences(), "left")
     labels = ids.masked_fill(mask == 0, -100)
@@ -269,7 +278,8 @@ def test_padded_packed_and_generated_outputs_are_the_library_models(family, seed
     cached greedy generation. Mistral's window (4) is shorter than the sequences here."""
     overrides = dict(initializer_range=0.3, eos_token_id=None, pad_token_id=0)
     original = BUILDERS[family](seeded, **overrides).eval()
-    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    preserve = conversion_of(family, dict(preserve="meft3"))["preserve"]
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     seqs = sequences()
     close = dict(rtol=0, atol=2e-3)  # the 2**-16 term of meft3 through 3 blocks of large (init 0.3) weights; a mask bug: ~0.1
     with torch.no_grad():

@@ -429,6 +429,23 @@ MUTANTS = [
            ("tests/test_hf_presets.py", "-k", "function"),
            "the LLaMA style preset ignores the preset's RoPE base"),
 
+    # ---- GPT-NeoX (issue 15)
+    Mutant("neox-qkv-rows-not-regrouped", "revtriton/convert.py",
+           "        return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)",
+           "        return t",
+           ("tests/test_revify.py", "-k", "interleaved_qkv"),
+           "the fused path reads GPT-NeoX's per-head interleaved q/k/v rows as [q; k; v]"),
+    Mutant("neox-parallel-residual-ignored", "revtriton/convert.py",
+           '    return bool(getattr(block, "use_parallel_residual", False))',
+           "    return False",
+           ("tests/test_revify.py", "-k", "neox_preserving or halves_compute_the_original"),
+           "a preserving conversion of a parallel-residual layer composes its sublayers one after the other"),
+    Mutant("neox-partial-rotary-whole-head", "revtriton/ops/attention.py",
+           "        rotated = head_dim if rope_dims is None else rope_dims",
+           "        rotated = head_dim",
+           ("tests/test_revify.py", "-k", "halves_compute_the_original and neox"),
+           "partial rotary rotates the whole head"),
+
 ]
 
 

@@ -100,8 +100,9 @@ def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
 
 
-def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale):
-    """[B, T, heads*hd] projections -> [B, heads or kv_heads, T, hd], qk-normed and rotated."""
+def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims=None):
+    """[B, T, heads*hd] projections -> [B, heads or kv_heads, T, hd], qk-normed and rotated (the first
+    ``rope_dims`` of each head only, when given: partial rotary, GPT-NeoX's)."""
     batch, tokens, _ = q.shape
     head_dim = q.shape[-1] // heads
     q = q.view(batch, tokens, heads, head_dim).transpose(1, 2)
@@ -110,9 +111,14 @@ def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_fr
     if qk_norm is not None:
         q, k = qk_norm[0](q), qk_norm[1](k)
     if rope_theta is not None:
-        cos, sin = rope_cos_sin(tokens, head_dim, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
+        rotated = head_dim if rope_dims is None else rope_dims
+        cos, sin = rope_cos_sin(tokens, rotated, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
                                 scale=rope_scale)
-        q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+        if rotated == head_dim:
+            q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+        else:
+            q, k = (torch.cat([apply_rope_reference(t[..., :rotated], cos, sin), t[..., rotated:]], dim=-1)
+                    for t in (q, k))
     return q, k, v
 
 
@@ -122,15 +128,16 @@ def _repeat_kv(t, heads):  # grouped-query attention: each kv head serves heads 
 
 def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
                                    positions=None, segments=None, window=None, qk_norm=None, rope_inv_freq=None,
-                                   rope_scale=1.0):
+                                   rope_scale=1.0, rope_dims=None):
     """Projected q [B, T, heads*hd], k and v [B, T, kv_heads*hd] -> attention output [B, T, heads*hd].
 
     ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
     padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
     sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
-    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`)."""
+    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`); ``rope_dims``:
+    partial rotary, the first ``rope_dims`` of each head rotated (frequencies over them)."""
     batch, tokens, _ = q.shape
-    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale)
+    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims)
     k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     if window is not None and window >= tokens:
         window = None  # the window covers every row
@@ -156,7 +163,7 @@ def flash_core_attention(q, k, v, *, heads, kv_heads, causal, rope_theta=None):
 
 
 def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
-                               key_valid=None, qk_norm=None, rope_inv_freq=None, rope_scale=1.0):
+                               key_valid=None, qk_norm=None, rope_inv_freq=None, rope_scale=1.0, rope_dims=None):
     """Causal attention of new tokens over a KV cache (inference, no grad needed).
 
     q [B, T, heads*hd], k and v [B, T, kv_heads*hd] are the new tokens' projections; ``extend(k, v)``
@@ -164,7 +171,7 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     returns all of them ([B, kv_heads, past + T, hd]). ``positions`` [B, T]: RoPE positions;
     ``key_valid`` [B, past + T]: False at padding keys. New token i sees the keys up to past + i."""
     batch, tokens, _ = q.shape
-    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale)
+    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims)
     k, v = extend(k, v)
     keys = k.shape[-2]
     past = keys - tokens
