@@ -203,9 +203,14 @@ def _peft_base_model(model: nn.Module) -> nn.Module:
 
 
 class _RevifiedBlock:
-    """Mixin of a block inside a revified model: offers coupling halves, refuses per-block calls."""
+    """Mixin of a block inside a revified model: offers coupling halves, refuses per-block calls.
+
+    Keeps the library's class name (pickled as ``Revified<name>``): wrap policies find layers by it
+    (accelerate's FSDP2 ``transformer_based_wrap`` reads the model's ``_no_split_modules`` names and
+    silently shards nothing per layer when no module has that name)."""
 
     _half_classes: tuple = ()
+    _keeps_class_name = True
 
     def coupling_halves(self):
         attention, mlp = (cls(self) for cls in self._half_classes)
@@ -237,6 +242,7 @@ class _OrdinaryBlock:
 
     _half_classes: tuple = ()
     _class_prefix = "RevifiedOrdinary"
+    _keeps_class_name = True  # as _RevifiedBlock: found by the library's layer name
 
     def forward(self, x, cond=None):  # cond: the token layout of a Hugging Face model (see _token_layout)
         attention, mlp = (cls(self) for cls in self._half_classes)

@@ -446,6 +446,22 @@ MUTANTS = [
            ("tests/test_revify.py", "-k", "halves_compute_the_original and neox"),
            "partial rotary rotates the whole head"),
 
+    Mutant("revified-layers-renamed", "revtriton/convert.py",
+           "    _half_classes: tuple = ()\n    _keeps_class_name = True\n",
+           "    _half_classes: tuple = ()\n",
+           ("tests/test_accelerate_fsdp.py",),
+           "revified layers lose the library's class name: accelerate's FSDP2 wrap policy shards no layer, silently"),
+    # ---- RevViT as a timm model (issue 15; run with a python that has timm)
+    Mutant("revvit-mean-pool-norm-skipped", "revtriton/models/vit.py",
+           'x = x[:, 0] if self.pool == "token" else self.norm(x.mean(dim=1))',
+           'x = x[:, 0] if self.pool == "token" else x.mean(dim=1)',
+           ("tests/test_timm_presets.py",),
+           "forward_head skips the final norm of mean pooling"),
+    Mutant("revvit-reset-keeps-head", "revtriton/models/vit.py",
+           "        self.num_classes = num_classes\n        if num_classes == 0:",
+           "        self.num_classes = num_classes\n        return\n        if num_classes == 0:",
+           ("tests/test_timm_presets.py",),
+           "reset_classifier keeps the old head"),
 ]
 
 

@@ -22,12 +22,38 @@ VIT_PRESETS = {
     "large": dict(dim=1024, depth=24, heads=16),
 }
 
+# Pooling names RevViT takes: its own (``pool``) and timm's (``global_pool``), to its own.
+POOL_NAMES = {"token": "token", "mean": "mean", "avg": "mean"}
+
+# What to use for what RevViT does not have (weights, per-block features): a revified timm ViT.
+REVIFY_TIMM_ADVICE = ('revify a timm ViT instead, e.g. revtriton.revify(timm.create_model("vit_base_patch16_224", '
+                      'pretrained=True), preserve="meft1"); revified timm ViTs support features_only and '
+                      'forward_intermediates')
+
+
+def pool_named(global_pool: str) -> str:
+    """RevViT's pool (``"token"`` / ``"mean"``) of a pooling name, RevViT's or timm's (``"avg"``)."""
+    if global_pool not in POOL_NAMES:
+        raise ValueError(f"RevViT pools with the cls token ('token') or the mean of the tokens ('avg' or 'mean'), "
+                         f"got global_pool={global_pool!r}")
+    return POOL_NAMES[global_pool]
+
+
+def check_num_classes(num_classes) -> int:
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
+        raise ValueError(f"num_classes must be an int >= 0 (0: no head), got {num_classes!r}")
+    return num_classes
+
 
 class RevViT(nn.Module):
-    """Reversible Vision Transformer.
+    """Reversible Vision Transformer, with timm's model API: ``forward_features``, ``forward_head``,
+    ``reset_classifier``, ``get_classifier``, ``num_classes``, ``num_features``, ``global_pool``
+    (``revtriton.models.timm_models`` registers the presets with ``timm.create_model``).
 
     Args:
-        img_size, patch_size, in_chans, num_classes: as in timm.
+        img_size, patch_size, in_chans: as in timm (square images of ``img_size`` only).
+        num_classes: classes of the linear head; 0 gives no head (``forward`` returns the pooled
+            features), as in timm.
         dim, depth, heads, mlp_ratio, qkv_bias: transformer width, blocks, heads.
         pool: ``"token"`` (cls token, timm's default) or ``"mean"`` (no cls token, mean of the
             patch tokens followed by the final norm, like timm's ``global_pool="avg"``).
@@ -47,13 +73,16 @@ class RevViT(nn.Module):
         if stack_kwargs:
             raise TypeError(f"RevViT got unexpected arguments {sorted(stack_kwargs)}")
         for name, value in (("img_size", img_size), ("patch_size", patch_size), ("in_chans", in_chans),
-                            ("num_classes", num_classes), ("dim", dim), ("depth", depth), ("heads", heads)):
+                            ("dim", dim), ("depth", depth), ("heads", heads)):
             check_positive(name, value)
+        check_num_classes(num_classes)
         if img_size % patch_size:
             raise ValueError(f"patch_size ({patch_size}) must divide img_size ({img_size})")
         if pool not in ("token", "mean"):
             raise ValueError(f"pool must be 'token' or 'mean', got {pool!r}")
-        self.img_size, self.patch_size, self.pool, self.dim = img_size, patch_size, pool, dim
+        self.img_size, self.patch_size, self.in_chans, self.pool, self.dim = img_size, patch_size, in_chans, pool, dim
+        self.num_classes = num_classes
+        self.num_features = self.head_hidden_size = dim  # timm's names for the width the head takes
         self.num_patches = (img_size // patch_size) ** 2
         self.num_prefix_tokens = 1 if pool == "token" else 0
 
@@ -72,7 +101,7 @@ class RevViT(nn.Module):
         self.blocks = make_stack(blocks, reversible=reversible, **options)
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(dim, num_classes)
+        self.head = nn.Linear(dim, num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
 
     def _init_weights(self):
@@ -98,10 +127,55 @@ class RevViT(nn.Module):
         x = self.blocks(x)
         return self.norm(x) if self.pool == "token" else x
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(images)
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens from ``forward_features`` -> logits [B, num_classes]: the cls token (pool "token")
+        or the mean of the tokens then the final norm (pool "mean"), head dropout, the head.
+        ``pre_logits=True`` returns the pooled features before the head: [B, dim]."""
         x = x[:, 0] if self.pool == "token" else self.norm(x.mean(dim=1))
-        return self.head(self.head_drop(x))
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images))
+
+    @property
+    def global_pool(self) -> str:
+        """The pooling under timm's name: ``"token"`` or ``"avg"`` (``pool`` gives RevViT's)."""
+        return "token" if self.pool == "token" else "avg"
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None):
+        """A new head for ``num_classes`` classes (0: none, ``forward`` returns the pooled features),
+        initialised as at construction, as in timm. ``global_pool`` (timm's argument) may only name
+        the current pooling: changing it would add or drop the cls token, so build a new model."""
+        check_num_classes(num_classes)
+        if global_pool is not None and pool_named(global_pool) != self.pool:
+            has = "has a cls token" if self.pool == "token" else "has no cls token"
+            raise ValueError(f"RevViT built with pool={self.pool!r} {has}; it cannot change to "
+                             f"global_pool={global_pool!r}: build a new model with pool={pool_named(global_pool)!r}")
+        self.num_classes = num_classes
+        if num_classes == 0:
+            self.head = nn.Identity()
+        else:
+            like = self.norm.weight  # the new head on the model's device and dtype
+            self.head = nn.Linear(self.dim, num_classes, device=like.device, dtype=like.dtype)
+            init_transformer_weights(self.head)
+        self.head.train(self.training)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters timm's optimizer factory keeps out of weight decay (besides biases and norms)."""
+        return {"pos_embed", "cls_token"}
+
+    def forward_intermediates(self, *args, **kwargs):
+        """Not available: the blocks run as one reversible stack of two streams, with no per-block
+        output to hand out (running them one by one would keep every block's activations)."""
+        raise NotImplementedError(f"RevViT has no forward_intermediates; for per-block features {REVIFY_TIMM_ADVICE}")
+
+    def prune_intermediate_layers(self, *args, **kwargs):
+        raise NotImplementedError(f"RevViT has no prune_intermediate_layers; for per-block features "
+                                  f"{REVIFY_TIMM_ADVICE}")
 
 
 def rev_vit(preset: str, **kwargs) -> RevViT:
