@@ -6,15 +6,14 @@ on GPUs (``transformer_based_wrap`` from the model's ``_no_split_modules``, ``fu
 decoder layer and at the root, the full state dict loaded into the shards). Two training steps on
 half a batch each must give the gradients and weights of one process on the whole batch.
 """
-import copy
 import os
 import socket
-import time
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -106,19 +105,8 @@ def free_port():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("accelerate")
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, port, str(out_dir))) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:  # a hung collective fails the tests instead of hanging them
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), f"worker exit codes {[p.exitcode for p in procs]}"
+    run_ranks(worker, lambda rank: (rank, port, str(out_dir)), WORLD, SPAWN_TIMEOUT)
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 

@@ -19,11 +19,12 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from revtriton import LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack
 from revtriton.halves.base import as_half
+
+from ranks import run_ranks
 
 WORLD = 2
 DIM, IN_DIM, OUT_DIM, DEPTH, TOKENS, BATCH = 8, 6, 3, 3, 4, 4
@@ -437,19 +438,8 @@ def worker(rank, init_file, out_dir, job):
 
 
 def spawn(job, tmp_path):
-    ctx = mp.get_context("spawn")
     init_file = tmp_path / "rendezvous"
-    procs = [ctx.Process(target=worker, args=(rank, str(init_file), str(tmp_path), job)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:  # a hung collective fails the tests instead of hanging them
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), f"worker exit codes {[p.exitcode for p in procs]}"
+    run_ranks(worker, lambda rank: (rank, str(init_file), str(tmp_path), job), WORLD, SPAWN_TIMEOUT)
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 

@@ -20,12 +20,7 @@ CONVERSIONS = [pytest.param({}, id="plain"), pytest.param(dict(preserve="meft3",
 TOKENS = dict(bos_token_id=0, eos_token_id=None, pad_token_id=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def greedy_without_cache(model, ids, steps):

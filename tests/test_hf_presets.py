@@ -16,12 +16,7 @@ SMALL = dict(depth=2, dim=64, heads=4, vocab_size=97, block_size=64)
 PRESETS = ["gpt2-tiny", "llama-tiny"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def preset_model(preset, seed, **options):

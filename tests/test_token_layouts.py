@@ -38,12 +38,7 @@ def conversion_of(family, conversion):
     return conversion
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # tiny models: threads only add contention under a loaded CI
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def sequences(lengths=LENGTHS):
