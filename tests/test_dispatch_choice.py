@@ -10,16 +10,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from revtriton import LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack
 from revtriton.ops import backend, dispatch, mlp
 from revtriton.ops.streams import couple_output, to_fixed
+
+from ranks import run_ranks
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 RAN = []  # fake candidates that ran in this process, in order
@@ -407,19 +407,7 @@ def gloo_worker(rank, init_file, out_dir):
 
 
 def test_every_rank_uses_rank_0s_choice(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=gloo_worker, args=(rank, str(tmp_path / "rendezvous"), str(tmp_path)))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 150
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(gloo_worker, lambda rank: (rank, str(tmp_path / "rendezvous"), str(tmp_path)), 2, 150)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert [d["choice"] for d in rank0["decisions"]] == ["fake_a", "fake_a"]
     assert [d["choice"] for d in rank1["decisions"]] == ["fake_a", "fake_a"]
