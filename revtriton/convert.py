@@ -39,7 +39,7 @@ from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
 from .ops.attention import (decode_attention_reference, multi_head_attention_reference, norm_attention_couple,
-                            packed_segments)
+                            packed_segments, rope_inv_freq)
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
@@ -681,7 +681,7 @@ class _TimmRevifiedModel:
         if enable:
             import warnings
 
-            warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
+            warnings.warn(CHECKPOINTING_MESSAGE, stacklevel=2)
         self.grad_checkpointing = False
 
 
@@ -1048,7 +1048,7 @@ def _rope_spec(config, name, base, head_dim) -> dict:
             raise NotImplementedError(f"revify: {name} has RoPE type {rope_type!r} but no rotary_emb.inv_freq to read")
         return dict(rope_theta=theta, rope_module=None)
     inv_freq = rotary.inv_freq
-    default = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    default = rope_inv_freq(head_dim, theta)
     if inv_freq.shape != default.shape:
         raise NotImplementedError(f"revify: {name}'s rotary embedding covers {2 * inv_freq.numel()} of {head_dim} "
                                   f"head dims (partial rotary is not supported)")
@@ -1422,8 +1422,8 @@ _warned_no_cache = []
 _warned_grad_cache = []
 
 
-_CHECKPOINTING_MESSAGE = (
-    "revtriton: the blocks of a revified model are reversible (activation memory does not grow with depth): "
+CHECKPOINTING_MESSAGE = (
+    "revtriton: reversible blocks keep no activations for backward (activation memory does not grow with depth): "
     "gradient checkpointing is not needed and is not applied")
 
 
@@ -1434,7 +1434,7 @@ class _NoCheckpointing:
     def gradient_checkpointing_enable(self, *args, **kwargs):
         import warnings
 
-        warnings.warn(_CHECKPOINTING_MESSAGE, stacklevel=2)
+        warnings.warn(CHECKPOINTING_MESSAGE, stacklevel=2)
 
     activation_checkpointing_enable = gradient_checkpointing_enable  # its transformers 5 name
 

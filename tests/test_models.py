@@ -241,6 +241,15 @@ def test_twin_switch_keeps_parameters_and_keys():
     assert type(plain.blocks) is StoredActivationStack and list(plain.state_dict()) == keys
 
 
+def test_revvit_grad_checkpointing_request_warns_and_training_runs(seeded):
+    """timm's train script calls set_grad_checkpointing(True): reversible blocks need none."""
+    model = rev_vit("tiny", img_size=32, patch_size=16, depth=2, num_classes=3)
+    with pytest.warns(UserWarning, match="gradient checkpointing is not needed"):
+        model.set_grad_checkpointing(True)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_revvit_exact_inverse_is_bitwise(seeded):
     model = rev_vit("tiny", depth=4, img_size=32, num_classes=3).eval()
     x = torch.randn(2, 5, 192)

@@ -7,9 +7,12 @@ GELU MLP, final norm, linear head); the blocks are reversible couplings
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
+from ..convert import CHECKPOINTING_MESSAGE
 from ..engine import ReversibleBlock
 from ..halves import LayerNormAttention, LayerNormMLP
 from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
@@ -163,6 +166,12 @@ class RevViT(nn.Module):
             self.head = nn.Linear(self.dim, num_classes, device=like.device, dtype=like.dtype)
             init_transformer_weights(self.head)
         self.head.train(self.training)
+
+    def set_grad_checkpointing(self, enable: bool = True):
+        """timm's switch (its train script's ``--grad-checkpointing``): the reversible blocks keep no
+        activations to checkpoint, so it warns and changes nothing."""
+        if enable:
+            warnings.warn(CHECKPOINTING_MESSAGE, stacklevel=2)
 
     def no_weight_decay(self) -> set[str]:
         """Parameters timm's optimizer factory keeps out of weight decay (besides biases and norms)."""

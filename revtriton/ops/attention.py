@@ -25,6 +25,11 @@ from .reference import apply_row_scale, normalize_reference
 from .streams import ResidualScale, library_couple_output
 
 
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2], fp32: ``theta ** (-2i / head_dim)``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None,
                  inv_freq=None, scale: float = 1.0):
     """cos/sin tables in the rotate-half (LLaMA / Hugging Face) convention: [seq_len, head_dim] for
@@ -33,7 +38,7 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.
     ``inv_freq`` [head_dim / 2] replaces ``theta``'s frequencies and ``scale`` multiplies both tables
     (RoPE scaling: Llama 3, linear, YaRN, as the model's own rotary embedding computes them)."""
     if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        inv_freq = rope_inv_freq(head_dim, theta, device)
     else:
         inv_freq = inv_freq.to(device=device, dtype=torch.float32)
     if positions is None:
@@ -122,7 +127,7 @@ def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_fr
     return q, k, v
 
 
-def _repeat_kv(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
+def repeat_kv_heads(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
@@ -138,7 +143,7 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     partial rotary, the first ``rope_dims`` of each head rotated (frequencies over them)."""
     batch, tokens, _ = q.shape
     q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims)
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
     if window is not None and window >= tokens:
         window = None  # the window covers every row
     if segments is None and window is None:
@@ -175,7 +180,7 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     k, v = extend(k, v)
     keys = k.shape[-2]
     past = keys - tokens
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
     query_index = torch.arange(past, keys, device=q.device)[:, None]
     key_index = torch.arange(keys, device=q.device)[None, :]
     mask = (key_index <= query_index)[None, None]

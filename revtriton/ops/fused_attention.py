@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
+from .attention import repeat_kv_heads, rope_inv_freq
 from .graph import backward_keeps_graph
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -72,11 +73,8 @@ def _strides_bth(t):
 
 def _expand_kv(q, k, v):
     """[B, T, heads, D] -> [B, heads, T, D] with kv heads repeated for GQA."""
-    group = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return q, k, v
+    return q, repeat_kv_heads(k, q.shape[1]), repeat_kv_heads(v, q.shape[1])
 
 
 def attention_fwd_reference(q, k, v, *, causal: bool, sm_scale: float | None = None):
@@ -108,7 +106,7 @@ def attention_bwd_reference(q, k, v, do, *, causal: bool, sm_scale: float | None
 
 def rope_tables(tokens: int, head_dim: int, theta: float, device):
     """cos, sin [tokens, head_dim / 2] fp32 (rotate-half RoPE; both halves share the angles)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, device)
     angles = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv_freq)
     return angles.cos().contiguous(), angles.sin().contiguous()
 
