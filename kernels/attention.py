@@ -22,6 +22,13 @@ registers (GQA summed without atomics), reading the delta the dq pass wrote. Bot
 blocks longest first. With RoPE applied to q and k before attention (in the QKV GEMM epilogue),
 dq and dk are rotated back before they are stored (the RoPE backward, fused).
 
+Padded and packed rows (``SEGMENTS``): each token's sequence number (SEG [B, T] int32, 0 for
+padding) masks the scores as ``ops.attention.sequence_mask`` does (a real key of the query's own
+sequence; a padding query sees every real key, or itself when none comes before it: SELF_UNTIL
+[B]), with no [T, T] mask in memory; every block then takes the masked path, and the online
+softmax guards rows that have seen no key yet. The RoPE backward reads tables [T, D/2] shared by
+the batch, or one per batch row (``stride_ropeb``: packed rows' positions).
+
 Every loop runs the blocks that need no mask first and the masked ones (the causal diagonal, or
 the ragged end of the sequence) last, so the common case pays for no mask. Batch and head offsets
 are 64-bit; offsets inside one head's [T, D] slab are 32-bit per tile on a 64-bit scalar base.
@@ -261,16 +268,39 @@ def load_rope_tables(COS, SIN, rows, row_ok, HEAD_DIM: tl.constexpr, HEAD_PAD: t
     return tl.load(COS + offsets, mask=mask, other=0.0), tl.load(SIN + offsets, mask=mask, other=0.0)
 
 
+# Padded / packed rows: a key's code is its sequence number, or -(position + 1) for padding; a
+# query sees the keys whose code lies in its [lo, hi] (ops.attention.sequence_mask): its own
+# sequence (lo = hi = its number), every real key (a padding query: [1, max]), or only itself (a
+# padding query with no real key before it: lo = hi = -(position + 1)). Two compares per score.
+
+
+@triton.jit
+def key_codes(SEG, b, offs, ok, stride_segb):
+    seg = tl.load(SEG + b * stride_segb + offs, mask=ok, other=0)
+    return tl.where(seg != 0, seg, -(offs + 1))
+
+
+@triton.jit
+def query_bounds(SEG, SELF_UNTIL, b, offs, ok, stride_segb):
+    """(lo, hi) of the key codes the query rows ``offs`` of batch ``b`` see."""
+    seg = tl.load(SEG + b * stride_segb + offs, mask=ok, other=0)
+    alone = (seg == 0) & (offs < tl.load(SELF_UNTIL + b))
+    lo = tl.where(seg != 0, seg, tl.where(alone, -(offs + 1), 1))
+    hi = tl.where(seg != 0, seg, tl.where(alone, -(offs + 1), 2147483647))
+    return lo, hi
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 
 
 @triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt, lo, hi,
-               offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, EVEN_D: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Online-softmax steps over key blocks [lo, hi); MASKED: apply the causal and sequence masks."""
+               offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, USE_TMA: tl.constexpr,
+               EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Online-softmax steps over key blocks [lo, hi); MASKED: apply the causal and sequence masks
+    (and with SEGMENTS the padded / packed rows' mask: the queries see key codes in [lo_q, hi_q])."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -281,11 +311,19 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
             valid = cols[None, :] < seq_len
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if SEGMENTS:
+                code = key_codes(SEG, b, cols, cols < seq_len, stride_segb)
+                valid = valid & (code[None, :] >= lo_q[:, None]) & (code[None, :] <= hi_q[:, None])
             s = tl.where(valid, s, float("-inf"))
-        # Every row sees key 0 in its first step, so m_new is finite and alpha never NaN.
+        # Without SEGMENTS every row sees key 0 in its first step, so m_new is finite and alpha never
+        # NaN; with them a row may see no key of a block (or of any block yet): its max is taken as 0.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if SEGMENTS:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = load_head_rows(v_desc, v_base, b, kvh, start_n, stride_vt, offs_n, cols < seq_len, lanes, lane_ok, MASKED,
@@ -295,18 +333,19 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "seq_bucket"],
+@triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(fwd_configs)}, cache_results=True)
 @triton.jit
-def attention_fwd_kernel(Q, K, V, O, LSE,
+def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                         stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+                         stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_segb,
                          batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
                          HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         USE_TMA: tl.constexpr):
+                         SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M) * B * H,): program -> (query block, batch x head), heaviest causal
-    blocks first."""
+    blocks first. SEGMENTS: padded / packed rows, SEG [B, T] int32 segment ids (0: padding) and
+    SELF_UNTIL [B] (a padding query before it sees itself), every key block masked."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(seq_len, BLOCK_M)
@@ -345,12 +384,18 @@ def attention_fwd_kernel(Q, K, V, O, LSE,
     else:
         split = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
+    if SEGMENTS:  # any key block may hold another sequence's keys or padding: all masked
+        split = 0
+        lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b64, offs_m, row_ok, stride_segb)
+    else:
+        lo_q = offs_m
+        hi_q = offs_m
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
-                               False, CAUSAL, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q,
+                               False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale,
-                               True, CAUSAL, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q,
+                               True, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
 
     acc = acc / l_i[:, None]
     store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + m0 * stride_ot, rows, stride_ot, lanes, row_ok,
@@ -365,9 +410,10 @@ def attention_fwd_kernel(Q, K, V, O, LSE,
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, stride_qt, stride_dot,
-                lo, hi, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr, HEAD_PAD: tl.constexpr):
+                lo, hi, offs_n, offs_s, columns, column_ok, seq_len, qk_scale, SEG, SELF_UNTIL, stride_segb, code_k,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, EVEN_D: tl.constexpr,
+                USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+                HEAD_PAD: tl.constexpr):
     """dk, dv contributions of the query blocks [lo, hi) of one query head. MASKED: the causal
     mask and the sequence end (rows past it load q = dO = 0, lse = delta = 0: they add zero).
     Scores are kept transposed ([keys, queries]) so P^T and dS^T feed the dV / dK products as
@@ -391,6 +437,10 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
         if MASKED:
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            if SEGMENTS:
+                lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
+                allowed = (code_k[:, None] >= lo_q[None, :]) & (code_k[:, None] <= hi_q[None, :])
+                p_t = tl.where(allowed & row_ok[None, :], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -400,9 +450,9 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
 
 @triton.jit
 def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, lo, hi, offs_m,
-              offs_s, columns, column_ok, seq_len, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr,
-              HEAD_PAD: tl.constexpr):
+              offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """dq contributions of the key blocks [lo, hi); MASKED: apply the causal and sequence masks."""
     lse2 = lse * 1.4426950408889634
     for start_n in range(lo, hi, BLOCK_STREAM):
@@ -420,6 +470,9 @@ def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, str
             valid = col_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            if SEGMENTS:
+                code = key_codes(SEG, b, offs_n, col_ok, stride_segb)
+                valid = valid & (code[None, :] >= lo_q[:, None]) & (code[None, :] <= hi_q[:, None])
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -427,17 +480,17 @@ def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, str
     return dq
 
 
-@triton.autotune(configs=dq_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "seq_bucket"],
+@triton.autotune(configs=dq_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(dq_configs)}, cache_results=True)
 @triton.jit
-def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN,
+def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_UNTIL,
                             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                             stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-                            stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-                            batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
+                            stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_segb,
+                            stride_ropeb, batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
                             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, ROPE: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr,
-                            USE_TMA: tl.constexpr):
+                            SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr,
+                            BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr):
     """Grid (cdiv(T, BLOCK_FIXED) * B * H,): program -> (query block, batch x head), longest causal
     blocks first. Computes its rows' delta = rowsum(dO * O) (fp32), stores it for the dk/dv pass,
     and dq = sum over key blocks of (P * (dP - delta)) K * scale."""
@@ -484,32 +537,38 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN,
                             HEAD_PAD)
         v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_STREAM,
                             HEAD_PAD)
+    if SEGMENTS:  # any key block may hold another sequence's keys or padding: all masked
+        split = 0
+        lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
+    else:
+        lo_q = offs_m
+        hi_q = offs_m
     dq = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
     dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, 0, split,
-                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, False, CAUSAL, EVEN_D, STREAM_TMA,
-                   DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, False, CAUSAL,
+                   SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, split, hi,
-                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, True, CAUSAL, EVEN_D, STREAM_TMA,
-                   DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, True, CAUSAL,
+                   SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dq = dq * sm_scale
-    if ROPE:
-        cos, sin = load_rope_tables(COS, SIN, offs_m, row_ok, HEAD_DIM, HEAD_PAD)
+    if ROPE:  # tables [T, D/2] shared by the batch (stride_ropeb 0) or one per batch row (positions)
+        cos, sin = load_rope_tables(COS + b * stride_ropeb, SIN + b * stride_ropeb, offs_m, row_ok, HEAD_DIM, HEAD_PAD)
         dq = rope_rotate(dq, cos, -sin, BLOCK_FIXED, 1, HEAD_PAD // 2)
     store_tile(DQ + b * stride_dqb + h * stride_dqh + m0 * stride_dqt, rows, stride_dqt, columns, row_ok, column_ok,
                dq)
 
 
-@triton.autotune(configs=dkdv_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "seq_bucket"],
+@triton.autotune(configs=dkdv_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(dkdv_configs)}, cache_results=True)
 @triton.jit
-def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN,
+def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SELF_UNTIL,
                               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                               stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                              stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                              batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
+                              stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_segb,
+                              stride_ropeb, batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
                               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                              ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_FIXED: tl.constexpr,
-                              BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr):
+                              ROPE: tl.constexpr, SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr):
     """Grid (cdiv(T, BLOCK_FIXED) * B * KV,): program -> (key block, batch x kv head): dk, dv of the
     block summed over the query heads of its group in registers (GQA without atomics). Runs after
     the dq pass, which wrote delta."""
@@ -544,6 +603,12 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN,
         lo = 0
         diagonal_end = 0
     full_end = tl.maximum(full_end, diagonal_end)
+    if SEGMENTS:  # any query block may hold another sequence's queries or padding: all masked
+        diagonal_end = lo
+        full_end = lo
+        code_k = key_codes(SEG, b, offs_n, key_ok, stride_segb)
+    else:
+        code_k = offs_n
     STREAM_TMA: tl.constexpr = USE_TMA and EVEN_D
     q_desc = None
     do_desc = None
@@ -559,21 +624,21 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN,
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
                              stride_qt, stride_dot,
                              lo, diagonal_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             True, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
-                             HEAD_PAD)
+                             SEG, SELF_UNTIL, stride_segb, code_k, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
+                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
                              stride_qt, stride_dot,
                              diagonal_end, full_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             False, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
-                             HEAD_PAD)
+                             SEG, SELF_UNTIL, stride_segb, code_k, False, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
+                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
                              stride_qt, stride_dot,
                              full_end, seq_len, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             True, CAUSAL, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM,
-                             HEAD_PAD)
+                             SEG, SELF_UNTIL, stride_segb, code_k, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
+                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dk = dk * sm_scale
     if ROPE:  # (tables loaded where used: kept across the loops they would hold registers)
-        cos, sin = load_rope_tables(COS, SIN, offs_n, key_ok, HEAD_DIM, HEAD_PAD)
+        cos, sin = load_rope_tables(COS + b * stride_ropeb, SIN + b * stride_ropeb, offs_n, key_ok, HEAD_DIM, HEAD_PAD)
         dk = rope_rotate(dk, cos, -sin, BLOCK_FIXED, 1, HEAD_PAD // 2)
     store_tile(DK + b * stride_dkb + kvh * stride_dkh + n0 * stride_dkt, rows, stride_dkt, columns, key_ok,
                column_ok, dk)

@@ -44,6 +44,7 @@ class Model:
     production: bool = True  # False: extra variants compiled for coverage, not in the roofline table
     halves: tuple = ("mlp", "attention")
     coupling_scale: float | None = None  # a scaled coupling's residual factor (2**-s: exact streams too)
+    packed: bool = False  # packed / padded rows: segments and per-row RoPE positions in the attention kernels
 
     @property
     def norm(self) -> str:
@@ -76,6 +77,8 @@ COVERAGE = (
           coupling_scale=0.5),
     Model("llama7b_scaled", 4096, 11008, 32, 32, "swiglu", True, 4096, 2, rope=True, production=False,
           halves=("mlp",), coupling_scale=2.0**-3),
+    Model("llama7b_packed", 4096, 11008, 32, 32, "swiglu", True, 4096, 2, rope=True, production=False,
+          halves=("attention",), packed=True),
 )
 MODELS = {m.name: m for m in PRODUCTION + COVERAGE}
 
@@ -111,10 +114,13 @@ def _couple(m: Model, half: str, params: dict):
         return lambda res, x, sign, frac, scale: fused_mlp.fused_norm_mlp_couple(
             res, x, sign, frac, params["norm_weight"], params["norm_bias"], params["w1"], params["b1"], params["w2"],
             params["b2"], norm=m.norm, activation=m.activation, row_scale=row_scale, scale=scale)
+    layout = {}
+    if m.packed:
+        layout = {name: torch.empty(m.batch, m.seq, device="meta", dtype=torch.long) for name in ("positions", "segments")}
     return lambda res, x, sign, frac, scale: fused_attention.fused_norm_attention_couple(
         res, x, sign, frac, params["norm_weight"], params["norm_bias"], params["w_qkv"], params["b_qkv"],
         params["w_proj"], params["b_proj"], heads=m.heads, kv_heads=m.kv_heads, causal=m.causal,
-        rope_theta=10000.0 if m.rope else None, norm=m.norm, row_scale=row_scale, scale=scale)
+        rope_theta=10000.0 if m.rope else None, norm=m.norm, row_scale=row_scale, scale=scale, **layout)
 
 
 def _coupling_scales(m: Model, res: torch.Tensor, exact: bool):

@@ -481,11 +481,13 @@ class _Half:
     Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
     own submodules. The module path runs when dropout is active in training or when a
     projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
-    are never bypassed, and when the half gets a token layout (``cond``: padded or packed rows
-    of a Hugging Face model, attention halves only): the fused kernels take no mask yet.
+    are never bypassed, and while a model decodes with a KV cache. A token layout (``cond``:
+    padded or packed rows of a Hugging Face model, attention halves only) goes to the fused op
+    (its kernels mask it) where the half says it can (``fuses_layout``), else to the modules.
     """
 
     takes_cond = False  # attention halves of Hugging Face decoders: True (cond = _token_layout's)
+    fuses_layout = False  # _fused takes the token layout (layout=(positions, segments))
 
     def __init__(self, block: nn.Module):
         self.block = block
@@ -526,25 +528,35 @@ class _Half:
                 return state
         return cond
 
+    def _on_modules(self, x, cond) -> bool:
+        if cond is not None and (isinstance(cond, _Decoding) or not self.fuses_layout):
+            return True
+        return self._use_modules(x)
+
     def couple(self, res, x, sign, frac_bits=None, cond=None):
         cond = self._layout(cond)
+        if self._on_modules(x, cond):
+            h = self._modules(x) if cond is None else self._modules(x, cond)
+            return couple_output(res, h, sign, frac_bits)
         if cond is not None:
-            return couple_output(res, self._modules(x, cond), sign, frac_bits)
-        if self._use_modules(x):
-            return couple_output(res, self._modules(x), sign, frac_bits)
+            return self._fused(res, x, sign, frac_bits, layout=cond)
         return self._fused(res, x, sign, frac_bits)
 
     def __call__(self, x, cond=None):
         """H(x) with plain autograd (used by stored-activation twins)."""
         cond = self._layout(cond)
-        if cond is not None:
-            return self._modules(x, cond)
-        if self._use_modules(x):
-            return self._modules(x)
-        return self._fused(torch.zeros_like(x), x, +1, None)[0]
+        if self._on_modules(x, cond):
+            return self._modules(x) if cond is None else self._modules(x, cond)
+        layout = {} if cond is None else {"layout": cond}
+        return self._fused(torch.zeros_like(x), x, +1, None, **layout)[0]
 
 
 _PLAIN_PROJECTIONS = {nn.Linear}  # + transformers' Conv1D, added when GPT-2 is converted
+
+
+def _layout_options(layout) -> dict:
+    """norm_attention_couple's options of a token layout ``(positions, segments)`` (none without one)."""
+    return {} if layout is None else dict(positions=layout[0], segments=layout[1])
 
 
 def _p(dropout) -> float:
@@ -777,6 +789,7 @@ def _convert_hf_vit(model, conversion):
 
 class _GPT2AttentionHalf(_Half):
     takes_cond = True
+    fuses_layout = True
 
     def _projections(self):
         return self.block.attn.c_attn, self.block.attn.c_proj
@@ -784,13 +797,14 @@ class _GPT2AttentionHalf(_Half):
     def _dropouts(self):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
-    def _fused(self, res, x, sign, frac_bits):
+    def _fused(self, res, x, sign, frac_bits, layout=None):
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
+        segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
         return norm_attention_couple(res, x, sign, frac_bits, b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
                                      a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
-                                     causal=True, norm="layer", eps=b.ln_1.eps)
+                                     causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
 
     def _modules(self, x, layout=None):
         b, a = self.block, self.block.attn
@@ -912,6 +926,7 @@ def _residual_dropout(block, name):
 
 class _LlamaAttentionHalf(_Half):
     takes_cond = True
+    fuses_layout = True
 
     def _projections(self):
         a = self.block.self_attn
@@ -954,14 +969,15 @@ class _LlamaAttentionHalf(_Half):
         return dict(rope_theta=spec["rope_theta"], rope_inv_freq=rotary.inv_freq,
                     rope_scale=float(rotary.attention_scaling))
 
-    def _fused(self, res, x, sign, frac_bits):
+    def _fused(self, res, x, sign, frac_bits, layout=None):
         b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
         norm = b.input_layernorm
         x = self._input(x, norm.weight)
         w_qkv, b_qkv = self._qkv_weights()
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
                                      a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
-                                     rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm))
+                                     rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm),
+                                     **_layout_options(layout))
 
     def _modules(self, x, layout=None):
         b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
@@ -1120,6 +1136,7 @@ class _NeoXAttentionHalf(_Half):
     ([head][q, k, v][head_dim]), rotary on the first ``rotary_ndims`` of each head, biases."""
 
     takes_cond = True
+    fuses_layout = True
 
     def _projections(self):
         return self.block.attention.query_key_value, self.block.attention.dense
@@ -1137,14 +1154,15 @@ class _NeoXAttentionHalf(_Half):
         heads = self.block._revtriton_attention["heads"]
         return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-    def _fused(self, res, x, sign, frac_bits):
+    def _fused(self, res, x, sign, frac_bits, layout=None):
         b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
         norm, qkv = b.input_layernorm, a.query_key_value
         x = self._input(x, norm.weight)
         b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, self._grouped_rows(qkv.weight),
                                      b_qkv, a.dense.weight, a.dense.bias, heads=spec["heads"], causal=True,
-                                     rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps)
+                                     rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps,
+                                     **_layout_options(layout))
 
     def _modules(self, x, layout=None):
         b, a, spec = self.block, self.block.attention, self.block._revtriton_attention

@@ -632,3 +632,85 @@ def test_sdpa_core_graph_is_kept_for_retain_graph_and_freed_otherwise(seeded):
     assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="second time"):
         port.sum().backward()
+
+
+# --------------------------------------------------------------------------------------------
+# Padded and packed rows in the kernels (segments, per-row RoPE positions), issue 15
+
+LAYOUTS = {  # segments of a [2, 33] batch (0: padding, k: the row's k-th sequence)
+    "right-padding": [[1] * 20 + [0] * 13, [1] * 33],
+    "left-padding": [[0] * 9 + [1] * 24, [1] * 33],
+    "packed": [[1] * 7 + [2] * 15 + [3] * 11, [1] * 10 + [2] * 20 + [0] * 3],
+    "all-padding-row": [[0] * 33, [1] * 33],
+}
+
+
+def masked_attention_reference(q, k, v, do, causal, segments, rope):
+    """(o, (dq, dk, dv)) in float64 through SDPA with the library path's [B, 1, T, T] mask."""
+    from revtriton.ops.attention import sequence_mask
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = fa._expand_kv(*leaves)
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=sequence_mask(segments, causal))
+    o = o.transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(o, leaves, do.double())
+    return o, (fa.rope_unrotate_reference(dq, *rope), fa.rope_unrotate_reference(dk, *rope), dv)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, causal):
+    """segments [B, T] masked in the forward, dq and dk/dv kernels (no T x T mask), with the RoPE
+    backward at each row's own positions (tables [B, T, D/2])."""
+    segments = torch.tensor(LAYOUTS[layout])
+    batch, tokens = segments.shape
+    q, k, v = packed_qkv(batch, tokens, 4, 2, 32, torch.float32)
+    o, lse = fa.attention_fwd(q, k, v, causal=causal, segments=segments)
+    do = torch.randn_like(o)
+    positions = torch.stack([torch.arange(tokens), torch.randint(0, 50, (tokens,))])  # any positions per row
+    rope = fa.rope_tables_at(positions, 32, 10000.0)
+    grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=rope, segments=segments)
+    ref_o, ref_grads = masked_attention_reference(q, k, v, do, causal, segments, rope)
+    assert torch.isfinite(o).all() and rel_err(o, ref_o) <= 1e-5
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
+
+
+@pytest.mark.parametrize("candidate", ["triton", *MIXES])
+@pytest.mark.parametrize("frac_bits", [None, 16], ids=["float", "exact"])
+def test_every_candidate_takes_the_token_layout(seeded, candidate, frac_bits):
+    """Packed rows with restarting positions and a padded row at arbitrary positions, through
+    norm_attention's candidates:
+    the fused ones (Triton kernels under the interpreter) against the torch reference."""
+    batch, tokens, heads, kv_heads, dim = 2, 19, 4, 2, 64
+    params = make_half_params(dim, heads, kv_heads, "rms", False)
+    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    segments = torch.tensor([[1] * 6 + [2] * 9 + [3] * 4, [1] * 12 + [0] * 7])
+    # (restarting positions leave packed rows' scores as they are, RoPE being relative: the padded row
+    # takes arbitrary ones, which only a rotation at the given positions matches)
+    positions = torch.stack([torch.cat([torch.arange(6), torch.arange(9), torch.arange(4)]),
+                             torch.randint(0, 50, (tokens,))])
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms", positions=positions,
+                   segments=segments)
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    if frac_bits is None:
+        res = torch.randn(batch, tokens, dim, requires_grad=True)
+    else:
+        res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
+    g = torch.randn(batch, tokens, dim)
+    leaves = [t for t in (res, x, *args) if t is not None and t.requires_grad]
+    results = []
+    for name in (candidate, "torch"):
+        with force_triton():
+            stream, port = run_candidate(name, res, x, 1, frac_bits, *args, **options)
+            results.append((stream, torch.autograd.grad(port, leaves, g)))
+    (s, grads), (s_ref, grads_ref) = results
+    if frac_bits is None:
+        assert rel_err(s, s_ref) <= 1e-5
+    else:  # one grid step at most, and the candidate's own inverse gives res back bitwise
+        assert (s - s_ref).abs().max().item() <= 1
+        with force_triton(), torch.no_grad():
+            back, _ = run_candidate(candidate, s, x, -1, frac_bits, *args, **options)
+        assert torch.equal(back, res)
+    for got, want in zip(grads, grads_ref):
+        assert rel_err(got, want) <= 1e-5

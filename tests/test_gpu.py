@@ -271,6 +271,35 @@ def test_attention_sub_op_mixes_match_the_library_path_in_bf16(mix):
         assert rel(got, want) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_attention_bf16_masks_padded_and_packed_rows(head_dim):
+    """segments in the compiled kernels (TMA on sm_90): packed and padded rows against SDPA with
+    the library path's [B, 1, T, T] mask, and per-row RoPE tables in the backward."""
+    from revtriton.ops import fused_attention as fa
+    from revtriton.ops.attention import sequence_mask
+
+    torch.manual_seed(0)
+    tokens, heads, kv_heads = 300, 4, 2
+    segments = torch.tensor([[1] * 100 + [2] * 150 + [3] * 50, [0] * 40 + [1] * 260], device="cuda")
+    qkv = torch.randn(2, tokens, heads + 2 * kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads], qkv[:, :, heads + kv_heads:]
+    o, lse = fa.attention_fwd(q, k, v, causal=True, segments=segments)
+    do = torch.randn_like(o)
+    positions = torch.stack([torch.arange(tokens), torch.arange(tokens) + 7]).cuda()
+    rope = fa.rope_tables_at(positions, head_dim, 10000.0)
+    grads = fa.attention_bwd(q, k, v, o, lse, do, causal=True, rope=rope, segments=segments)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = fa._expand_kv(*leaves)
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=sequence_mask(segments, True))
+    ref = ref.transpose(1, 2)
+    ref_grads = torch.autograd.grad(ref, leaves, do.float())
+    ref_grads = (fa.rope_unrotate_reference(ref_grads[0], *rope), fa.rope_unrotate_reference(ref_grads[1], *rope),
+                 ref_grads[2])
+    assert rel(o, ref) <= TOL[torch.bfloat16]
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel(g, r) <= TOL[torch.bfloat16], name
+
+
 def test_dispatch_choice_is_at_least_098_of_the_faster_path():
     """Every half: the candidate the dispatcher measured and pinned is >= 0.98 x the faster of the
     two when both are timed again (forward + backward, bf16 autocast, exact streams)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from revtriton.convert import revify
 from revtriton.models import to_stored_activations
+from revtriton.ops import dispatch
 from revtriton.ops.attention import packed_segments, sequence_mask
 
 from test_models import check_against_twin, max_relative_grad_error
@@ -173,12 +174,14 @@ def test_padded_training_step_matches_the_stored_activation_twin(family, exact, 
 
 
 def test_llama_generate_with_left_padding_gives_each_prompt_alone(seeded):
-    model = revify(hf_llama(seeded, eos_token_id=None, pad_token_id=0)).eval()  # no early stop at a random EOS
+    model = revify(hf_llama(seeded, initializer_range=0.3, eos_token_id=None, pad_token_id=0)).eval()  # no EOS stop
     prompts = sequences((6, 3))
     ids, mask, _ = padded(prompts, "left")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     for row, prompt in zip(out, prompts):
-        alone = model.generate(prompt[None], max_new_tokens=4, do_sample=False, pad_token_id=0)[0]
+        # (the mask said outright: generate would take a token 0 of the prompt for padding)
+        alone = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=4,
+                               do_sample=False, pad_token_id=0)[0]
         assert torch.equal(row[ids.shape[1]:], alone[len(prompt):])
 
 
@@ -294,3 +297,36 @@ def test_padded_packed_and_generated_outputs_are_the_library_models(family, seed
     prompt = torch.randint(1, 128, (2, 5))
     ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
+# -- the fused kernels take the layout ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
+@pytest.mark.parametrize("family", ["gpt2", "llama", "neox_sequential"])
+@pytest.mark.parametrize("rows", ["left-padded", "packed"])
+def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, seeded):
+    """The attention halves hand the token layout to the fused op: its Triton kernels (interpreter)
+    mask padded or packed rows and rotate at each row's positions, with the reference path's loss
+    and gradients (the same model both ways, float32 float streams)."""
+    from revtriton.ops.dispatch import count_launches, force_triton
+
+    model = revify(BUILDERS[family](seeded), exact=False).train()
+    seqs = sequences()
+    if rows == "packed":
+        ids, positions = packed(seqs)
+        batch = dict(input_ids=ids, position_ids=positions, labels=ids)
+    else:
+        ids, mask, positions = padded(seqs, "left")
+        batch = dict(input_ids=ids, attention_mask=mask, position_ids=positions, labels=ids.masked_fill(mask == 0, -100))
+    results = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        with force_triton(fused), count_launches() as launches:
+            loss = model(**batch).loss
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], launches.total()))
+    (loss, grads, launched), (ref_loss, ref_grads, ref_launched) = results
+    assert launched > 0 and ref_launched == 0
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref_grads)) <= 1e-4

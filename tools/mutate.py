@@ -462,6 +462,28 @@ MUTANTS = [
            "        self.num_classes = num_classes\n        return\n        if num_classes == 0:",
            ("tests/test_timm_presets.py",),
            "reset_classifier keeps the old head"),
+    # ---- padded and packed rows in the fused attention kernels (issue 15)
+    Mutant("fused-forward-ignores-segments", "revtriton/ops/fused_attention.py",
+           "        o, lse = attention_fwd(q, k, v, causal=plan.causal, segments=plan.segments)",
+           "        o, lse = attention_fwd(q, k, v, causal=plan.causal)",
+           ("tests/test_token_layouts.py", "-k", "fused_kernels"),
+           "the fused half's attention forward sees across sequences and padding"),
+    Mutant("fused-rope-ignores-positions", "revtriton/ops/fused_attention.py",
+           "            self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device) if positions is None",
+           "            self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device) if True",
+           ("tests/test_fused_attention.py", "-k", "every_candidate_takes_the_token_layout"),
+           "rows are rotated at 0..T-1, not at their positions"),
+    Mutant("kernel-padding-query-never-sees-itself", "kernels/attention.py",
+           "    alone = (seg == 0) & (offs < tl.load(SELF_UNTIL + b))",
+           "    alone = seg < 0",
+           ("tests/test_fused_attention.py", "-k", "padded_and_packed_rows_in_the_kernels"),
+           "a padding query with no real key before it has an empty row (NaN)"),
+    Mutant("kernel-dkdv-ignores-segments", "kernels/attention.py",
+           "                p_t = tl.where(allowed & row_ok[None, :], p_t, 0.0)",
+           "                p_t = tl.where(row_ok[None, :], p_t, 0.0)",
+           ("tests/test_fused_attention.py", "-k", "padded_and_packed_rows_in_the_kernels"),
+           "dk / dv sum over queries of other sequences"),
+
 ]
 
 

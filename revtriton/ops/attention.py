@@ -156,14 +156,15 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 
 
-def flash_core_attention(q, k, v, *, heads, kv_heads, causal, rope_theta=None):
-    """:func:`multi_head_attention_reference` (no layouts, no dropout) with the Triton flash kernels as
-    the core; RoPE runs in torch. The core of the ``torch_gemm_flash`` candidate."""
+def flash_core_attention(q, k, v, *, heads, kv_heads, causal, rope_theta=None, positions=None, segments=None):
+    """:func:`multi_head_attention_reference` (no window, no dropout) with the Triton flash kernels as
+    the core (the token layout masked in them); RoPE runs in torch. The core of the
+    ``torch_gemm_flash`` candidate."""
     from .fused_attention import flash_attention
 
     batch, tokens, _ = q.shape
-    q, k, v = _heads(q, k, v, heads, kv_heads, None, rope_theta, None, None, 1.0)
-    o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    q, k, v = _heads(q, k, v, heads, kv_heads, None, rope_theta, positions, None, 1.0)
+    o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, segments=segments)
     return o.reshape(batch, tokens, heads * o.shape[-1])
 
 
@@ -192,28 +193,33 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
 
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
                              causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None,
-                             core=multi_head_attention_reference):
+                             positions=None, segments=None, core=multi_head_attention_reference):
     """H(x) = proj(attention(qkv(norm(x)))); qkv rows are [q (heads*hd), k (kv*hd), v (kv*hd)].
+    ``positions`` / ``segments``: the token layout (see :func:`multi_head_attention_reference`);
     ``core``: the attention on the projections (:func:`multi_head_attention_reference`'s contract)."""
     kv_heads = kv_heads or heads
     dim = x.shape[-1]
     head_dim = dim // heads
     n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
     q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    o = core(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta)
+    o = core(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, positions=positions,
+             segments=segments)
     return apply_row_scale(F.linear(o, w_proj, b_proj), row_scale)
 
 
 def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads,
                           kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6, row_scale=None,
-                          scale: ResidualScale | None = None):
+                          scale: ResidualScale | None = None, positions=None, segments=None):
     """``res + sign * norm_attention(x)`` as ``(stream, port)`` (see revtriton.halves.base); a
-    ``scale`` makes it a scaled coupling (streams.couple_output), applied in the couple epilogue."""
+    ``scale`` makes it a scaled coupling (streams.couple_output), applied in the couple epilogue.
+    ``positions`` / ``segments`` [B, T]: padded or packed rows (:func:`sequence_mask`), in every
+    candidate (the Triton kernels mask them without a T x T mask)."""
     kv_heads = kv_heads or heads
     check_attention_shapes(x, w_proj.shape[0], heads, kv_heads)
+    layout = {name: t for name, t in (("positions", positions), ("segments", segments)) if t is not None}
     return run_op("norm_attention", res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj,
                   heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
-                  row_scale=row_scale, **scale_option(scale))
+                  row_scale=row_scale, **scale_option(scale), **layout)
 
 
 # --------------------------------------------------------------------------------------------

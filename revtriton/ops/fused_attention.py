@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
-from .attention import repeat_kv_heads, rope_inv_freq
+from .attention import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .graph import backward_keeps_graph
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -112,11 +112,18 @@ def rope_tables(tokens: int, head_dim: int, theta: float, device):
 
 
 def rope_rotate_reference(t, cos, sin):
-    """t [B, T, heads, D] rotated (rotate-half); cos/sin [T, D/2]."""
+    """t [B, T, heads, D] rotated (rotate-half); cos/sin [T, D/2], or [B, T, D/2] (a table per row)."""
     half = t.shape[-1] // 2
     t1, t2 = t.float()[..., :half], t.float()[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1).to(t.dtype)
+
+
+def rope_tables_at(positions, head_dim: int, theta: float):
+    """cos, sin [B, T, head_dim / 2] fp32 at ``positions`` [B, T] (packed or padded rows): one product
+    per entry, the bits ``ops.attention.rope_cos_sin`` gives at the same positions."""
+    angles = positions.to(torch.float32)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
+    return angles.cos().contiguous(), angles.sin().contiguous()
 
 
 def rope_unrotate_reference(t, cos, sin):
@@ -152,11 +159,30 @@ def _ensure_descriptor_allocator(device: torch.device):
         triton.set_allocator(_descriptor_scratch)
 
 
-def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None):
+def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.Tensor):
+    """(SEG, SELF_UNTIL, stride) kernel arguments of padded / packed rows, ``segments`` [B, T] as
+    :func:`revtriton.ops.attention.sequence_mask` reads them (0: padding, k >= 1: the row's k-th
+    sequence); dummies without. SELF_UNTIL [B]: a padding query before it has no real key to see
+    (causal: the row's first real token; otherwise T when the row has none, else 0), so it sees itself."""
+    if segments is None:
+        return like, like, 0
+    if not isinstance(segments, torch.Tensor) or tuple(segments.shape) != (batch, tokens):
+        raise ValueError(f"segments must be a [{batch}, {tokens}] tensor, got "
+                         f"{tuple(segments.shape) if isinstance(segments, torch.Tensor) else type(segments).__name__}")
+    seg = segments.to(device=like.device, dtype=torch.int32).contiguous()
+    real = seg != 0
+    has_real = real.any(1)
+    first_real = real.to(torch.int32).argmax(1) if causal else torch.zeros_like(has_real, dtype=torch.int64)
+    self_until = torch.where(has_real, first_real, tokens).to(torch.int32).contiguous()
+    return seg, self_until, seg.stride(0)
+
+
+def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
     """Flash attention forward: (o [B, T, H, D], lse [B, H, T] fp32). One launch.
 
     ``out`` (optional) is a [B, T, H, D] tensor to write o into (e.g. a view of the out-projection's
-    input buffer).
+    input buffer). ``segments`` [B, T] (optional): padded / packed rows (see :func:`_segment_args`),
+    masked in the kernel (no T x T mask).
     """
     _check_attention_inputs(q, k, v)
     batch, tokens, heads, head_dim = q.shape
@@ -171,24 +197,26 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_descriptor_allocator(q.device)
     lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
+    seg, self_until, stride_segb = _segment_args(segments, batch, tokens, causal, lse)
     kernels = _attention_kernels()
     grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
     limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
-    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse,
-                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out),
+    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse, seg, self_until,
+                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out), stride_segb,
                     batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
                     HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=bool(causal),
-                    DOT_PRECISION=_dot_precision(q.dtype))
+                    SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
     return out, lse
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
-                  dq=None, dk=None, dv=None):
+                  dq=None, dk=None, dv=None, segments=None):
     """Flash attention backward: (dq, dk, dv). Two launches: dq (with the delta pre-pass fused), then dk/dv.
 
-    Deterministic (no atomics). ``rope=(cos, sin)`` ([T, D/2] fp32): q and k were rotated before
-    attention, so dq and dk are rotated back (the RoPE backward) before they are stored.
-    dq / dk / dv (optional) are tensors to write into (e.g. views of a packed dqkv buffer).
+    Deterministic (no atomics). ``rope=(cos, sin)`` ([T, D/2] fp32, or [B, T, D/2]: one table per
+    batch row, at its positions): q and k were rotated before attention, so dq and dk are rotated
+    back (the RoPE backward) before they are stored. dq / dk / dv (optional) are tensors to write
+    into (e.g. views of a packed dqkv buffer). ``segments``: as :func:`attention_fwd`'s.
     """
     _check_attention_inputs(q, k, v)
     batch, tokens, heads, head_dim = q.shape
@@ -207,13 +235,17 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1:
             raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with unit stride on head_dim")
+    stride_ropeb = 0
     if rope is not None:
         cos, sin = rope
-        if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape:
-            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}], got {tuple(cos.shape)}")
+        if cos.shape not in ((tokens, head_dim // 2), (batch, tokens, head_dim // 2)) or sin.shape != cos.shape:
+            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}] or [{batch}, {tokens}, {head_dim // 2}], "
+                             f"got {tuple(cos.shape)}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        stride_ropeb = cos.stride(0) if cos.dim() == 3 else 0
     else:
         cos = sin = lse  # unused pointers
+    seg, self_until, stride_segb = _segment_args(segments, batch, tokens, causal, lse)
     if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
         q, k, v, do = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v, do))
         _ensure_descriptor_allocator(q.device)
@@ -224,15 +256,16 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
     dkdv_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
     limits.check_grid("attention_bwd", dq_grid({"BLOCK_FIXED": 16}))
     options = dict(HEAD_DIM=head_dim, HEAD_PAD=pad, CAUSAL=bool(causal), ROPE=rope is not None,
-                   DOT_PRECISION=_dot_precision(q.dtype))
+                   SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
     # dq first: it writes delta = rowsum(dO * O), which the dk/dv pass reads.
-    dispatch.launch(kernels.attention_bwd_dq_kernel, dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin,
-                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o), *_strides_bth(do),
-                    *_strides_bth(dq), batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale, **options)
-    dispatch.launch(kernels.attention_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin,
-                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
-                    *_strides_bth(dk), *_strides_bth(dv), batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens),
-                    sm_scale, **options)
+    dispatch.launch(kernels.attention_bwd_dq_kernel, dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin, seg,
+                    self_until, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o),
+                    *_strides_bth(do), *_strides_bth(dq), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
+                    kernels.seq_bucket(tokens), sm_scale, **options)
+    dispatch.launch(kernels.attention_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin, seg,
+                    self_until, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
+                    *_strides_bth(dk), *_strides_bth(dv), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
+                    kernels.seq_bucket(tokens), sm_scale, **options)
     return dq, dk, dv
 
 
@@ -241,25 +274,26 @@ class FlashAttention(torch.autograd.Function):
     core of the library-GEMM candidate (cuBLAS projections, Triton flash attention)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
-        o, lse = attention_fwd(q, k, v, causal=causal)
+    def forward(ctx, q, k, v, causal, segments):
+        o, lse = attention_fwd(q, k, v, causal=causal, segments=segments)
         ctx.causal = causal
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, segments)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, segments = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
-        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, causal=ctx.causal)
-        return dq, dk, dv, None
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, causal=ctx.causal, segments=segments)
+        return dq, dk, dv, None, None
 
 
-def flash_attention(q, k, v, *, causal: bool):
+def flash_attention(q, k, v, *, causal: bool, segments=None):
     """o [B, T, H, D] = softmax(q k^T / sqrt(D)) v with the Triton kernels, differentiable (GQA: k and
-    v have KV heads). Two launches backward, one forward."""
-    return FlashAttention.apply(q, k, v, bool(causal))
+    v have KV heads; ``segments``: padded / packed rows, see :func:`attention_fwd`). Two launches
+    backward, one forward."""
+    return FlashAttention.apply(q, k, v, bool(causal), segments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +308,11 @@ def _sdpa_core(qkv, plan, keep_graph: bool):
     with torch.set_grad_enabled(keep_graph):
         q, k, v = (t.transpose(1, 2) for t in _split_heads(leaf, plan.batch, plan.tokens, plan.heads,
                                                              plan.kv_heads, plan.head_dim))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, enable_gqa=plan.kv_heads != plan.heads)
+        if plan.segments is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, enable_gqa=plan.kv_heads != plan.heads)
+        else:  # (the library path's [B, 1, T, T] mask)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=sequence_mask(plan.segments, plan.causal),
+                                               enable_gqa=plan.kv_heads != plan.heads)
     rows = o.detach().transpose(1, 2).contiguous()
     return rows, ((o, leaf) if keep_graph else None)
 
@@ -337,7 +375,8 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     """One launch: ``rope(n @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in w_qkv's dtype.
 
     n [M, dim]: the normalized rows (``gemm.normalize``) in the GEMM operand dtype, w_qkv's
-    (rows are batch-major tokens, M = B * tokens); rope = (cos, sin) [tokens, D/2] or None.
+    (rows are batch-major tokens, M = B * tokens); rope = (cos, sin) [tokens, D/2] (shared by the
+    sequences), [M, D/2] (a table per row: packed or padded rows' positions) or None.
     """
     if not isinstance(n, torch.Tensor) or n.dim() != 2 or n.stride(1) != 1:
         raise ValueError(f"n must be a 2-D [tokens, dim] tensor with unit column stride, got "
@@ -354,10 +393,13 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
         raise ValueError(f"{M} rows are not a whole number of {tokens}-token sequences")
     if b_qkv is not None and (b_qkv.shape != (N,) or b_qkv.stride(0) != 1):
         raise ValueError(f"b_qkv must be a contiguous [{N}] vector, got {tuple(b_qkv.shape)}")
+    table_rows = tokens
     if rope is not None:
         cos, sin = rope
-        if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
-            raise ValueError(f"rope tables must be fp32 [{tokens}, {head_dim // 2}]")
+        if cos.shape not in ((tokens, head_dim // 2), (M, head_dim // 2)) or sin.shape != cos.shape \
+                or cos.dtype != torch.float32:
+            raise ValueError(f"rope tables must be fp32 [{tokens} or {M}, {head_dim // 2}]")
+        table_rows = cos.shape[0]  # the kernel reads row r's angles at r % table_rows
     out = torch.empty(M, N, device=n.device, dtype=w_qkv.dtype)
     if M == 0:
         return out
@@ -367,7 +409,7 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     column_tiles = lambda meta: triton_cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
     grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
     dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
-                    M, N, dim, tokens, total_heads, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
+                    M, N, dim, table_rows, total_heads, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
                     HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
                     HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype))
@@ -424,10 +466,19 @@ def _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm,
 ATTENTION_CORES = ("triton", "sdpa")
 
 
+def _check_layout(x, positions, segments):
+    for name, t in (("positions", positions), ("segments", segments)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(x.shape[:2])
+                              or t.is_floating_point()):
+            raise ValueError(f"{name} must be an integer [batch, tokens] = {list(x.shape[:2])} tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+
+
 class _Plan:
     """Shapes and switches of one couple call (constant across forward and backward)."""
 
-    def __init__(self, x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core="triton"):
+    def __init__(self, x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core="triton",
+                 positions=None, segments=None):
         if core not in ATTENTION_CORES:
             raise ValueError(f"core must be one of {ATTENTION_CORES}, got {core!r}")
         self.core = core  # the attention core between the two GEMMs: Triton flash kernels or SDPA
@@ -438,8 +489,12 @@ class _Plan:
         self.sign, self.frac_bits = sign, frac_bits
         self.causal, self.norm, self.eps = bool(causal), norm, eps
         self.dot_dtype = dot_dtype
-        self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device)
-                     if rope_theta is not None else None)
+        # RoPE tables [T, D/2] shared by the rows, or [B, T, D/2] at each row's ``positions``
+        self.rope = None
+        if rope_theta is not None:
+            self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device) if positions is None
+                         else rope_tables_at(positions.to(x.device), self.head_dim, rope_theta))
+        self.segments = segments  # [B, T] padded / packed rows (ops.attention.sequence_mask), or None
 
 
 def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale,
@@ -449,14 +504,17 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     x2 = gemm.as_rows(x, plan.dim)
     n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
                                    norm_bias=norm_bias, out_dtype=plan.dot_dtype)
+    rope = plan.rope
+    if rope is not None and rope[0].dim() == 3:  # a table per row (positions): [B * T, D/2]
+        rope = tuple(t.view(plan.rows, -1) for t in rope)
     qkv = qkv_projection(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,              # launch 2
-                         tokens=plan.tokens, rope=plan.rope)
+                         tokens=plan.tokens, rope=rope)
     graph = lse = None
     if plan.core == "sdpa":
         o, graph = _sdpa_core(qkv, plan, keep_graph)
     else:
         q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-        o, lse = attention_fwd(q, k, v, causal=plan.causal)                                     # launch 3
+        o, lse = attention_fwd(q, k, v, causal=plan.causal, segments=plan.segments)             # launch 3
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
     res2 = gemm.as_rows(res, plan.dim)
     stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
@@ -490,7 +548,7 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
         q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
         dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
         attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,         # launches 4, 5
-                      dq=dq, dk=dk, dv=dv)
+                      dq=dq, dk=dk, dv=dv, segments=plan.segments)
     dqkv2 = dqkv.view(rows, -1)
     # QKV projection and the norm: dN = dqkv @ W_qkv, then the norm backward (dgamma / dbeta partials).
     dx = norm_part = None
@@ -556,7 +614,8 @@ class FusedNormAttentionCouple(torch.autograd.Function):
 
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
                                 heads, kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6,
-                                row_scale=None, scale: ResidualScale | None = None, core: str = "triton"):
+                                row_scale=None, scale: ResidualScale | None = None, core: str = "triton",
+                                positions=None, segments=None):
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
     Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``
@@ -565,6 +624,8 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     RoPE epilogue) -> flash attention -> out-projection GEMM (bias, row_scale, residual +/- or
     the exact int32 add, the coupling scale): 4 launches. ``core="sdpa"`` runs the attention core
     with SDPA instead of the Triton flash kernels (the GEMMs stay fused; ops.backend races both).
+    ``positions`` [B, T] (RoPE positions, default 0..T-1) and ``segments`` [B, T] (padded / packed
+    rows, ``ops.attention.sequence_mask``'s): the token layout, in the kernels (no T x T mask).
     Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
     attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
     with fp32 accumulation.
@@ -577,7 +638,9 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
     scale = check_residual_scale(scale, sign, frac_bits, res)
     dot_dtype = _compute_dtype(x, w_qkv)
-    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core)
+    _check_layout(x, positions, segments)
+    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core, positions,
+                 segments)
     if row_scale is not None:
         row_scale = row_scale.reshape(plan.rows).to(torch.float32).contiguous()
     # Weights in the operand dtype (a no-op without autocast); autograd takes the cast back.
