@@ -305,13 +305,15 @@ def test_padded_packed_and_generated_outputs_are_the_library_models(family, seed
 @pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
 @pytest.mark.parametrize("family", ["gpt2", "llama", "neox_sequential"])
 @pytest.mark.parametrize("rows", ["left-padded", "packed"])
-def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, seeded):
+@pytest.mark.parametrize("exact", [False, True])
+def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, exact, seeded):
     """The attention halves hand the token layout to the fused op: its Triton kernels (interpreter)
     mask padded or packed rows and rotate at each row's positions, with the reference path's loss
-    and gradients (the same model both ways, float32 float streams)."""
+    and gradients (the same model both ways). Exact streams: the engine's checksums compare every
+    rebuilt block input with the forward's (a rebuild off by one bit raises)."""
     from revtriton.ops.dispatch import count_launches, force_triton
 
-    model = revify(BUILDERS[family](seeded), exact=False).train()
+    model = revify(BUILDERS[family](seeded), exact=exact).train()
     seqs = sequences()
     if rows == "packed":
         ids, positions = packed(seqs)
@@ -328,5 +330,8 @@ def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, seeded):
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], launches.total()))
     (loss, grads, launched), (ref_loss, ref_grads, ref_launched) = results
     assert launched > 0 and ref_launched == 0
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref_grads)) <= 1e-4
+    # exact: the two paths' half outputs round to the 2**-16 grid apart where they differ in the last bit
+    # (1e-4 of a gradient's size measured; a mask or RoPE bug moves them by > 1e-1)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4 if exact else 1e-5, atol=0)
+    bound = 2e-3 if exact else 1e-4
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref_grads)) <= bound
