@@ -116,8 +116,7 @@ def _post_norm_layer(model: nn.Module) -> str | None:
     """The class name of a BERT-style post-norm sublayer output (``LayerNorm(dropout(dense(h)) + input)``)
     inside ``model``, or None."""
     for module in model.modules():
-        if type(module).__name__.endswith(("SelfOutput", "Output")) and isinstance(getattr(module, "LayerNorm", None),
-                                                                                  nn.LayerNorm):
+        if type(module).__name__.endswith("Output") and isinstance(getattr(module, "LayerNorm", None), nn.LayerNorm):
             return type(module).__name__
     return None
 
