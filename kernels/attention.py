@@ -391,11 +391,11 @@ def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL,
         lo_q = offs_m
         hi_q = offs_m
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q,
-                               False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
+                               hi_q, False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q,
-                               True, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
+                               hi_q, True, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
 
     acc = acc / l_i[:, None]
     store_tile(O + b64 * stride_ob + h.to(tl.int64) * stride_oh + m0 * stride_ot, rows, stride_ot, lanes, row_ok,

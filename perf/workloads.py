@@ -116,7 +116,8 @@ def _couple(m: Model, half: str, params: dict):
             params["b2"], norm=m.norm, activation=m.activation, row_scale=row_scale, scale=scale)
     layout = {}
     if m.packed:
-        layout = {name: torch.empty(m.batch, m.seq, device="meta", dtype=torch.long) for name in ("positions", "segments")}
+        layout = {name: torch.empty(m.batch, m.seq, device="meta", dtype=torch.long)
+                  for name in ("positions", "segments")}
     return lambda res, x, sign, frac, scale: fused_attention.fused_norm_attention_couple(
         res, x, sign, frac, params["norm_weight"], params["norm_bias"], params["w_qkv"], params["b_qkv"],
         params["w_proj"], params["b_proj"], heads=m.heads, kv_heads=m.kv_heads, causal=m.causal,

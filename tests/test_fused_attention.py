@@ -123,12 +123,13 @@ def test_attention_with_very_negative_scores_stays_finite(seeded, tokens, causal
     o, lse = fa.attention_fwd(q, k, v, causal=causal)
     do = torch.randn_like(o)
     grads = fa.attention_bwd(q, k, v, o, lse, do, causal=causal)
-    ref_o, ref_lse = fa.attention_fwd_reference(q, k, v, causal=causal)
+    q64, k64, v64 = q.double(), k.double(), v.double()  # an fp32 reference is itself 1e-3 off here
+    ref_o, ref_lse = fa.attention_fwd_reference(q64, k64, v64, causal=causal)
     assert lse.max().item() < -100
-    # fp32 logits of ~150 carry ~1e-5 absolute error in either implementation: a looser bar.
+    # fp32 logits of ~150 carry ~1e-5 absolute error: a looser bar (2.1e-5 measured over 30 seeds).
     assert torch.isfinite(o).all() and rel_err(o, ref_o) <= 1e-4
-    for g, r in zip(grads, fa.attention_bwd_reference(q, k, v, do, causal=causal)):
-        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-3
+    for g, r in zip(grads, fa.attention_bwd_reference(q64, k64, v64, do.double(), causal=causal)):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-4
 
 
 def test_attention_launches(seeded):

@@ -320,7 +320,8 @@ def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, exact, seede
         batch = dict(input_ids=ids, position_ids=positions, labels=ids)
     else:
         ids, mask, positions = padded(seqs, "left")
-        batch = dict(input_ids=ids, attention_mask=mask, position_ids=positions, labels=ids.masked_fill(mask == 0, -100))
+        batch = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
+                     labels=ids.masked_fill(mask == 0, -100))
     results = []
     for fused in (True, False):
         model.zero_grad(set_to_none=True)

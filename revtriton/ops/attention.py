@@ -21,13 +21,9 @@ import torch.nn.functional as F
 
 from . import backend
 from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
-from .reference import apply_row_scale, normalize_reference
+from .reference import (apply_row_scale, normalize_reference, packed_segments,  # noqa: F401 (re-exported)
+                        repeat_kv_heads, rope_inv_freq, see_self_if_empty, sequence_mask)
 from .streams import ResidualScale, library_couple_output
-
-
-def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
-    """RoPE's inverse frequencies [head_dim / 2], fp32: ``theta ** (-2i / head_dim)``."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None,
@@ -49,41 +45,6 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.
     if scale != 1.0:
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-# -- token layouts: padding masks and packed sequences -------------------------------------------
-
-
-def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
-    """Sequence numbers (1, 2, ...) [B, T] of packed rows: a sequence starts wherever a position is
-    not its predecessor + 1 (Hugging Face's rule for DataCollatorWithFlattening's position_ids)."""
-    first = position_ids[:, :1] - 1
-    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1) + 1
-
-
-def sequence_mask(segments: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
-    """Boolean attention mask [B, 1, T, T] from ``segments`` [B, T] (0: padding, k >= 1: the k-th
-    sequence of the row): a token sees the keys of its own sequence (causally when ``causal``), never
-    padding; a padding query sees every real key (causally), as the library's padding masks hide keys
-    only, so a loss read at padding positions matches theirs. A query with no key left (left padding's
-    first positions) sees itself, so its row stays finite. ``window`` (sliding-window attention,
-    Mistral's): a query sees only the ``window`` latest keys, itself included."""
-    padding_query = (segments == 0)[:, None, :, None]
-    same = segments[:, None, :, None] == segments[:, None, None, :]
-    allowed = (same | padding_query) & (segments != 0)[:, None, None, :]
-    tokens = segments.shape[-1]
-    if causal:
-        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).tril_()
-    if window is not None:
-        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).triu_(1 - window)
-    return _see_self_if_empty(allowed)
-
-
-def _see_self_if_empty(allowed: torch.Tensor) -> torch.Tensor:
-    """Rows [..., T_q, T_k] with no allowed key see their own position (the last T_q keys)."""
-    queries, keys = allowed.shape[-2:]
-    own = torch.arange(keys - queries, keys, device=allowed.device)[:, None] == torch.arange(keys, device=allowed.device)
-    return allowed | (own & ~allowed.any(-1, keepdim=True))
 
 
 def apply_rope_reference(t, cos, sin):
@@ -125,10 +86,6 @@ def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_fr
             q, k = (torch.cat([apply_rope_reference(t[..., :rotated], cos, sin), t[..., rotated:]], dim=-1)
                     for t in (q, k))
     return q, k, v
-
-
-def repeat_kv_heads(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_theta=None, dropout=0.0,
@@ -186,7 +143,7 @@ def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=N
     key_index = torch.arange(keys, device=q.device)[None, :]
     mask = (key_index <= query_index)[None, None]
     if key_valid is not None:  # padding keys hidden; a query left with none sees itself (finite rows)
-        mask = _see_self_if_empty(mask & key_valid[:, None, None, :].bool())
+        mask = see_self_if_empty(mask & key_valid[:, None, None, :].bool())
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
-from .attention import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .graph import backward_keeps_graph
+from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
 
@@ -239,8 +239,8 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
     if rope is not None:
         cos, sin = rope
         if cos.shape not in ((tokens, head_dim // 2), (batch, tokens, head_dim // 2)) or sin.shape != cos.shape:
-            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}] or [{batch}, {tokens}, {head_dim // 2}], "
-                             f"got {tuple(cos.shape)}")
+            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}] or [{batch}, {tokens}, "
+                             f"{head_dim // 2}], got {tuple(cos.shape)}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         stride_ropeb = cos.stride(0) if cos.dim() == 3 else 0
     else:

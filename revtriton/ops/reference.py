@@ -51,3 +51,50 @@ def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, *, eps=1e-6, row_
     """H(x) = down(silu(gate(n)) * up(n)) with n = rmsnorm(x) (LLaMA's MLP)."""
     n = normalize_reference(x, norm_weight, None, norm="rms", eps=eps)
     return apply_row_scale(F.linear(F.silu(F.linear(n, w_gate)) * F.linear(n, w_up), w_down), row_scale)
+
+
+# -- attention: RoPE frequencies, grouped-query heads, token layouts -----------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2], fp32: ``theta ** (-2i / head_dim)``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def repeat_kv_heads(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+# -- token layouts: padding masks and packed sequences -------------------------------------------
+
+
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sequence numbers (1, 2, ...) [B, T] of packed rows: a sequence starts wherever a position is
+    not its predecessor + 1 (Hugging Face's rule for DataCollatorWithFlattening's position_ids)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1) + 1
+
+
+def sequence_mask(segments: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
+    """Boolean attention mask [B, 1, T, T] from ``segments`` [B, T] (0: padding, k >= 1: the k-th
+    sequence of the row): a token sees the keys of its own sequence (causally when ``causal``), never
+    padding; a padding query sees every real key (causally), as the library's padding masks hide keys
+    only, so a loss read at padding positions matches theirs. A query with no key left (left padding's
+    first positions) sees itself, so its row stays finite. ``window`` (sliding-window attention,
+    Mistral's): a query sees only the ``window`` latest keys, itself included."""
+    padding_query = (segments == 0)[:, None, :, None]
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    allowed = (same | padding_query) & (segments != 0)[:, None, None, :]
+    tokens = segments.shape[-1]
+    if causal:
+        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).tril_()
+    if window is not None:
+        allowed &= torch.ones(tokens, tokens, dtype=torch.bool, device=segments.device).triu_(1 - window)
+    return see_self_if_empty(allowed)
+
+
+def see_self_if_empty(allowed: torch.Tensor) -> torch.Tensor:
+    """Rows [..., T_q, T_k] with no allowed key see their own position (the last T_q keys)."""
+    queries, keys = allowed.shape[-2:]
+    own = torch.arange(keys - queries, keys, device=allowed.device)[:, None] == torch.arange(keys, device=allowed.device)
+    return allowed | (own & ~allowed.any(-1, keepdim=True))
