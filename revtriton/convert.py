@@ -38,9 +38,9 @@ from torch import nn
 from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
-from .ops.attention import (decode_attention_reference, multi_head_attention_reference, norm_attention_couple,
-                            packed_segments, rope_inv_freq)
+from .ops.attention import decode_attention_reference, multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
+from .ops.reference import packed_segments, rope_inv_freq
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
@@ -1617,37 +1617,31 @@ class _RevifiedGPT2Model(_NoCheckpointing):
 
 
 class _RevifiedLlamaModel(_NoCheckpointing):
-    """LlamaModel (and Mistral / Qwen2 / Qwen3) forward over a reversible stack: embeddings -> stack -> norm (no cache; position_ids,
-    padding masks and packed rows through the attention halves' conditioning)."""
+    """LlamaModel (and Mistral / Qwen2 / Qwen3 / Gemma / Phi-3) forward over a reversible stack:
+    embeddings -> stack -> final norm; position_ids, padding masks and packed rows reach the
+    attention halves as their conditioning, a KV cache while decoding. Subclasses name their parts."""
+
+    _embed, _embed_dropout, _final_norm = "embed_tokens", None, "norm"
 
     def forward(self, input_ids=None, *args, **kwargs):
         name = type(self).__name__.removeprefix("Revified")  # LlamaModel, MistralModel, ...
         if args:
             raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
         _check_hf_inputs(name, kwargs)
-        hidden = _embeddings_input(self, input_ids, kwargs, self.embed_tokens)
+        hidden = _embeddings_input(self, input_ids, kwargs, getattr(self, self._embed))
         decoding = _generation_cache(self, name, hidden, kwargs)
         layout = None if decoding else _token_layout(name, hidden, kwargs, rope=True)
+        if self._embed_dropout is not None:
+            hidden = getattr(self, self._embed_dropout)(hidden)
         with _decoding(self.layers, decoding):
-            hidden, states = _run_layers(self.layers, hidden, self.norm, kwargs, layout)
+            hidden, states = _run_layers(self.layers, hidden, getattr(self, self._final_norm), kwargs, layout)
         return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
 
 
-class _RevifiedNeoXModel(_NoCheckpointing):
-    """GPTNeoXModel forward over a reversible stack: embed_in -> emb_dropout -> stack ->
-    final_layer_norm (position_ids, padding masks and packed rows through the attention halves'
-    conditioning; a KV cache when decoding)."""
+class _RevifiedNeoXModel(_RevifiedLlamaModel):
+    """GPTNeoXModel: embed_in -> emb_dropout -> stack -> final_layer_norm."""
 
-    def forward(self, input_ids=None, *args, **kwargs):
-        if args:
-            raise TypeError("revified GPTNeoXModel: pass arguments other than input_ids by keyword")
-        _check_hf_inputs("GPTNeoXModel", kwargs)
-        hidden = _embeddings_input(self, input_ids, kwargs, self.embed_in)
-        decoding = _generation_cache(self, "GPTNeoXModel", hidden, kwargs)
-        layout = None if decoding else _token_layout("GPTNeoXModel", hidden, kwargs, rope=True)
-        with _decoding(self.layers, decoding):
-            hidden, states = _run_layers(self.layers, self.emb_dropout(hidden), self.final_layer_norm, kwargs, layout)
-        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
+    _embed, _embed_dropout, _final_norm = "embed_in", "emb_dropout", "final_layer_norm"
 
 
 class _RevifiedHFViTModel(_NoCheckpointing):

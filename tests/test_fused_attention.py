@@ -217,12 +217,27 @@ def make_half_params(dim, heads, kv_heads, norm, bias, dtype=torch.float32):
     return {k: (v.requires_grad_(True) if v is not None else None) for k, v in p.items()}
 
 
+def half_args(params):
+    """make_half_params' tensors in norm_attention_couple's order."""
+    return [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+
+
+def couple_inputs(batch, tokens, dim, frac_bits):
+    """(x, res, g) of one couple call: ``res`` a float stream that requires grad (frac_bits None) or an
+    int32 exact one; ``g`` the stream's gradient."""
+    x = torch.randn(batch, tokens, dim, requires_grad=True)
+    if frac_bits is None:
+        res = torch.randn(batch, tokens, dim, requires_grad=True)
+    else:
+        res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
+    return x, res, torch.randn(batch, tokens, dim)
+
+
 def couple_both_ways(res, x, sign, frac_bits, params, g, **kwargs):
     """(stream, grads) on the Triton path (forced, interpreter) and on the reference path."""
     from revtriton.ops.attention import norm_attention_couple
 
-    args = (params["norm_weight"], params["norm_bias"], params["w_qkv"], params["b_qkv"], params["w_proj"],
-            params["b_proj"])
+    args = half_args(params)
     leaves = [t for t in (res, x, *args) if t is not None and t.requires_grad]
     out = []
     for triton_path in (True, False):
@@ -267,12 +282,7 @@ def test_fused_half_at_a_padded_head_dim_matches_reference(seeded, frac_bits):
     """Phi-style head dim 80 (tiles 128 wide, lanes past 80 masked), GQA 2, RoPE, causal."""
     batch, tokens, heads, kv_heads, dim = 2, 19, 2, 1, 160
     params = make_half_params(dim, heads, kv_heads, "rms", True)
-    x = torch.randn(batch, tokens, dim, requires_grad=True)
-    if frac_bits is None:
-        res = torch.randn(batch, tokens, dim, requires_grad=True)
-    else:
-        res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
-    g = torch.randn(batch, tokens, dim)
+    x, res, g = couple_inputs(batch, tokens, dim, frac_bits)
     options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=500.0, norm="rms")
     (s, grads, nf, nb), (s_ref, grads_ref, _, _) = couple_both_ways(res, x, 1, frac_bits, params, g, **options)
     assert nf == 4 and nb <= 10
@@ -304,7 +314,7 @@ def test_fused_half_exact_matches_reference(seeded, tokens, causal, heads, kv_he
     # The exact inverse: subtracting the same half gives back res bitwise.
     from revtriton.ops.attention import norm_attention_couple
 
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     with force_triton(), torch.no_grad():
         back, port = norm_attention_couple(s, x, -1, frac_bits, *args, heads=heads, kv_heads=kv_heads,
                                            causal=causal, rope_theta=rope_theta, norm=norm)
@@ -313,7 +323,7 @@ def test_fused_half_exact_matches_reference(seeded, tokens, causal, heads, kv_he
 
 def _scaled_attention_setup(batch=1, tokens=9, heads=2, kv_heads=1, dim=64):
     params = make_half_params(dim, heads, kv_heads, "rms", False)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms")
     return args, options, torch.randn(batch, tokens, dim)
 
@@ -404,7 +414,7 @@ def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded, monkeypatch):
     operands = launch_operand_dtypes(monkeypatch, fa)
 
     params = make_half_params(64, 4, 2, "rms", False)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     x = torch.randn(2, 9, 64, requires_grad=True)
     res = torch.randn(2, 9, 64)
     kwargs = dict(heads=4, kv_heads=2, causal=True, rope_theta=10000.0, norm="rms")
@@ -549,7 +559,7 @@ def test_unsupported_head_dim_falls_back_to_the_reference_with_one_warning(seede
     from revtriton.ops.attention import norm_attention_couple
 
     params = make_half_params(88, 2, 2, "layer", True)  # 2 heads of 44
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     x, res = torch.randn(2, 5, 88), torch.randn(2, 5, 88)
     backend._warned_unsupported.clear()
     with force_triton(), count_launches() as launches, pytest.warns(RuntimeWarning, match="does not support"):
@@ -580,7 +590,7 @@ def run_candidate(name, *args, **options):
 def test_sub_op_mixes_match_the_reference(seeded, mix, tokens, causal, heads, kv_heads, rope_theta, norm, bias):
     batch, dim = 2, 64
     params = make_half_params(dim, heads, kv_heads, norm, bias)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     x = torch.randn(batch, tokens, dim, requires_grad=True)
     res = torch.randn(batch, tokens, dim, requires_grad=True)
     g = torch.randn(batch, tokens, dim)
@@ -605,7 +615,7 @@ def test_sub_op_mixes_are_exact_couples(seeded, mix):
     and two runs are bitwise equal (what the exact-mode race checks before it times a candidate)."""
     batch, tokens, heads, kv_heads, dim, frac_bits = 2, 9, 4, 2, 64, 16
     params = make_half_params(dim, heads, kv_heads, "rms", False)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     x = torch.randn(batch, tokens, dim)
     res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
     options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms")
@@ -621,7 +631,7 @@ def test_sub_op_mixes_are_exact_couples(seeded, mix):
 
 def test_sdpa_core_graph_is_kept_for_retain_graph_and_freed_otherwise(seeded):
     params = make_half_params(64, 4, 2, "layer", True)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     x = torch.randn(2, 9, 64, requires_grad=True)
     res = torch.randn(2, 9, 64)
     with force_triton():
@@ -685,7 +695,7 @@ def test_every_candidate_takes_the_token_layout(seeded, candidate, frac_bits):
     the fused ones (Triton kernels under the interpreter) against the torch reference."""
     batch, tokens, heads, kv_heads, dim = 2, 19, 4, 2, 64
     params = make_half_params(dim, heads, kv_heads, "rms", False)
-    args = [params[k] for k in ("norm_weight", "norm_bias", "w_qkv", "b_qkv", "w_proj", "b_proj")]
+    args = half_args(params)
     segments = torch.tensor([[1] * 6 + [2] * 9 + [3] * 4, [1] * 12 + [0] * 7])
     # (restarting positions leave packed rows' scores as they are, RoPE being relative: the padded row
     # takes arbitrary ones, which only a rotation at the given positions matches)
@@ -693,12 +703,7 @@ def test_every_candidate_takes_the_token_layout(seeded, candidate, frac_bits):
                              torch.randint(0, 50, (tokens,))])
     options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms", positions=positions,
                    segments=segments)
-    x = torch.randn(batch, tokens, dim, requires_grad=True)
-    if frac_bits is None:
-        res = torch.randn(batch, tokens, dim, requires_grad=True)
-    else:
-        res = torch.randint(-2**24, 2**24, (batch, tokens, dim), dtype=torch.int32)
-    g = torch.randn(batch, tokens, dim)
+    x, res, g = couple_inputs(batch, tokens, dim, frac_bits)
     leaves = [t for t in (res, x, *args) if t is not None and t.requires_grad]
     results = []
     for name in (candidate, "torch"):

@@ -106,9 +106,7 @@ def attention_bwd_reference(q, k, v, do, *, causal: bool, sm_scale: float | None
 
 def rope_tables(tokens: int, head_dim: int, theta: float, device):
     """cos, sin [tokens, head_dim / 2] fp32 (rotate-half RoPE; both halves share the angles)."""
-    inv_freq = rope_inv_freq(head_dim, theta, device)
-    angles = torch.outer(torch.arange(tokens, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos().contiguous(), angles.sin().contiguous()
+    return rope_tables_at(torch.arange(tokens, device=device), head_dim, theta)
 
 
 def rope_rotate_reference(t, cos, sin):
@@ -120,8 +118,8 @@ def rope_rotate_reference(t, cos, sin):
 
 
 def rope_tables_at(positions, head_dim: int, theta: float):
-    """cos, sin [B, T, head_dim / 2] fp32 at ``positions`` [B, T] (packed or padded rows): one product
-    per entry, the bits ``ops.attention.rope_cos_sin`` gives at the same positions."""
+    """cos, sin [..., head_dim / 2] fp32 at integer ``positions`` [...] ([T], or [B, T] for packed or
+    padded rows): one product per entry, the bits ``ops.attention.rope_cos_sin`` gives there."""
     angles = positions.to(torch.float32)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
     return angles.cos().contiguous(), angles.sin().contiguous()
 
@@ -308,11 +306,10 @@ def _sdpa_core(qkv, plan, keep_graph: bool):
     with torch.set_grad_enabled(keep_graph):
         q, k, v = (t.transpose(1, 2) for t in _split_heads(leaf, plan.batch, plan.tokens, plan.heads,
                                                              plan.kv_heads, plan.head_dim))
-        if plan.segments is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=plan.causal, enable_gqa=plan.kv_heads != plan.heads)
-        else:  # (the library path's [B, 1, T, T] mask)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=sequence_mask(plan.segments, plan.causal),
-                                               enable_gqa=plan.kv_heads != plan.heads)
+        # padded / packed rows: the library path's [B, 1, T, T] mask (causal inside it)
+        mask = None if plan.segments is None else sequence_mask(plan.segments, plan.causal)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plan.causal and mask is None,
+                                           enable_gqa=plan.kv_heads != plan.heads)
     rows = o.detach().transpose(1, 2).contiguous()
     return rows, ((o, leaf) if keep_graph else None)
 
@@ -593,11 +590,9 @@ class FusedNormAttentionCouple(torch.autograd.Function):
         if g is None:
             return (None, grad_res) + (None,) * 9
         # SDPA's graph (SDPA core) is dropped once used unless the backward keeps the graph.
+        # (A second backward without retain_graph fails above, on the freed saved tensors.)
         retain = backward_keeps_graph()
         sdpa_graph = ctx.sdpa_graph
-        if plan.core == "sdpa" and sdpa_graph is None:
-            raise RuntimeError("revtriton: the fused attention half's backward ran a second time after its first "
-                               "freed the graph; pass retain_graph=True to the first backward")
         if not retain:
             ctx.sdpa_graph = None
         need = ctx.needs_input_grad
