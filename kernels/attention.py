@@ -56,7 +56,7 @@ def seq_bucket(seq_len: int) -> int:
     return min(max(triton.next_power_of_2(seq_len), 16), 8192)
 
 
-def _fwd(bm, bn, warps, stages, tma):
+def _fwd(bm, bn, warps, stages, tma=False):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=warps, num_stages=stages)
 
 
@@ -106,6 +106,18 @@ DQ_CONFIGS = {
     (80, 128): [_bwd(64, 32, 4, 2), _bwd(32, 32, 4, 2)],
     (80, 256): [_bwd(32, 16, 4, 1)],
 }
+# fp32 operands (a model run without autocast; tl.dot takes them as tf32): the tiles above hold
+# 2-byte elements, and at 4 bytes their pipelined K / V stages overflow shared memory (seen on an
+# H200: 458784 bytes asked at head dim 80, 232448 there). These fit sm_80's 163 KB at every head
+# dim with pointer loads and 2 stages (tests/test_static.py compiles them); fp32 attention is a
+# correctness path, not a tuned one.
+for _table, _configs in ((FWD_CONFIGS, {64: [_fwd(64, 64, 4, 2)], 128: [_fwd(64, 32, 4, 2)],
+                                        256: [_fwd(32, 16, 4, 2)]}),
+                         (DKDV_CONFIGS, {64: [_bwd(64, 32, 4, 2)], 128: [_bwd(64, 16, 4, 2)],
+                                         256: [_bwd(32, 16, 4, 2)]}),
+                         (DQ_CONFIGS, {64: [_bwd(64, 32, 4, 2)], 128: [_bwd(64, 16, 4, 2)],
+                                       256: [_bwd(32, 16, 4, 2)]})):
+    _table.update({("fp32", bucket): configs for bucket, configs in _configs.items()})
 # The interpreter runs programs serially: small tiles, one config (no autotune without a GPU);
 # tests/test_tiles.py runs every table shape, both load paths, by pinning it.
 FWD_CONFIG_INTERPRETER = _fwd(32, 32, 4, 1, True)
@@ -113,9 +125,10 @@ DKDV_CONFIG_INTERPRETER = _bwd(32, 16, 4, 1, True)
 DQ_CONFIG_INTERPRETER = _bwd(16, 32, 4, 1, True)
 
 
-def _table_key(head_dim, arch):
+def _table_key(head_dim, arch, element_size=2):
+    """A table's key: (arch, head-dim bucket), or ("fp32", bucket) for 4-byte operands on any arch."""
     bucket = 64 if head_dim is None or head_dim <= 64 else 128 if head_dim <= 128 else 256
-    return (90 if arch >= 90 else 80, bucket)
+    return ("fp32", bucket) if element_size == 4 else (90 if arch >= 90 else 80, bucket)
 
 
 def config_key(config):
@@ -132,26 +145,26 @@ def _union(table):
     return out
 
 
-def fwd_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+def fwd_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
     """Forward configs (BLOCK_M query rows per program, BLOCK_N keys per step, USE_TMA) for (head
     dim, arch); both None: the union the kernel is decorated with."""
     if INTERPRET:
         return [FWD_CONFIG_INTERPRETER]
-    return _union(FWD_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch)]
+    return _union(FWD_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
-def dkdv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+def dkdv_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
     """dk/dv pass configs (BLOCK_FIXED keys a program owns, BLOCK_STREAM queries a loop step)."""
     if INTERPRET:
         return [DKDV_CONFIG_INTERPRETER]
-    return _union(DKDV_CONFIGS) if arch is None else DKDV_CONFIGS[_table_key(head_dim, arch)]
+    return _union(DKDV_CONFIGS) if arch is None else DKDV_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
-def dq_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+def dq_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
     """dq pass configs (BLOCK_FIXED queries a program owns, BLOCK_STREAM keys a loop step)."""
     if INTERPRET:
         return [DQ_CONFIG_INTERPRETER]
-    return _union(DQ_CONFIGS) if arch is None else DQ_CONFIGS[_table_key(head_dim, arch)]
+    return _union(DQ_CONFIGS) if arch is None else DQ_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
 def device_arch() -> int:
@@ -161,12 +174,14 @@ def device_arch() -> int:
 
 
 def prune_by_table(lister):
-    """early_config_prune: keep the configs listed for the running device and the HEAD_DIM."""
+    """early_config_prune: keep the configs listed for the running device, the HEAD_DIM and the
+    operands' element size (the kernel's first argument is its first operand)."""
 
     def prune(configs, named_args, **kwargs):
         if len(configs) <= 1:
             return configs
-        wanted = {config_key(c) for c in lister(kwargs["HEAD_DIM"], device_arch())}
+        element_size = next(iter(named_args.values())).element_size()
+        wanted = {config_key(c) for c in lister(kwargs["HEAD_DIM"], device_arch(), element_size)}
         return [c for c in configs if config_key(c) in wanted] or configs[:1]
 
     return prune

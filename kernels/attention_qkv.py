@@ -37,14 +37,17 @@ QKV_CONFIGS = {
     (80, 128): [_qkv(128, 32, 1, 8, 3), _qkv(64, 32, 1, 4, 4)],
     (80, 256): [_qkv(64, 32, 1, 8, 3)],
 }
+# fp32 operands (see kernels/attention.py's fp32 tables): narrower K steps, fewer stages.
+QKV_CONFIGS.update({("fp32", 64): [_qkv(64, 32, 2, 4, 3)], ("fp32", 128): [_qkv(64, 32, 1, 4, 3)],
+                    ("fp32", 256): [_qkv(64, 32, 1, 4, 2)]})
 QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "HEADS_PER_TILE": 2, "GROUP_M": 4},
                                        num_warps=4, num_stages=1)
 
 
-def qkv_configs(head_dim: int | None = None, arch: int | None = None) -> list:
+def qkv_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
     if INTERPRET:
         return [QKV_CONFIG_INTERPRETER]
-    return _union(QKV_CONFIGS) if arch is None else QKV_CONFIGS[_table_key(head_dim, arch)]
+    return _union(QKV_CONFIGS) if arch is None else QKV_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
 @triton.autotune(configs=qkv_configs(), key=["M_BUCKET", "N", "K", "HEAD_DIM", "ROPE"],

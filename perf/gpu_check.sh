@@ -15,7 +15,9 @@
 #               required), print the plan (steps, time caps, commands); exit 0, or 1 when a
 #               requirement fails
 #
-# Environment: PYTHON (default: python3), GPU_CHECK_BUDGET_S (default 470: total seconds).
+# Environment: PYTHON (default: python3), GPU_CHECK_BUDGET_S (default 470: total seconds),
+# GPU_CHECK_STEPS (default: all; a comma-separated subset of the step names below, e.g.
+# "gpu-tests,kernels": a short lease runs the steps that matter first and the rest in a second call).
 set -u
 
 usage() {
@@ -158,8 +160,13 @@ EOF
 
 # name | time cap (s) | command (run from the repository root; $OUT is the output folder, $TL the
 # sweep's own time limit: the step's cap less 30 s, so it writes its results before the cap)
+# The GPU tests compile many kernel variants: with pytest-xdist, Triton's compiles run on 8 processes
+# (the timing test runs alone afterwards: it compares two paths' speed and needs a quiet GPU).
+if "$py" -c "import xdist" > /dev/null 2>&1; then parallel="-n 8"; else parallel=""; fi
+if "$py" -c "import pytest_timeout" > /dev/null 2>&1; then per_test="--timeout 120"; else per_test=""; fi
+timing_test="test_dispatch_choice_is_at_least_098_of_the_faster_path"
 steps=(
-    "gpu-tests|110|$py -m pytest -m gpu -q -p no:cacheprovider --junitxml=\$OUT/gpu-tests.xml tests"
+    "gpu-tests|170|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k 'not $timing_test' --junitxml=\$OUT/gpu-tests.xml tests; a=\$?; $py -m pytest -m gpu -q -p no:cacheprovider $per_test -k $timing_test --junitxml=\$OUT/gpu-timing-test.xml tests; b=\$?; [ \$a -eq 0 ] && exit \$b; exit \$a"
     "autotune|60|$py -m perf.autotune --presets vit-b,gpt2 --dtypes bf16"
     "sweep|100|$py -m perf.sweep --suite short --time-limit \$TL --out \$OUT/sweep --tag short --no-progress"
     "kernels|80|$py -m perf.kernels --out \$OUT/kernels"
@@ -171,6 +178,21 @@ steps=(
     # Last: it gets what time is left.
     "dispatch|60|$py -m perf.kernels --dispatch-only --out \$OUT/dispatch"
 )
+
+# GPU_CHECK_STEPS: keep the named steps (in the order above); an unknown name is an error.
+if [ -n "${GPU_CHECK_STEPS:-}" ]; then
+    known=" "
+    for step in "${steps[@]}"; do known+="${step%%|*} "; done
+    IFS=',' read -r -a wanted <<< "$GPU_CHECK_STEPS"
+    for name in "${wanted[@]}"; do
+        case "$known" in *" $name "*) ;; *) echo "gpu_check: unknown step '$name' in GPU_CHECK_STEPS (steps:$known)" >&2; exit 2 ;; esac
+    done
+    kept=()
+    for step in "${steps[@]}"; do
+        case ",$GPU_CHECK_STEPS," in *",${step%%|*},"*) kept+=("$step") ;; esac
+    done
+    steps=("${kept[@]}")
+fi
 
 if [ "$dry_run" = 1 ]; then
     echo "gpu_check requirements (dry run, checked now):"

@@ -45,6 +45,7 @@ class Model:
     halves: tuple = ("mlp", "attention")
     coupling_scale: float | None = None  # a scaled coupling's residual factor (2**-s: exact streams too)
     packed: bool = False  # packed / padded rows: segments and per-row RoPE positions in the attention kernels
+    autocast: bool = True  # False: fp32 operands (a model trained without autocast)
 
     @property
     def norm(self) -> str:
@@ -81,6 +82,11 @@ COVERAGE = (
           halves=("attention",), packed=True),
 )
 MODELS = {m.name: m for m in PRODUCTION + COVERAGE}
+# fp32 operands at every attention head-dim bucket (80: padded to 128), for the shared-memory fit of
+# the attention kernels' fp32 tables (``python -m perf.static --fp32-fit``; not gated otherwise:
+# fp32 attention is a correctness path, not a tuned one).
+FP32_ATTENTION = tuple(Model(f"fp32_hd{d}", 4 * d, 8 * d, 4, 2, "swiglu", True, 256, 2, rope=True, production=False,
+                             halves=("attention",), autocast=False) for d in (64, 80, 256))
 
 
 def _param(*shape, device="meta"):
@@ -146,7 +152,7 @@ def half_launches(m: Model, half: str, exact: bool = True) -> dict:
     res = torch.empty(shape, device="meta", dtype=torch.int32 if exact else torch.float32)
     x = torch.empty(shape, device="meta", dtype=torch.float32)
     forward_scale, rebuild_scale = _coupling_scales(m, res, exact)
-    with aot.recording_launches() as launches:
+    with aot.recording_launches(torch.bfloat16 if m.autocast else None) as launches:
         with torch.no_grad():
             couple(res, x, 1, frac, forward_scale)
         forward = len(launches)

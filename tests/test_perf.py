@@ -10,6 +10,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +43,10 @@ def _env():
     return env
 
 
-def _run(args, timeout):
+def _run(args, timeout, env=None):
     # PYTHON: gpu_check.sh runs this interpreter (the test's venv), not whatever "python" is on PATH.
-    return subprocess.run(args, cwd=REPO, env=dict(_env(), PYTHON=sys.executable), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(args, cwd=REPO, env=dict(_env(), PYTHON=sys.executable, **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -475,6 +476,17 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     for needle in ("pytest -m gpu", "perf.sweep --suite short", "perf.kernels", "--suite pareprop", str(out)):
         assert needle in proc.stdout, needle
     assert not out.exists()
+
+
+def test_gpu_check_runs_the_named_steps_only(tmp_path):
+    out = tmp_path / "gpu"
+    proc = _run(["bash", "perf/gpu_check.sh", str(out), "--dry-run"], timeout=30,
+                env={"GPU_CHECK_STEPS": "kernels,gpu-tests"})
+    assert proc.returncode == 0, proc.stderr
+    plan = [line.split()[1] for line in proc.stdout.splitlines() if re.match(r"  [1-9]\d*\. ", line)]
+    assert plan == ["gpu-tests", "kernels"]  # the script's order, not the variable's
+    bad = _run(["bash", "perf/gpu_check.sh", str(out), "--dry-run"], timeout=30, env={"GPU_CHECK_STEPS": "kernel"})
+    assert bad.returncode == 2 and "unknown step 'kernel'" in bad.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU failure")

@@ -175,3 +175,33 @@ def test_attention_is_predicted_within_12_of_flashattention2(report):
                                                           for p in ("forward", "backward")}
     slow = [a for a in rows if a["ratio"] > 1.2]
     assert not slow, slow
+
+
+def test_fp32_attention_configs_fit_in_shared_memory():
+    """fp32 operands (no autocast) take the attention kernels' fp32 tables: every config the
+    autotuner can pick there compiles for sm_90 and sm_80 within shared memory (an H200 refused
+    the bf16 tiles at fp32: 448 KiB asked at head dim 80, 227 KiB there)."""
+    rows = aot.analyze_in_subprocess("perf.static", ["--fp32-fit"])
+    assert {r["kernel"] for r in rows} == {"qkv_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_dq_kernel",
+                                           "attention_bwd_dkdv_kernel"}
+    assert {r["arch"] for r in rows} == {90, 80}
+    too_big = [r for r in rows if r["error"] or r["shared"] > r["limit"]]
+    assert not too_big, json.dumps(too_big, indent=1)
+
+
+def test_attention_tables_follow_the_operand_width(monkeypatch):
+    """The early prune keys the attention tables by the first operand's element size: 4-byte
+    operands get the fp32 list on both archs, 2-byte ones the arch's own."""
+    import torch
+
+    from revtriton.ops import fused_attention as fa
+
+    ka = fa._attention_kernels()
+    monkeypatch.setattr(ka, "device_arch", lambda: 90)
+    prune = ka.prune_by_table(lambda head_dim, arch, size: ka.FWD_CONFIGS[ka._table_key(head_dim, arch, size)])
+    everything = ka._union(ka.FWD_CONFIGS)
+    keys = lambda configs: [ka.config_key(c) for c in configs]  # noqa: E731
+    for dtype, table in ((torch.float32, ("fp32", 128)), (torch.bfloat16, (90, 128)), (torch.float16, (90, 128))):
+        kept = prune(everything, {"Q": torch.empty(1, dtype=dtype), "K": torch.empty(1)}, HEAD_DIM=80)
+        assert keys(kept) == keys(ka.FWD_CONFIGS[table]), dtype
+    assert ka._table_key(256, 80, 4) == ("fp32", 256) and ka._table_key(40, 80, 2) == (80, 64)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -51,8 +52,9 @@ ENV_BACKEND = "REVTRITON_BACKEND"
 ENV_CACHE_DIR = "REVTRITON_BACKEND_CACHE_DIR"
 CACHE_FORMAT = 2  # 2: norm_attention's sub-op candidates (a choice made without them is stale)
 WARMUP = 3  # timed runs dropped (after the two runs of the determinism check)
-REPEATS = 10
-BUDGET_S = 2.0  # per candidate, after warm-up: stop repeating once it is spent (at least one repeat)
+REPEATS = 10  # timed runs per candidate, in ROUNDS rounds that alternate the candidates
+ROUNDS = 5  # (so clock ramps and host noise fall on all of them alike: a median of rounds each)
+BUDGET_S = 2.0  # per candidate, after warm-up: stop repeating once it is spent (at least one round)
 
 
 @dataclasses.dataclass
@@ -393,8 +395,9 @@ def _bitwise_equal(a, b) -> bool:
 
 def _measure(op: Op, key: str, args, options, where: str) -> dict:
     exact = args[3] is not None
-    timer = _timer or cuda_event_timer
-    times, excluded = {}, {}
+    timer = _timer or functools.partial(cuda_event_timer, warmup=0, repeats=REPEATS // ROUNDS,
+                                        budget_s=BUDGET_S / ROUNDS)
+    runs, excluded = {}, {}
     begin = time.perf_counter()
     with launches.uncounted():
         for cand in op.candidates.values():
@@ -411,7 +414,18 @@ def _measure(op: Op, key: str, args, options, where: str) -> dict:
                 excluded[cand.name] = "two runs on the same inputs differ (not deterministic: not for exact streams)"
                 continue
             del first, second
-            times[cand.name] = float(timer(run, op=op.name, candidate=cand.name))
+            for _ in range(WARMUP if _timer is None else 0):
+                run()
+            runs[cand.name] = run
+        # Round-robin: a host hiccup or a clock change hits every candidate in a round, not one.
+        rounds = {name: [] for name in runs}
+        deadline = time.perf_counter() + BUDGET_S * len(runs)
+        for _ in range(ROUNDS):
+            for name, run in runs.items():
+                rounds[name].append(float(timer(run, op=op.name, candidate=name)))
+            if time.perf_counter() > deadline:
+                break
+    times = {name: statistics.median(ms) for name, ms in rounds.items()}
     if not times:
         raise RuntimeError(f"revtriton: no implementation of {op.name} can run [{key}] on {where}: {excluded}")
     choice = min(times, key=times.get)  # ties: the first registered
