@@ -17,10 +17,20 @@ def normalize_reference(x, weight, bias, *, norm: str, eps: float):
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     xf = x.double() if x.dtype == torch.float64 else x.float()  # stats in fp32 at least
-    if norm == "layer":
-        xf = xf - xf.mean(-1, keepdim=True)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = y.to(x.dtype) if weight is None else (y * weight.to(xf.dtype)).to(x.dtype)
+    w = None if weight is None else weight.to(xf.dtype)
+    if xf.is_cuda:
+        # torch's own norm kernels: one launch each way where the formula below takes about ten (this is
+        # the library path the measured choice races on a GPU, and the engine's rebuild runs it again).
+        shape = (x.shape[-1],)
+        y = F.layer_norm(xf, shape, w, None, eps) if norm == "layer" else F.rms_norm(xf, shape, w, eps)
+    else:
+        # Spelled out elsewhere (the test oracle): the CPU layer_norm kernel's statistics leave a constant
+        # row's centred values nonzero, and its weight gradient 3e-5 off in fp32 (tests/test_tiles.py).
+        if norm == "layer":
+            xf = xf - xf.mean(-1, keepdim=True)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = y if w is None else y * w
+    y = y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
 
 
