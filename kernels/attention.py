@@ -26,7 +26,9 @@ Padded and packed rows (``SEGMENTS``): each token's sequence number (SEG [B, T] 
 padding) masks the scores as ``ops.attention.sequence_mask`` does (a real key of the query's own
 sequence; a padding query sees every real key, or itself when none comes before it: SELF_UNTIL
 [B]), with no [T, T] mask in memory; every block then takes the masked path, and the online
-softmax guards rows that have seen no key yet. The RoPE backward reads tables [T, D/2] shared by
+softmax guards rows that have seen no key yet. Only the blocks a program's rows can reach run
+(SPANS [B, 4, T]: per token, the keys it may see and the queries that may see it), so packed
+sequences cost about their own blocks, not the whole row's. The RoPE backward reads tables [T, D/2] shared by
 the batch, or one per batch row (``stride_ropeb``: packed rows' positions).
 
 Every loop runs the blocks that need no mask first and the masked ones (the causal diagonal, or
@@ -305,6 +307,18 @@ def query_bounds(SEG, SELF_UNTIL, b, offs, ok, stride_segb):
     return lo, hi
 
 
+@triton.jit
+def block_span(SPANS, b, offs, ok, seq_len, WHICH: tl.constexpr):
+    """[first, end) over the tokens ``offs`` of batch ``b`` of SPANS [B, 4, T]: WHICH 0, the keys
+    these queries may see; WHICH 2, the queries that may see these keys (the launcher's superset
+    of the mask, ops.fused_attention.segment_spans). Blocks outside it are masked for every row:
+    skipping them changes no bit (their p is 0 everywhere)."""
+    base = SPANS + b * 4 * seq_len + WHICH * seq_len
+    first = tl.min(tl.load(base + offs, mask=ok, other=seq_len), 0)
+    end = tl.max(tl.load(base + seq_len + offs, mask=ok, other=0), 0)
+    return first, end
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 
@@ -351,7 +365,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
 @triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(fwd_configs)}, cache_results=True)
 @triton.jit
-def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL,
+def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_segb,
                          batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
@@ -399,14 +413,18 @@ def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL,
     else:
         split = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    if SEGMENTS:  # any key block may hold another sequence's keys or padding: all masked
-        split = 0
+    start = 0
+    if SEGMENTS:  # only the key blocks these rows' sequences span, each masked (another sequence may share it)
+        first, end = block_span(SPANS, b64, offs_m, row_ok, seq_len, 0)
+        start = (first // BLOCK_N) * BLOCK_N
+        split = start
+        hi = tl.minimum(hi, end)
         lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b64, offs_m, row_ok, stride_segb)
     else:
         lo_q = offs_m
         hi_q = offs_m
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               0, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
+                               start, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
                                hi_q, False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
                                split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
@@ -498,7 +516,7 @@ def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, str
 @triton.autotune(configs=dq_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(dq_configs)}, cache_results=True)
 @triton.jit
-def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_UNTIL,
+def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_UNTIL, SPANS,
                             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                             stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
                             stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_segb,
@@ -552,14 +570,18 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
                             HEAD_PAD)
         v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_STREAM,
                             HEAD_PAD)
-    if SEGMENTS:  # any key block may hold another sequence's keys or padding: all masked
-        split = 0
+    start = 0
+    if SEGMENTS:  # only the key blocks these rows' sequences span, each masked (as in the forward)
+        first, end = block_span(SPANS, b, offs_m, row_ok, seq_len, 0)
+        start = (first // BLOCK_STREAM) * BLOCK_STREAM
+        split = start
+        hi = tl.minimum(hi, end)
         lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
     else:
         lo_q = offs_m
         hi_q = offs_m
     dq = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
-    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, 0, split,
+    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, start, split,
                    offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, False, CAUSAL,
                    SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, split, hi,
@@ -576,7 +598,7 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
 @triton.autotune(configs=dkdv_configs(), key=["HEAD_DIM", "CAUSAL", "ROPE", "SEGMENTS", "seq_bucket"],
                  prune_configs_by={"early_config_prune": prune_by_table(dkdv_configs)}, cache_results=True)
 @triton.jit
-def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SELF_UNTIL,
+def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SELF_UNTIL, SPANS,
                               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                               stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
                               stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, stride_segb,
@@ -618,9 +640,13 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
         lo = 0
         diagonal_end = 0
     full_end = tl.maximum(full_end, diagonal_end)
-    if SEGMENTS:  # any query block may hold another sequence's queries or padding: all masked
+    stream_end = seq_len
+    if SEGMENTS:  # only the query blocks that may see these keys, each masked
+        first, end = block_span(SPANS, b, offs_n, key_ok, seq_len, 2)
+        lo = tl.maximum((first // BLOCK_STREAM) * BLOCK_STREAM, lo)
         diagonal_end = lo
         full_end = lo
+        stream_end = tl.minimum(end, seq_len)
         code_k = key_codes(SEG, b, offs_n, key_ok, stride_segb)
     else:
         code_k = offs_n
@@ -648,7 +674,7 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
                              DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
                              stride_qt, stride_dot,
-                             full_end, seq_len, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                             full_end, stream_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
                              SEG, SELF_UNTIL, stride_segb, code_k, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
                              DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dk = dk * sm_scale

@@ -11,8 +11,9 @@ inverse couple, backward = recompute with grad + backward) runs as
 
 and each fused GEMM alone against ``torch.addmm`` / ``torch.mm`` of the same shape. Reported:
 median ms, TFLOP/s and GB/s (minimum traffic) next to two ceilings measured in the same run
-(device-to-device copy bandwidth and a large bf16 matmul), plus the issue's bars (fused forward
->= 1.2 x eager; fused GEMMs >= 0.85 x cuBLAS).
+(device-to-device copy bandwidth and a large bf16 matmul), plus issue 12's bars (fused forward
+>= 1.3 x eager; each fused GEMM >= 0.9 x cuBLAS). The eager path's norms are torch's own kernels on
+CUDA since the H200 run (perf/results/h200-2026-12-04/ timed the spelled-out formula).
 
 ``--dispatch`` adds, and ``--dispatch-only`` runs alone, the dispatcher's report (issue 19): for
 each transformer half and shape (:data:`DISPATCH_SHAPES`, bf16 autocast, exact streams) the
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DIMS = (768, 1024, 4096)
 TOKENS = 8192
-BAR_FORWARD_VS_EAGER = 1.2
-BAR_GEMM_VS_CUBLAS = 0.85
+BAR_FORWARD_VS_EAGER = 1.3  # issue 12, must-hold 5
+BAR_GEMM_VS_CUBLAS = 0.9
 
 
 @dataclasses.dataclass

@@ -687,6 +687,63 @@ def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, c
         assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
 
 
+# Rows long enough for the interpreter's 32 / 16-row tiles to skip blocks: three packed sequences
+# and padding; left padding; a row of sequences one token long; codes past T (one shared bucket).
+SPAN_LAYOUTS = {
+    "packed": [[1] * 40 + [2] * 45 + [3] * 35, [1] * 70 + [0] * 50],
+    "left-padding": [[0] * 50 + [1] * 70, [1] * 30 + [2] * 30 + [3] * 30 + [4] * 30],
+    "ones-and-big-codes": [list(range(1, 121)), [500] * 60 + [700] * 60],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SPAN_LAYOUTS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_spans_cover_the_mask_and_packed_rows_tightly(layout, causal):
+    """Every key a query may see lies in its key span and every query that may see a key in that
+    key's query span (the kernels skip what lies outside); a packed row's real tokens span exactly
+    their own sequence (so blocks of other sequences are skipped)."""
+    from revtriton.ops.attention import sequence_mask
+
+    segments = torch.tensor(SPAN_LAYOUTS[layout])
+    batch, tokens = segments.shape
+    seg, self_until, _, spans = fa._segment_args(segments, batch, tokens, causal, torch.empty(0))
+    allowed = sequence_mask(segments, causal)[:, 0]  # [B, queries, keys]
+    pos = torch.arange(tokens)
+    in_key_span = (pos[None, None, :] >= spans[:, 0, :, None]) & (pos[None, None, :] < spans[:, 1, :, None])
+    in_query_span = (pos[None, :, None] >= spans[:, 2, None, :]) & (pos[None, :, None] < spans[:, 3, None, :])
+    assert not (allowed & ~in_key_span).any() and not (allowed & ~in_query_span).any()
+    if layout == "packed":
+        first, end = spans[0, 0, 40:85], spans[0, 1, 40:85]  # the second sequence
+        assert (first == 40).all() and (end == 85).all()
+
+
+@pytest.mark.parametrize("layout", sorted(SPAN_LAYOUTS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_skipped_blocks_change_no_bit(seeded, layout, causal, monkeypatch):
+    """The kernels with the spans (skipping blocks) against the same kernels told that every token
+    spans the whole row (every block masked, as before skipping): the forward, lse and all three
+    gradients bitwise equal; and against the float64 reference."""
+    segments = torch.tensor(SPAN_LAYOUTS[layout])
+    batch, tokens = segments.shape
+    q, k, v = packed_qkv(batch, tokens, 4, 2, 32, torch.float32)
+    do = torch.randn(batch, tokens, 4, 32)
+    rope = fa.rope_tables_at(torch.arange(tokens).expand(batch, tokens), 32, 10000.0)
+
+    def run():
+        o, lse = fa.attention_fwd(q, k, v, causal=causal, segments=segments)
+        return (o, lse, *fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=rope, segments=segments))
+
+    skipping = run()
+    whole = torch.tensor([0, tokens, 0, tokens], dtype=torch.int32)[None, :, None].expand(batch, 4, tokens)
+    monkeypatch.setattr(fa, "segment_spans", lambda seg, self_until: whole.contiguous())
+    everything = run()
+    for a, b in zip(skipping, everything):
+        assert torch.equal(a, b)
+    ref_o, ref_grads = masked_attention_reference(q, k, v, do, causal, segments, rope)
+    for got, ref in zip((skipping[0], *skipping[2:]), (ref_o, *ref_grads)):
+        assert rel_err(got, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("candidate", ["triton", *MIXES])
 @pytest.mark.parametrize("frac_bits", [None, 16], ids=["float", "exact"])
 def test_every_candidate_takes_the_token_layout(seeded, candidate, frac_bits):

@@ -486,6 +486,14 @@ MUTANTS = [
            ("tests/test_fused_attention.py", "-k", "padded_and_packed_rows_in_the_kernels"),
            "dk / dv sum over queries of other sequences"),
 
+    Mutant("segment-span-drops-last-key", "revtriton/ops/fused_attention.py",
+           'scatter_reduce(1, bucket, pos + 1, "amax")', 'scatter_reduce(1, bucket, pos, "amax")',
+           ("tests/test_fused_attention.py", "-k", "spans_cover and packed"),
+           "a packed sequence's key span ends one key early: the kernels skip a block it needs"),
+    Mutant("dkdv-skips-the-last-query-block", "kernels/attention.py",
+           "        stream_end = tl.minimum(end, seq_len)\n", "        stream_end = tl.minimum(end, seq_len) - 16\n",
+           ("tests/test_fused_attention.py", "-k", "skipped_blocks and packed"),
+           "the dk/dv pass stops a block before the last query that may see its keys"),
 ]
 
 

@@ -158,12 +158,13 @@ def _ensure_descriptor_allocator(device: torch.device):
 
 
 def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.Tensor):
-    """(SEG, SELF_UNTIL, stride) kernel arguments of padded / packed rows, ``segments`` [B, T] as
-    :func:`revtriton.ops.attention.sequence_mask` reads them (0: padding, k >= 1: the row's k-th
+    """(SEG, SELF_UNTIL, stride, SPANS) kernel arguments of padded / packed rows, ``segments`` [B, T]
+    as :func:`revtriton.ops.attention.sequence_mask` reads them (0: padding, k >= 1: the row's k-th
     sequence); dummies without. SELF_UNTIL [B]: a padding query before it has no real key to see
-    (causal: the row's first real token; otherwise T when the row has none, else 0), so it sees itself."""
+    (causal: the row's first real token; otherwise T when the row has none, else 0), so it sees itself.
+    SPANS: :func:`segment_spans`."""
     if segments is None:
-        return like, like, 0
+        return like, like, 0, like
     if not isinstance(segments, torch.Tensor) or tuple(segments.shape) != (batch, tokens):
         raise ValueError(f"segments must be a [{batch}, {tokens}] tensor, got "
                          f"{tuple(segments.shape) if isinstance(segments, torch.Tensor) else type(segments).__name__}")
@@ -172,7 +173,43 @@ def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.T
     has_real = real.any(1)
     first_real = real.to(torch.int32).argmax(1) if causal else torch.zeros_like(has_real, dtype=torch.int64)
     self_until = torch.where(has_real, first_real, tokens).to(torch.int32).contiguous()
-    return seg, self_until, seg.stride(0)
+    return seg, self_until, seg.stride(0), segment_spans(seg, self_until)
+
+
+def segment_spans(seg: torch.Tensor, self_until: torch.Tensor) -> torch.Tensor:
+    """int32 [B, 4, T]: per token, [first, end) of the keys it may see as a query (rows 0, 1) and of
+    the queries that may see it as a key (rows 2, 3), under the kernels' mask (see kernels/attention.py
+    key_codes / query_bounds). Supersets are fine (the mask still applies inside); the kernels skip
+    the blocks outside a program's union. A real token's sequence spans its first to last token; a
+    padding query that sees every real key spans the row's real tokens; one that sees only itself,
+    itself. Codes above T share one bucket and rows with a negative code span the whole row (both
+    only widen spans). No host sync."""
+    batch, tokens = seg.shape
+    pos = torch.arange(tokens, device=seg.device).expand(batch, tokens)
+    real = seg != 0
+    alone = ~real & (pos < self_until[:, None])
+    sees_all = ~real & ~alone  # padding queries that see every real key
+
+    def first_end(mask):  # [first, end) of a row's True entries, [T, 0) when none
+        some = mask.any(1, keepdim=True)
+        first = torch.where(some, mask.int().argmax(1, keepdim=True), tokens)
+        end = torch.where(some, tokens - mask.flip(1).int().argmax(1, keepdim=True), 0)
+        return first, end
+
+    bucket = seg.clamp(0, tokens).long()
+    own_first = torch.full((batch, tokens + 1), tokens, device=seg.device).scatter_reduce(1, bucket, pos, "amin")
+    own_end = torch.full((batch, tokens + 1), 0, device=seg.device).scatter_reduce(1, bucket, pos + 1, "amax")
+    own_first, own_end = own_first.gather(1, bucket), own_end.gather(1, bucket)
+    real_first, real_end = first_end(real)
+    all_first, all_end = first_end(sees_all)
+    key_first = torch.where(real, own_first, torch.where(alone, pos, real_first))
+    key_end = torch.where(real, own_end, torch.where(alone, pos + 1, real_end))
+    query_first = torch.where(real, torch.minimum(own_first, all_first), torch.where(alone, pos, tokens))
+    query_end = torch.where(real, torch.maximum(own_end, all_end), torch.where(alone, pos + 1, 0))
+    spans = torch.stack([key_first, key_end, query_first, query_end], 1)
+    whole = torch.tensor([0, tokens, 0, tokens], device=seg.device)[None, :, None]
+    spans = torch.where((seg < 0).any(1)[:, None, None], whole, spans)
+    return spans.to(torch.int32).contiguous()
 
 
 def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
@@ -195,11 +232,11 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
         k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
         _ensure_descriptor_allocator(q.device)
     lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
-    seg, self_until, stride_segb = _segment_args(segments, batch, tokens, causal, lse)
+    seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
     kernels = _attention_kernels()
     grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
     limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
-    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse, seg, self_until,
+    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse, seg, self_until, spans,
                     *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out), stride_segb,
                     batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
                     HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=bool(causal),
@@ -243,7 +280,7 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
         stride_ropeb = cos.stride(0) if cos.dim() == 3 else 0
     else:
         cos = sin = lse  # unused pointers
-    seg, self_until, stride_segb = _segment_args(segments, batch, tokens, causal, lse)
+    seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
     if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
         q, k, v, do = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v, do))
         _ensure_descriptor_allocator(q.device)
@@ -257,11 +294,11 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
                    SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
     # dq first: it writes delta = rowsum(dO * O), which the dk/dv pass reads.
     dispatch.launch(kernels.attention_bwd_dq_kernel, dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin, seg,
-                    self_until, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o),
+                    self_until, spans, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o),
                     *_strides_bth(do), *_strides_bth(dq), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
                     kernels.seq_bucket(tokens), sm_scale, **options)
     dispatch.launch(kernels.attention_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin, seg,
-                    self_until, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
+                    self_until, spans, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
                     *_strides_bth(dk), *_strides_bth(dv), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
                     kernels.seq_bucket(tokens), sm_scale, **options)
     return dq, dk, dv
