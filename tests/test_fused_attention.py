@@ -729,19 +729,45 @@ def test_skipped_blocks_change_no_bit(seeded, layout, causal, monkeypatch):
     do = torch.randn(batch, tokens, 4, 32)
     rope = fa.rope_tables_at(torch.arange(tokens).expand(batch, tokens), 32, 10000.0)
 
-    def run():
-        o, lse = fa.attention_fwd(q, k, v, causal=causal, segments=segments)
-        return (o, lse, *fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=rope, segments=segments))
+    def run(layout):
+        o, lse = fa.attention_fwd(q, k, v, causal=causal, segments=layout)
+        return (o, lse, *fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=rope, segments=layout))
 
-    skipping = run()
+    skipping = run(segments)
     whole = torch.tensor([0, tokens, 0, tokens], dtype=torch.int32)[None, :, None].expand(batch, 4, tokens)
     monkeypatch.setattr(fa, "segment_spans", lambda seg, self_until: whole.contiguous())
-    everything = run()
+    everything = run(segments.clone())  # (a new layout tensor: the launchers' cache keys on the tensor)
     for a, b in zip(skipping, everything):
         assert torch.equal(a, b)
     ref_o, ref_grads = masked_attention_reference(q, k, v, do, causal, segments, rope)
     for got, ref in zip((skipping[0], *skipping[2:]), (ref_o, *ref_grads)):
         assert rel_err(got, ref) <= 1e-5
+
+
+def test_the_layout_arguments_are_made_once_per_layout_tensor(monkeypatch):
+    """Every layer gets the same segments tensor: the kernel arguments are made for its first call
+    only; an in-place change, another tensor, another causal setting or an inference tensor makes
+    them again."""
+    made = []
+    real = fa.segment_spans
+    monkeypatch.setattr(fa, "segment_spans", lambda seg, until: made.append(1) or real(seg, until))
+    monkeypatch.setattr(fa, "_last_segment_args", None)
+    segments = torch.tensor(SPAN_LAYOUTS["packed"])
+    like = torch.empty(0)
+    first = fa._segment_args(segments, 2, 120, True, like)
+    assert fa._segment_args(segments, 2, 120, True, like) is first and len(made) == 1
+    fa._segment_args(segments, 2, 120, False, like)
+    assert len(made) == 2
+    segments[1, 100:] = 2  # in place: the padding becomes a second sequence
+    changed = fa._segment_args(segments, 2, 120, False, like)
+    assert len(made) == 3 and changed[3][1, 0, 110] == 100  # that token sees its new sequence only
+    fa._segment_args(segments.clone(), 2, 120, False, like)
+    assert len(made) == 4
+    with torch.inference_mode():
+        frozen = torch.tensor(SPAN_LAYOUTS["packed"])
+    fa._segment_args(frozen, 2, 120, False, like)
+    fa._segment_args(frozen, 2, 120, False, like)
+    assert len(made) == 6
 
 
 @pytest.mark.parametrize("candidate", ["triton", *MIXES])

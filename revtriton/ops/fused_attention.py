@@ -157,23 +157,39 @@ def _ensure_descriptor_allocator(device: torch.device):
         triton.set_allocator(_descriptor_scratch)
 
 
+# The last layout's kernel arguments: every layer of a model (and the backward's rebuild and
+# gradient passes) gets the same segments tensor, so they are made once a step, not per call.
+# Keyed on the tensor itself (held here, so its identity cannot be reused) and its version (an
+# in-place change makes them again).
+_last_segment_args: tuple | None = None
+
+
 def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.Tensor):
     """(SEG, SELF_UNTIL, stride, SPANS) kernel arguments of padded / packed rows, ``segments`` [B, T]
     as :func:`revtriton.ops.attention.sequence_mask` reads them (0: padding, k >= 1: the row's k-th
     sequence); dummies without. SELF_UNTIL [B]: a padding query before it has no real key to see
     (causal: the row's first real token; otherwise T when the row has none, else 0), so it sees itself.
     SPANS: :func:`segment_spans`."""
+    global _last_segment_args
     if segments is None:
         return like, like, 0, like
     if not isinstance(segments, torch.Tensor) or tuple(segments.shape) != (batch, tokens):
         raise ValueError(f"segments must be a [{batch}, {tokens}] tensor, got "
                          f"{tuple(segments.shape) if isinstance(segments, torch.Tensor) else type(segments).__name__}")
+    cacheable = not segments.is_inference()  # (inference tensors have no version counter)
+    key = (segments._version, causal, like.device) if cacheable else None
+    last = _last_segment_args
+    if cacheable and last is not None and last[0] is segments and last[1] == key:
+        return last[2]
     seg = segments.to(device=like.device, dtype=torch.int32).contiguous()
     real = seg != 0
     has_real = real.any(1)
     first_real = real.to(torch.int32).argmax(1) if causal else torch.zeros_like(has_real, dtype=torch.int64)
     self_until = torch.where(has_real, first_real, tokens).to(torch.int32).contiguous()
-    return seg, self_until, seg.stride(0), segment_spans(seg, self_until)
+    args = seg, self_until, seg.stride(0), segment_spans(seg, self_until)
+    if cacheable:
+        _last_segment_args = (segments, key, args)
+    return args
 
 
 def segment_spans(seg: torch.Tensor, self_until: torch.Tensor) -> torch.Tensor:
