@@ -364,3 +364,26 @@ def test_scaled_swapped_fused_stack_trains_like_its_twin(exact):
     assert len(alive) == len(grads[0]) - len(dead)
     for a, b in alive:
         assert rel(a, b) <= TOL[torch.bfloat16]
+
+
+def test_layout_arguments_are_reused_on_their_own_stream_only(monkeypatch):
+    """The packed-row kernel arguments are made once per layout tensor and stream: another stream
+    (PaReprop's side stream) makes its own, so replacing the cached ones never frees memory a
+    kernel of another stream still reads."""
+    from revtriton.ops import fused_attention as fa
+
+    made = []
+    real = fa.segment_spans
+    monkeypatch.setattr(fa, "segment_spans", lambda seg, until: made.append(1) or real(seg, until))
+    monkeypatch.setattr(fa, "_last_segment_args", None)
+    segments = torch.tensor([[1] * 40 + [2] * 24], device="cuda")
+    like = torch.empty(0, device="cuda")
+    first = fa._segment_args(segments, 1, 64, True, like)
+    assert fa._segment_args(segments, 1, 64, True, like) is first and len(made) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = fa._segment_args(segments, 1, 64, True, like)
+    assert other is not first and len(made) == 2
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(torch.equal(a, b) for a, b in zip(first, other) if isinstance(a, torch.Tensor))

@@ -159,8 +159,10 @@ def _ensure_descriptor_allocator(device: torch.device):
 
 # The last layout's kernel arguments: every layer of a model (and the backward's rebuild and
 # gradient passes) gets the same segments tensor, so they are made once a step, not per call.
-# Keyed on the tensor itself (held here, so its identity cannot be reused) and its version (an
-# in-place change makes them again).
+# Keyed on the tensor itself (held here, so its identity cannot be reused), its version (an
+# in-place change makes them again) and the current CUDA stream: arguments are only reused on the
+# stream that made them, so freeing them (when the entry is replaced) can never race a kernel of
+# another stream (PaReprop's side stream makes its own).
 _last_segment_args: tuple | None = None
 
 
@@ -177,7 +179,8 @@ def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.T
         raise ValueError(f"segments must be a [{batch}, {tokens}] tensor, got "
                          f"{tuple(segments.shape) if isinstance(segments, torch.Tensor) else type(segments).__name__}")
     cacheable = not segments.is_inference()  # (inference tensors have no version counter)
-    key = (segments._version, causal, like.device) if cacheable else None
+    stream = torch.cuda.current_stream(like.device).cuda_stream if like.is_cuda else None
+    key = (segments._version, causal, like.device, stream) if cacheable else None
     last = _last_segment_args
     if cacheable and last is not None and last[0] is segments and last[1] == key:
         return last[2]
