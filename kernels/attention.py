@@ -319,6 +319,33 @@ def block_span(SPANS, b, offs, ok, seq_len, WHICH: tl.constexpr):
     return first, end
 
 
+@triton.jit
+def key_blocks(pid_m, offs_m, row_ok, b, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb, CAUSAL: tl.constexpr,
+               SEGMENTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+    """The key loop of a program owning query rows (forward, dq pass): (start, split, hi, lo_q, hi_q).
+    Blocks [start, split) need no mask (entirely below the diagonal / inside the sequence), blocks
+    [split, hi) do (the diagonal, or the ragged tail); causal blocks above are skipped. With SEGMENTS
+    every block is masked and only the blocks these rows' sequences span run (another sequence may
+    share one); lo_q / hi_q are the key codes each row sees (its own index without SEGMENTS)."""
+    if CAUSAL:
+        split = (pid_m * BLOCK_ROWS // BLOCK_KEYS) * BLOCK_KEYS  # (BLOCK_KEYS may exceed BLOCK_ROWS)
+        hi = tl.minimum((pid_m + 1) * BLOCK_ROWS, seq_len)
+    else:
+        split = (seq_len // BLOCK_KEYS) * BLOCK_KEYS
+        hi = seq_len
+    start = 0
+    if SEGMENTS:
+        first, end = block_span(SPANS, b, offs_m, row_ok, seq_len, 0)
+        start = (first // BLOCK_KEYS) * BLOCK_KEYS
+        split = start
+        hi = tl.minimum(hi, end)
+        lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
+    else:
+        lo_q = offs_m
+        hi_q = offs_m
+    return start, split, hi, lo_q, hi_q
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 
@@ -405,24 +432,8 @@ def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    # Key blocks that need no mask first (entirely below the diagonal / inside the sequence),
-    # then the masked ones (the diagonal, or the ragged tail); causal blocks above are skipped.
-    if CAUSAL:
-        split = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)
-    else:
-        split = (seq_len // BLOCK_N) * BLOCK_N
-        hi = seq_len
-    start = 0
-    if SEGMENTS:  # only the key blocks these rows' sequences span, each masked (another sequence may share it)
-        first, end = block_span(SPANS, b64, offs_m, row_ok, seq_len, 0)
-        start = (first // BLOCK_N) * BLOCK_N
-        split = start
-        hi = tl.minimum(hi, end)
-        lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b64, offs_m, row_ok, stride_segb)
-    else:
-        lo_q = offs_m
-        hi_q = offs_m
+    start, split, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b64, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb,
+                                              CAUSAL, SEGMENTS, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
                                start, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
                                hi_q, False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
@@ -554,14 +565,8 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
-    # Key blocks that need no mask first (below the diagonal / inside the sequence), then the
-    # masked ones (the diagonal, or the ragged tail).
-    if CAUSAL:
-        split = (pid_m * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM  # (BLOCK_STREAM may exceed BLOCK_FIXED)
-        hi = tl.minimum((pid_m + 1) * BLOCK_FIXED, seq_len)
-    else:
-        split = (seq_len // BLOCK_STREAM) * BLOCK_STREAM
-        hi = seq_len
+    start, split, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb,
+                                              CAUSAL, SEGMENTS, BLOCK_FIXED, BLOCK_STREAM)
     STREAM_TMA: tl.constexpr = USE_TMA and EVEN_D
     k_desc = None
     v_desc = None
@@ -570,16 +575,6 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
                             HEAD_PAD)
         v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_STREAM,
                             HEAD_PAD)
-    start = 0
-    if SEGMENTS:  # only the key blocks these rows' sequences span, each masked (as in the forward)
-        first, end = block_span(SPANS, b, offs_m, row_ok, seq_len, 0)
-        start = (first // BLOCK_STREAM) * BLOCK_STREAM
-        split = start
-        hi = tl.minimum(hi, end)
-        lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
-    else:
-        lo_q = offs_m
-        hi_q = offs_m
     dq = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
     dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, start, split,
                    offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, False, CAUSAL,

@@ -116,12 +116,14 @@ MUTANTS = [
            ("tests/test_exact_oracle.py", "-k", "bitwise"),
            "the gradient through F's input is dropped"),
     # ---- more: kernels at the GPU tile sizes and on edge rows
+    # (key_blocks is the forward's and the dq pass's key loop: each mutant breaks both)
     Mutant("fwd-causal-end-one-key-block", "kernels/attention.py",
-           "hi = tl.minimum((pid_m + 1) * BLOCK_M, seq_len)", "hi = tl.minimum(pid_m * BLOCK_M + BLOCK_N, seq_len)",
+           "hi = tl.minimum((pid_m + 1) * BLOCK_ROWS, seq_len)",
+           "hi = tl.minimum(pid_m * BLOCK_ROWS + BLOCK_KEYS, seq_len)",
            ("tests/test_tiles.py", "-k", "attention_forward"),
            "causal forward stops one key block after the diagonal's start: wrong when BLOCK_M > BLOCK_N"),
     Mutant("dq-causal-split-unaligned", "kernels/attention.py",
-           "split = (pid_m * BLOCK_FIXED // BLOCK_STREAM) * BLOCK_STREAM", "split = pid_m * BLOCK_FIXED",
+           "split = (pid_m * BLOCK_ROWS // BLOCK_KEYS) * BLOCK_KEYS", "split = pid_m * BLOCK_ROWS",
            ("tests/test_tiles.py", "-k", "attention_backward"),
            "dq's unmasked loop runs into the diagonal block: wrong when BLOCK_STREAM > BLOCK_FIXED"),
     Mutant("gemm-group-size-not-clamped", "kernels/gemm.py",
