@@ -156,6 +156,36 @@ def test_overflow_and_nan_are_caught_in_each_half_at_each_block(seeded, bad, hal
         stack.forward_streams(s, s.clone())
 
 
+def test_guards_report_the_first_failed_check_in_the_order_added():
+    """Range checks keep only each stream's extremes and compare them with the bound once, after
+    the plain flags: the label reported is still that of the first failed check in the order the
+    checks were added, whichever kind it is; an empty stream has nothing to overflow."""
+    from revtriton.engine.guards import ForwardGuards
+
+    limit = 2**29
+    fits = torch.full((2, 3), limit - 1, dtype=torch.int32)
+    high, low = fits.clone(), -fits
+    high[1, 2], low[0, 1] = limit, -limit
+    empty = torch.zeros(0, 4, dtype=torch.int32)
+
+    def first(*checks):
+        guards = ForwardGuards()
+        for label, check in checks:
+            if isinstance(check, tuple):
+                guards.add_range(label, *check)
+            else:
+                guards.add(label, torch.tensor(check))
+        failure = guards.first_failure()
+        assert guards.first_failure() is None  # nothing kept for a second look
+        return failure
+
+    assert first(("a", False), ("b", (fits, -fits)), ("c", (empty,))) is None
+    assert first(("a", False), ("b", (fits, high)), ("c", True)) == "b"
+    assert first(("a", False), ("b", (fits,)), ("c", True), ("d", (low,))) == "c"
+    assert first(("a", (low,)), ("b", True)) == "a"
+    assert first(("a", (fits,)), ("b", False), ("c", (empty, low)), ("d", (high,))) == "c"
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("half", ["F", "G"])
 def test_streams_at_the_range_bound(seeded, sign, half):

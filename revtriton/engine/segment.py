@@ -14,7 +14,7 @@ from ..ops.streams import stream_grad_dtype
 from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
 from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat, _checksum,
-                     captured_tensor_message, out_of_range, reaches_foreign_leaf)
+                     captured_tensor_message, reaches_foreign_leaf)
 from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .replay import AutocastState, RngTape
@@ -100,7 +100,7 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
     if checksummed:
         checksums.append(_checksum(s1, s2))
     if fmt.exact and run.guards is not None:
-        run.guards.add(("overflow", run.first_index, "input"), out_of_range(s1) | out_of_range(s2))
+        run.guards.add_range(("overflow", run.first_index, "input"), s1, s2)
     for i, layer in enumerate(run.layers):
         index = run.first_index + i
         if record and run.anchor_every and i > 0 and i % run.anchor_every == 0:
@@ -146,8 +146,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             if hooks is not None and hooks.has_forward:
                 hooks.forward_post(hook_args, (values.value(y1), values.value(y2)), index)
             if fmt.exact and run.guards is not None:
-                run.guards.add(("overflow", index, "F"), out_of_range(y1))
-                run.guards.add(("overflow", index, "G"), out_of_range(y2))
+                run.guards.add_range(("overflow", index, "F"), y1)
+                run.guards.add_range(("overflow", index, "G"), y2)
             if record:
                 run.rng_states.append((state_f, state_g))
                 run.low_bits.append(low_bits)

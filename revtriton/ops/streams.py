@@ -26,10 +26,15 @@ SATURATION = 2.0**31 - 128
 STREAM_LIMIT_BITS = 29
 
 
+def extremes_out_of_range(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Device flags from streams' minima and maxima (tensors of one shape): some |X| >= 2**STREAM_LIMIT_BITS."""
+    return (high >= 2**STREAM_LIMIT_BITS) | (low <= -(2**STREAM_LIMIT_BITS))
+
+
 def out_of_range(stream: torch.Tensor) -> torch.Tensor:
     """Device flag: some |X| >= 2**STREAM_LIMIT_BITS (one pass, no host sync)."""
     low, high = torch.aminmax(stream)
-    return (high >= 2**STREAM_LIMIT_BITS) | (low <= -(2**STREAM_LIMIT_BITS))
+    return extremes_out_of_range(low, high)
 
 
 def check_frac_bits(frac_bits: int) -> int:
