@@ -7,6 +7,12 @@ shared memory and the loads pipeline). Whatever used to be a prologue happens on
 the norm in kernels/norm.py's normalize pass, the gradient scale and cast in its scale pass, and
 activations of stored pre-activations are stored activations.
 
+Tiles arrive by TMA (tensor descriptors built on the device) with the sm_90 configs
+(``USE_TMA``) when the launcher found every operand descriptor-ready (``TMA_READY``: 16-bit,
+one unit stride, 16-byte aligned base and stride; ``A_K_MAJOR`` / ``B_K_MAJOR`` say which stride
+is the unit one, B seen as [N, K]); by masked pointer loads otherwise (cp.async on sm_80). Both
+paths feed the same dots in the same order.
+
 Operand switches:
   DUAL_B      a second accumulator acc2 = A @ B2 (SwiGLU gate and up in one pass)
   SECOND_K    C += A[:, K:2K] @ B2 (the input gradient of SwiGLU's gate and up)
@@ -48,6 +54,8 @@ COL_SUM_ROWS = tl.constexpr(64)  # rows of C per column-sum partial row; every c
 # Everything that changes the compiled kernel is part of the tuning key, with M and K as
 # power-of-two buckets: a config tuned at a few hundred tokens is not reused at 8192, and a
 # weight gradient (K = tokens) does not retune for every batch size.
+# How the tiles arrive (TMA_READY: the operands' alignment) is left out: exact streams need the
+# forward and the rebuild of a shape to run one config, whatever their buffers' alignment.
 GEMM_TUNE_KEY = ["M_BUCKET", "N", "K_BUCKET", "DUAL_B", "SECOND_K", "SPLIT_K", "HAS_BIAS", "ACT", "ACT_BWD", "COL_SUM",
                  "HAS_ROW_SCALE", "RESIDUAL", "RES_SCALED"]
 
@@ -134,6 +142,32 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
+@triton.jit
+def operand_tiles(base, rows, depth, stride_row, stride_depth, K_MAJOR: tl.constexpr, ROWS: tl.constexpr,
+                  DEPTH: tl.constexpr):
+    """TMA descriptor of a GEMM operand seen as [rows, depth] (depth runs over the GEMM's K), laid
+    out K-major (unit stride along depth) or not (unit stride along rows: described transposed);
+    tiles past rows or depth arrive as zeros."""
+    if K_MAJOR:
+        desc = tl.make_tensor_descriptor(base, shape=[rows, depth], strides=[stride_row, 1],
+                                         block_shape=[ROWS, DEPTH])
+    else:
+        desc = tl.make_tensor_descriptor(base, shape=[depth, rows], strides=[stride_depth, 1],
+                                         block_shape=[DEPTH, ROWS])
+    return desc
+
+
+@triton.jit
+def load_operand_tile(desc, row0, k0, K_MAJOR: tl.constexpr):
+    """The [ROWS, DEPTH] tile at (row0, k0) of an :func:`operand_tiles` descriptor (wgmma reads a
+    transposed 16-bit tile from shared memory as it is)."""
+    if K_MAJOR:
+        tile = desc.load([row0, k0])
+    else:
+        tile = desc.load([k0, row0]).T
+    return tile
+
+
 # sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
 # constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
 # kernels; exact streams need the rebuild to run the forward's code. So are the scale's shift and
@@ -147,19 +181,44 @@ def fused_gemm_kernel(
         bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
         alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux, M_BUCKET, K_BUCKET,
         DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        TMA_READY: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        USE_TMA: tl.constexpr):
+    # The K range of this program (a split-K program's own slice), and the TMA descriptors (sm_90
+    # configs, when the launcher found every operand descriptor-ready: the copy engine brings the
+    # tiles, no address math or masks in the loop; masked pointer loads otherwise, as on sm_80).
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * k_per_split
+        span = tl.minimum(K - k_start, k_per_split)
+    else:
+        k_start = 0
+        span = K
+    TMA: tl.constexpr = USE_TMA and TMA_READY
+    a_desc = None
+    b_desc = None
+    b2_desc = None
+    a2_desc = None
+    if TMA:  # a split's descriptors end at its last K column: TMA zero-fills past it
+        k_end = k_start + span
+        a_desc = operand_tiles(a_ptr, M, k_end, stride_am, stride_ak, A_K_MAJOR, BLOCK_M, BLOCK_K)
+        b_desc = operand_tiles(b_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
+        if DUAL_B or SECOND_K:
+            b2_desc = operand_tiles(b2_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
+        if SECOND_K:  # A's columns K..2K-1 (the launcher checked that they start 16-byte aligned)
+            a2_desc = operand_tiles(a_ptr + K.to(tl.int64) * stride_ak, M, K, stride_am, stride_ak, A_K_MAJOR,
+                                    BLOCK_M, BLOCK_K)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_n = rn < N
-    # 64-bit scalar bases + 32-bit offset tiles (64-bit pointer tiles cost two registers an element).
-    # Rows and columns past the edge are masked, not clamped: clamped offsets lose the contiguity
-    # the compiler needs to load an M- or N-major operand (weight gradients read grad^T) with
-    # asynchronous vector copies.
+    # 64-bit scalar bases + 32-bit offset tiles (64-bit pointer tiles cost two registers an
+    # element). Rows and columns past the edge are masked, not clamped: clamped offsets lose
+    # the contiguity the compiler needs to load an M- or N-major operand (weight gradients read
+    # grad^T) with asynchronous vector copies.
     row0 = (pid_m * BLOCK_M).to(tl.int64)
     col0 = (pid_n * BLOCK_N).to(tl.int64)
     local_m = tl.arange(0, BLOCK_M)
@@ -168,13 +227,9 @@ def fused_gemm_kernel(
     b_base = b_ptr + col0 * stride_bn
     b2_base = b2_ptr + col0 * stride_bn
     if SPLIT_K > 1:
-        k_start = tl.program_id(1) * k_per_split
-        span = tl.minimum(K - k_start, k_per_split)
         a_base += k_start.to(tl.int64) * stride_ak
         b_base += k_start.to(tl.int64) * stride_bk
         b2_base += k_start.to(tl.int64) * stride_bk
-    else:
-        span = K
     a_ptrs = a_base + (local_m[:, None] * stride_am + rk[None, :] * stride_ak)
     b_ptrs = b_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
     b2_ptrs = b2_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
@@ -183,28 +238,42 @@ def fused_gemm_kernel(
     if DUAL_B:
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(span, BLOCK_K)):
-        k_left = span - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if TMA:
+            k0 = k_start + k * BLOCK_K
+            a = load_operand_tile(a_desc, pid_m * BLOCK_M, k0, A_K_MAJOR)
+            b = load_operand_tile(b_desc, pid_n * BLOCK_N, k0, B_K_MAJOR).T
+        else:
+            k_left = span - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if DUAL_B:
-            b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+            if TMA:
+                b2 = load_operand_tile(b2_desc, pid_n * BLOCK_N, k0, B_K_MAJOR).T
+            else:
+                b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
             acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-        b2_ptrs += BLOCK_K * stride_bk
+        if not TMA:
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+            b2_ptrs += BLOCK_K * stride_bk
     if SECOND_K:
         # Second K segment: A's columns K..2K-1 against B2.
         a_ptrs = a_ptr + row0 * stride_am + K.to(tl.int64) * stride_ak + (
             local_m[:, None] * stride_am + rk[None, :] * stride_ak)
         b2_ptrs = b2_base + (rk[:, None] * stride_bk + local_n[None, :] * stride_bn)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
-            b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
+            if TMA:
+                a = load_operand_tile(a2_desc, pid_m * BLOCK_M, k * BLOCK_K, A_K_MAJOR)
+                b2 = load_operand_tile(b2_desc, pid_n * BLOCK_N, k * BLOCK_K, B_K_MAJOR).T
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (rk[None, :] < k_left), other=0.0)
+                b2 = tl.load(b2_ptrs, mask=(rk[:, None] < k_left) & mask_n[None, :], other=0.0)
             acc = tl.dot(a, b2, acc, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b2_ptrs += BLOCK_K * stride_bk
+            if not TMA:
+                a_ptrs += BLOCK_K * stride_ak
+                b2_ptrs += BLOCK_K * stride_bk
 
     # ---- epilogue ----
     mask_c = mask_m[:, None] & mask_n[None, :]

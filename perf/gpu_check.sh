@@ -169,7 +169,7 @@ steps=(
     "gpu-tests|170|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k 'not $timing_test' --junitxml=\$OUT/gpu-tests.xml tests; a=\$?; $py -m pytest -m gpu -q -p no:cacheprovider $per_test -k $timing_test --junitxml=\$OUT/gpu-timing-test.xml tests; b=\$?; [ \$a -eq 0 ] && exit \$b; exit \$a"
     "autotune|60|$py -m perf.autotune --presets vit-b,gpt2 --dtypes bf16"
     "sweep|100|$py -m perf.sweep --suite short --time-limit \$TL --out \$OUT/sweep --tag short --no-progress"
-    "kernels|80|$py -m perf.kernels --out \$OUT/kernels"
+    "kernels|150|$py -m perf.kernels --out \$OUT/kernels"
     # issue 18: flash attention forward / backward vs SDPA's flash backend (head dims 64, 128, 80)
     "attention|50|$py -m perf.kernels_attention --cases gpt2,llama-d128,phi-d80 --csv \$OUT/attention.csv"
     "pareprop|80|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"

@@ -82,11 +82,12 @@ COVERAGE = (
           halves=("attention",), packed=True),
 )
 MODELS = {m.name: m for m in PRODUCTION + COVERAGE}
-# fp32 operands at every attention head-dim bucket (80: padded to 128), for the shared-memory fit of
-# the attention kernels' fp32 tables (``python -m perf.static --fp32-fit``; not gated otherwise:
-# fp32 attention is a correctness path, not a tuned one).
-FP32_ATTENTION = tuple(Model(f"fp32_hd{d}", 4 * d, 8 * d, 4, 2, "swiglu", True, 256, 2, rope=True, production=False,
-                             halves=("attention",), autocast=False) for d in (64, 80, 256))
+# fp32 operands (no autocast) at every attention head-dim bucket (80: padded to 128) and both MLP
+# kinds (SwiGLU; exact GELU's erf gradient), for the shared-memory fit of the kernels' fp32 configs
+# (``python -m perf.static --fp32-fit``; not gated otherwise: fp32 is a correctness path, not a tuned one).
+FP32_MODELS = tuple(Model(f"fp32_hd{d}", 4 * d, 8 * d, 4, 2, "swiglu", True, 256, 2, rope=True, production=False,
+                          halves=("attention", "mlp"), autocast=False) for d in (64, 80, 256)) + (
+    Model("fp32_gelu", 256, 1024, 4, 4, "gelu", False, 256, 2, production=False, halves=("mlp",), autocast=False),)
 
 
 def _param(*shape, device="meta"):

@@ -142,10 +142,11 @@ def test_model_ranks_the_public_anchors(report):
     assert deep and all(0.2 <= v <= 0.45 for v in deep), ratio
     assert 0.45 <= ratio["tutorial06_attention_fwd/d128/128x128w8s3"] <= 0.6, ratio
     assert 0.9 <= ratio["tutorial06_attention_fwd/d64/128x128w8s3"] <= 1.15, ratio
-    # the model separates them from today's library GEMM main loops
+    # the library's TMA GEMM main loops (128 x 256 tiles for light epilogues) issue no more per
+    # tensor-core cycle than the tutorial's best one
     gemm = [min(loop["ratio"] for loop in res["loops"]) for res in report["results"].values()
             if res.get("kernel") == "fused_gemm_kernel" and res["arch"] == 90 and res.get("loops")]
-    assert min(deep) < min(gemm)
+    assert min(gemm) <= min(deep)
 
 
 def _best_attention_ratio(report, model, kernel):
@@ -177,13 +178,13 @@ def test_attention_is_predicted_within_12_of_flashattention2(report):
     assert not slow, slow
 
 
-def test_fp32_attention_configs_fit_in_shared_memory():
-    """fp32 operands (no autocast) take the attention kernels' fp32 tables: every config the
-    autotuner can pick there compiles for sm_90 and sm_80 within shared memory (an H200 refused
-    the bf16 tiles at fp32: 448 KiB asked at head dim 80, 227 KiB there)."""
+def test_fp32_configs_fit_in_shared_memory():
+    """fp32 operands (no autocast) take the attention kernels' fp32 tables and the GEMMs' stage-fitted
+    configs: every config the autotuner can pick there compiles for sm_90 and sm_80 within shared
+    memory (an H200 refused the bf16 attention tiles at fp32: 448 KiB asked at head dim 80, 227 KiB there)."""
     rows = aot.analyze_in_subprocess("perf.static", ["--fp32-fit"])
     assert {r["kernel"] for r in rows} == {"qkv_rope_gemm_kernel", "attention_fwd_kernel", "attention_bwd_dq_kernel",
-                                           "attention_bwd_dkdv_kernel"}
+                                           "attention_bwd_dkdv_kernel", "fused_gemm_kernel"}
     assert {r["arch"] for r in rows} == {90, 80}
     too_big = [r for r in rows if r["error"] or r["shared"] > r["limit"]]
     assert not too_big, json.dumps(too_big, indent=1)
@@ -205,3 +206,42 @@ def test_attention_tables_follow_the_operand_width(monkeypatch):
         kept = prune(everything, {"Q": torch.empty(1, dtype=dtype), "K": torch.empty(1)}, HEAD_DIM=80)
         assert keys(kept) == keys(ka.FWD_CONFIGS[table]), dtype
     assert ka._table_key(256, 80, 4) == ("fp32", 256) and ka._table_key(40, 80, 2) == (80, 64)
+
+
+def test_gemm_prune_follows_the_operand_width_and_the_epilogue(monkeypatch):
+    """The GEMM's early prune on sm_90: 128 x 256 output tiles go to light epilogues only (a forward
+    GEMM with bias and GELU-tanh into bf16; not the couple's residual, a weight gradient or exact
+    GELU's erf); fp32 operands get the stages that fit in shared memory (128 x 128 x 64 at 4 stages
+    asks 256 KiB at 4 bytes: 3 stages), and every list keeps a config for them (the SwiGLU-gradient
+    list's 16-bit tiles fit only with 2 stages)."""
+    import torch
+
+    from revtriton.kernels import configs as kc
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    def pruned(kind, operand, out, **flags):  # a list as the GPU sees it (the interpreter's kernels carry one)
+        named = {"a_ptr": torch.empty(1, dtype=operand), "c_ptr": torch.empty(1, dtype=out)}
+        return kc.prune_for_device(kc.configs_for_arch(kind, 90) + kc.configs_for_arch(kind, 80), named, **flags)
+
+    def tiles(*args, **flags):
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages)
+                for c in pruned(*args, **flags)}
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    forward = dict(HAS_BIAS=True, ACT=1, B_K_MAJOR=True)
+    assert (128, 256, 64, 3) in tiles("regular", bf16, bf16, **forward)
+    assert (128, 256, 64, 3) not in tiles("regular", bf16, torch.int32, RESIDUAL=2, B_K_MAJOR=True)
+    assert (128, 256, 64, 3) not in tiles("regular", bf16, bf16, RESIDUAL=1, B_K_MAJOR=True)  # a bf16 float stream
+    assert (128, 256, 64, 3) not in tiles("regular", bf16, fp32)  # a weight gradient
+    assert (128, 256, 64, 3) not in tiles("regular", bf16, bf16, HAS_BIAS=True, ACT=2, B_K_MAJOR=True)
+    assert (128, 128, 64, 4) in tiles("regular", bf16, bf16, **forward)
+    at_fp32 = tiles("regular", fp32, fp32, **forward)
+    assert (128, 128, 64, 3) in at_fp32 and (128, 128, 64, 4) not in at_fp32 and (128, 256, 64, 3) not in at_fp32
+    assert (128, 128, 64, 3) in tiles("dual", bf16, bf16, DUAL_B=True, ACT=4, B_K_MAJOR=True)
+    for kind, flags in (("regular", forward), ("dual", dict(DUAL_B=True)), ("act_grad", dict(ACT_BWD=4))):
+        kept = pruned(kind, fp32, fp32, **flags)
+        assert kept
+        for c in kept:
+            b_tiles = 2 if flags.get("DUAL_B") else 1
+            stage = (c.kwargs["BLOCK_M"] + b_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 4
+            assert c.num_stages >= 2 and stage * c.num_stages <= kc.MAX_SHARED[90], (kind, c)

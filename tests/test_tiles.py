@@ -188,6 +188,84 @@ def test_act_grad_gemm_at_every_table_tile(seeded, pin, shape):
 
 
 # --------------------------------------------------------------------------------------------
+# The GEMM's two load paths: TMA descriptors (sm_90 configs) and masked pointer loads
+
+TMA_TILES = shapes([kc.GEMM_CONFIGS_SM90, [kc.GEMM_CONFIG_INTERPRETER]], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+
+
+@pytest.fixture
+def load_paths(monkeypatch):
+    """The GEMM launches' load-path flags (TMA_READY, A_K_MAJOR, B_K_MAJOR), in order."""
+    seen = []
+    launch = gemm.dispatch.launch
+
+    def recording(kernel, grid, *args, **meta):
+        if "TMA_READY" in meta:  # not the split's reduction
+            seen.append((meta["TMA_READY"], meta["A_K_MAJOR"], meta["B_K_MAJOR"]))
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(gemm.dispatch, "launch", recording)
+    return seen
+
+
+def misaligned(t):
+    """The same values in a view whose row stride (cols + 1 elements, 2 bytes each) is no 16-byte
+    multiple: no descriptor can describe it, so the kernel takes the pointer path."""
+    rows, cols = t.shape
+    wide = torch.zeros(rows, cols + 1, dtype=t.dtype)
+    wide[:, :cols] = t
+    return wide[:, :cols]
+
+
+@pytest.mark.parametrize("shape", list(TMA_TILES), ids=ids)
+def test_gemm_tma_and_pointer_loads_give_the_same_bits(seeded, pin, load_paths, shape):
+    """fp16 operands at a Hopper tile: the aligned call loads by TMA (K-major A and B in the forward,
+    M- and N-major in the weight gradient), a misaligned copy by pointers, and both give the same
+    bits and the reference's values. The weight gradient's split ends inside a K tile (48 tokens
+    a split against 64-deep tiles): its descriptors must stop at the split's end (zero fill)."""
+    pin(kg.fused_gemm_kernel, TMA_TILES[shape])
+    pin(kg.fused_gemm_dual_kernel, TMA_TILES[shape])
+    rows, dim, hidden, dt = 130, 96, 136, torch.float16
+    n = torch.randn(rows, dim).to(dt)
+    w, b = (torch.randn(hidden, dim) / dim**0.5).to(dt), torch.randn(hidden).to(dt)
+    w_up = (torch.randn(hidden, dim) / dim**0.5).to(dt)
+    dz = torch.randn(rows, hidden).to(dt)
+    g2 = torch.randn(rows, 2 * hidden).to(dt)
+    w_down = torch.randn(hidden, dim).to(dt)
+
+    def run(n, dz, g2):
+        return (gemm.linear(n, w, b, activation="gelu_tanh")[0],
+                gemm.linear(n, w, None, activation="swiglu", weight_up=w_up)[0],
+                gemm.linear_weight_grad(dz, n, split_k=3),  # 48 tokens a split
+                gemm.linear_input_grad(g2, w_down, weight2=w_down))  # two K segments of A
+
+    by_tma = run(n, dz, g2)
+    assert load_paths == [(True, True, True), (True, True, True), (True, False, False), (True, True, False)]
+    load_paths.clear()
+    by_pointers = run(misaligned(n), misaligned(dz), misaligned(g2))
+    assert not any(ready for ready, _, _ in load_paths)
+    for got, want in zip(by_tma, by_pointers):
+        assert torch.equal(got, want)
+    refs = (gemm.linear_reference(n, w, b, activation="gelu_tanh")[0],
+            gemm.linear_reference(n, w, None, activation="swiglu", weight_up=w_up)[0],
+            gemm.linear_weight_grad_reference(dz, n),
+            gemm.linear_input_grad_reference(g2, w_down, weight2=w_down))
+    for got, want in zip(by_tma, refs):
+        assert rel_err(got, want) <= 1e-2
+
+
+def test_gemm_loads_by_pointers_where_no_descriptor_fits(seeded, load_paths):
+    """fp32 operands (the correctness path), and an input gradient whose second K segment starts
+    off a 16-byte boundary (K = 100 fp16 columns: 200 bytes), take the pointer path."""
+    a, w = torch.randn(33, 64), torch.randn(48, 64)
+    assert rel_err(gemm.linear(a, w)[0], gemm.linear_reference(a, w)[0]) <= 1e-5
+    g2, w_down = torch.randn(33, 200).to(torch.float16), torch.randn(100, 64).to(torch.float16)
+    got = gemm.linear_input_grad(g2, w_down, weight2=w_down)
+    assert rel_err(got, gemm.linear_input_grad_reference(g2, w_down, weight2=w_down)) <= 1e-2
+    assert [ready for ready, _, _ in load_paths] == [False, False]
+
+
+# --------------------------------------------------------------------------------------------
 # Row kernels on rows with zero variance or large values
 
 

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
 from .graph import backward_keeps_graph
+from .launches import cdiv
 from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
+from .tma import ensure_descriptor_allocator, tma_ready
 
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))  # kernels/attention.py HEAD_DIMS: multiples of 8, 16..256
 
@@ -133,30 +135,6 @@ def rope_unrotate_reference(t, cos, sin):
 # Flash attention: launchers
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """A tensor descriptor (TMA) needs a 16-byte aligned base and 16-byte multiples for every stride
-    but the last."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all((stride * size) % 16 == 0 for stride in t.stride()[:-1])
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)  # the current device: the launch's
-
-
-def _ensure_descriptor_allocator(device: torch.device):
-    """Kernels that build tensor descriptors on the device need scratch memory from an allocator
-    Triton calls at launch; set one (torch's caching allocator) unless the user already did."""
-    if device.type != "cuda":
-        return
-    import triton
-    from triton.runtime import _allocation
-
-    # (a context variable: the autograd engine's backward thread sets its own on its first launch)
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_descriptor_scratch)
-
-
 # The last layout's kernel arguments: every layer of a model (and the backward's rebuild and
 # gradient passes) gets the same segments tensor, so they are made once a step, not per call.
 # Keyed on the tensor itself (held here, so its identity cannot be reused), its version (an
@@ -248,12 +226,12 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
         raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
     if q.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
         # K / V arrive by TMA on sm_90: odd views are copied once to an aligned layout.
-        k, v = (t if _tma_ready(t) else t.contiguous() for t in (k, v))
-        _ensure_descriptor_allocator(q.device)
+        k, v = (t if tma_ready(t) else t.contiguous() for t in (k, v))
+        ensure_descriptor_allocator(q.device)
     lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
     seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
     kernels = _attention_kernels()
-    grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
+    grid = lambda meta: (cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
     limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
     dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse, seg, self_until, spans,
                     *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out), stride_segb,
@@ -301,13 +279,13 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
         cos = sin = lse  # unused pointers
     seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
     if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
-        q, k, v, do = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v, do))
-        _ensure_descriptor_allocator(q.device)
+        q, k, v, do = (t if tma_ready(t) else t.contiguous() for t in (q, k, v, do))
+        ensure_descriptor_allocator(q.device)
     kernels = _attention_kernels()
     pad = kernels.head_pad(head_dim)
     delta = torch.empty_like(lse)
-    dq_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * heads,)  # noqa: E731
-    dkdv_grid = lambda meta: (triton_cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
+    dq_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * heads,)  # noqa: E731
+    dkdv_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
     limits.check_grid("attention_bwd", dq_grid({"BLOCK_FIXED": 16}))
     options = dict(HEAD_DIM=head_dim, HEAD_PAD=pad, CAUSAL=bool(causal), ROPE=rope is not None,
                    SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
@@ -383,10 +361,6 @@ def _sdpa_core_backward(graph, do, plan, retain: bool):
     return dqkv
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 # --------------------------------------------------------------------------------------------
 # QKV projection: norm prologue, bias + RoPE epilogue (kernels/attention_qkv.py)
 
@@ -459,8 +433,8 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     kernels = _qkv_kernels()
     cos, sin = rope if rope is not None else (out, out)
     total_heads = heads + 2 * kv_heads
-    column_tiles = lambda meta: triton_cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
-    grid = lambda meta: (triton_cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
+    column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
     dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
                     M, N, dim, table_rows, total_heads, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),

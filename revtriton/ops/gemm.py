@@ -56,11 +56,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from . import dispatch
+from .launches import cdiv, next_power_of_2
 from .reference import activation_reference
 from .streams import ResidualScale, check_frac_bits, check_residual_scale, exact_add_reference, scale_launch_args
+from .tma import ensure_descriptor_allocator, matrix_tma_ready
 
 from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
 from revtriton.kernels import norm as norm_kernels
@@ -171,7 +172,7 @@ def reduce_partials(*partials):
         args = []
         for p in group + [group[0]] * (REDUCTIONS_PER_LAUNCH - len(group)):
             args += [p.part, p.out, p.part.shape[0], p.part.shape[1]]
-        dispatch.launch(norm_kernels.sum_partials_kernel, (triton.cdiv(widest, block),), *args,
+        dispatch.launch(norm_kernels.sum_partials_kernel, (cdiv(widest, block),), *args,
                         JOBS=len(group), BLOCK_N=block, num_warps=4)
 
 
@@ -184,7 +185,7 @@ def row_partial_programs(rows: int) -> int:
 # ---------------------------------------------------------------- the GEMM launch
 
 def _bucket(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_power_of_2(max(int(n), 1))
 
 
 def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, row_scale=None, aux=None,
@@ -201,8 +202,16 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
     else:
         stride_cm, stride_cn = c.stride(0), c.stride(1)
 
+    # The sm_90 configs load tiles by TMA when every operand can be described (16-bit operands;
+    # B is seen as [N, K]); the pointer path otherwise, and on sm_80.
+    tma = a.element_size() == 2 and matrix_tma_ready(a, stride_am, stride_ak) and matrix_tma_ready(
+        b, stride_bn, stride_bk) and (b2 is None or matrix_tma_ready(b2, stride_bn, stride_bk)) and (
+        not second_k or matrix_tma_ready(a, stride_am, stride_ak, offset=K * stride_ak))
+    if tma:
+        ensure_descriptor_allocator(a.device)
+
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), split_k)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), split_k)
 
     if dual_b:
         kernel = gemm_kernels.fused_gemm_dual_kernel
@@ -220,7 +229,8 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         dummy if col_sum is None else col_sum,
         float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
         int(bool(store_aux)), _bucket(M), _bucket(K),
-        DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+        DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
+        TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1, HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
         HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -298,7 +308,7 @@ def normalize(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, ou
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or D == 0:
         return n, mean.zero_(), rstd
-    block_n = triton.next_power_of_2(D)
+    block_n = next_power_of_2(D)
     dispatch.launch(norm_kernels.normalize_kernel, (M,), x, n, mean, rstd,
                     x if norm_weight is None else norm_weight, x if norm_bias is None else norm_bias,
                     M, D, x.stride(0), n.stride(0), float(eps), IS_RMS=norm == "rms",
@@ -437,7 +447,7 @@ def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, 
             partials = Partials(torch.empty(programs, D, dtype=torch.float32, device=g.device), result)
     if M == 0 or D == 0:
         return out, partials
-    block_n = triton.next_power_of_2(D)
+    block_n = next_power_of_2(D)
     dispatch.launch(norm_kernels.scale_rows_kernel, (programs,), g, g if out is None else out,
                     g if row_scale is None else row_scale, g if partials is None else partials.part,
                     M, D, rows_per_program, g.stride(0), 0 if out is None else out.stride(0), float(alpha),
@@ -488,7 +498,7 @@ def linear_act_bwd(grad, weight, preact, *, activation, col_sums=False, sums_dty
         if M == 0:
             result.zero_()
         else:
-            rows = triton.cdiv(M, COL_SUM_ROWS)
+            rows = cdiv(M, COL_SUM_ROWS)
             part = torch.empty(rows + MAX_BLOCK_M // COL_SUM_ROWS - 1, H, dtype=torch.float32, device=grad.device)
             partials = Partials(part[:rows], result)
             col_sum_buffer = part
@@ -546,12 +556,12 @@ def sm_count(device) -> int:
 def split_k_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     """(splits, k per split) for a weight-gradient GEMM [m, n] over k tokens: split K only when the
     128 x 128 output tiles cannot fill half the SMs, in 256-deep multiples (every BLOCK_K divides it)."""
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    tiles = cdiv(m, 128) * cdiv(n, 128)
     if 2 * tiles >= sms or k < 2048:
         return 1, k
-    splits = min(triton.cdiv(sms, tiles), k // 1024, 8)
-    per_split = triton.cdiv(triton.cdiv(k, splits), 256) * 256
-    return triton.cdiv(k, per_split), per_split
+    splits = min(cdiv(sms, tiles), k // 1024, 8)
+    per_split = cdiv(cdiv(k, splits), 256) * 256
+    return cdiv(k, per_split), per_split
 
 
 def linear_weight_grad(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None):
@@ -572,8 +582,8 @@ def linear_weight_grad(grad, inp, *, out_dtype=torch.float32, split_k=None, pend
     else:
         if not isinstance(split_k, int) or split_k < 1:
             raise ValueError(f"split_k must be a positive int, got {split_k!r}")
-        per_split = triton.cdiv(triton.cdiv(M, split_k), 16) * 16  # any size is correct; 256 is faster
-        splits = triton.cdiv(M, per_split)
+        per_split = cdiv(cdiv(M, split_k), 16) * 16  # any size is correct; 256 is faster
+        splits = cdiv(M, per_split)
     # A = grad.T [N_out, M], B = inp [M, width]: K runs over tokens.
     a_strides = (grad.stride(1), grad.stride(0))
     b_strides = (inp.stride(0), inp.stride(1))
@@ -644,7 +654,7 @@ def norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, o
             partials = Partials(torch.empty(programs, params * D, dtype=torch.float32, device=x.device), result)
     if M == 0 or D == 0:
         return dx, partials
-    block_n = triton.next_power_of_2(D)
+    block_n = next_power_of_2(D)
     mean, rstd = stats
     dispatch.launch(norm_kernels.norm_bwd_kernel, (programs,), dn, x, mean, rstd,
                     norm_weight if norm_weight is not None else x, dres if dres is not None else dn, dx,
