@@ -42,25 +42,22 @@ import os
 import triton
 import triton.language as tl
 
+from .configs import next_power_of_2
+
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8))
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _next_power_of_2(n: int) -> int:
-    # plain host arithmetic: triton.next_power_of_2 is a constexpr function (~5 us a call on the host)
-    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
-
-
 def head_pad(head_dim: int) -> int:
     """Tile width for a head dim: the next power of two."""
-    return _next_power_of_2(head_dim)
+    return next_power_of_2(head_dim)
 
 
 def seq_bucket(seq_len: int) -> int:
     """Autotune key for the token count: next power of two, clamped to [16, 8192]."""
-    return min(max(_next_power_of_2(seq_len), 16), 8192)
+    return min(max(next_power_of_2(seq_len), 16), 8192)
 
 
 def _fwd(bm, bn, warps, stages, tma=False):

@@ -22,6 +22,13 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), host arithmetic for launchers and tuning keys:
+    triton.next_power_of_2 is a constexpr function (a wrapper unwraps every argument), about 5 us a
+    call on the host."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
+
+
 def _gemm(bm, bn, bk, warps, stages, group_m=8, tma=False):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "USE_TMA": tma},
                          num_warps=warps, num_stages=stages)
@@ -147,16 +154,15 @@ def prune_for_device(configs, named_args, **kwargs):
     import torch  # only reached on a GPU
 
     arch = 90 if torch.cuda.get_device_capability()[0] >= 9 else 80
+    own = [c for c in configs if _ARCH_OF.get(id(c)) == arch] or configs[:1]
     fitted, seen = [], set()
-    for config in configs:
-        if _ARCH_OF.get(id(config)) != arch:
-            continue
+    for config in own:
         config = fit_to_launch(config, named_args, kwargs, arch)
         key = None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages)
         if config is not None and key not in seen:
             seen.add(key)
             fitted.append(config)
-    return fitted or configs[:1]
+    return fitted or own[:1]
 
 
 def norm_num_warps(block_n: int) -> int:

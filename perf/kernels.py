@@ -36,6 +36,7 @@ import datetime
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -209,8 +210,9 @@ GRAPH_OPS = ("forward", "inverse", "gemm1", "gemm2", "dw1")
 
 
 def graph_ms(fn) -> float | None:
-    """Median device time of ``fn`` replayed from a CUDA graph: no host cost between launches (the
-    H200 run's machine spent ~0.16 ms of host time a fused GEMM call). None if it cannot be captured."""
+    """Median device time of ``fn`` replayed from a CUDA graph: no host cost between launches (an
+    H200 machine measured 116-227 us of host time a fused GEMM call, perf/results/h200-2026-12-04-tma/).
+    None if it cannot be captured."""
     from triton.testing import do_bench_cudagraph
 
     try:
@@ -223,8 +225,6 @@ def graph_ms(fn) -> float | None:
 
 def host_us(fn, calls: int = 50) -> float:
     """Host time per call: ``calls`` calls queued without a sync (the GPU runs behind), then one sync."""
-    import time
-
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):

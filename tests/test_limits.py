@@ -105,3 +105,19 @@ def test_check_grid_messages():
         limits.check_grid("k", (1, 1, 65536))
     with pytest.raises(ValueError, match="grid x"):
         limits.check_grid("k", (2 ** 31,))
+
+
+def test_host_arithmetic_matches_tritons():
+    """The launchers' plain cdiv / next_power_of_2 (Triton's are constexpr functions, ~5 us a host
+    call) give Triton's values, edge cases included (0, 1, powers of two and their neighbours)."""
+    import triton
+
+    from revtriton.kernels.configs import next_power_of_2
+    from revtriton.ops.launches import cdiv
+
+    values = list(range(0, 70)) + [255, 256, 257, 8077, 8192, 8193, 2**31 - 1, 2**31, 2**40 + 3]
+    for n in values:
+        assert next_power_of_2(max(n, 1)) == triton.next_power_of_2(max(n, 1)), n
+        for d in (1, 3, 16, 64, 128, 4096):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_2(0) == 1

@@ -19,6 +19,8 @@ from .streams import (ResidualScale, check_frac_bits, check_residual_scale, coup
                       port_gradient, residual_gradient)
 from .tma import ensure_descriptor_allocator, tma_ready
 
+from revtriton.kernels.configs import next_power_of_2  # kernels/ (revtriton/__init__.py maps it in a checkout)
+
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))  # kernels/attention.py HEAD_DIMS: multiples of 8, 16..256
 
 
@@ -436,7 +438,7 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
     dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
-                    M, N, dim, table_rows, total_heads, heads + kv_heads, 1 << max(M - 1, 0).bit_length(),
+                    M, N, dim, table_rows, total_heads, heads + kv_heads, next_power_of_2(M),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
                     HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
                     HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype))

@@ -58,14 +58,14 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .launches import cdiv, next_power_of_2
+from .launches import cdiv
 from .reference import activation_reference
 from .streams import ResidualScale, check_frac_bits, check_residual_scale, exact_add_reference, scale_launch_args
 from .tma import ensure_descriptor_allocator, matrix_tma_ready
 
 from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
 from revtriton.kernels import norm as norm_kernels
-from revtriton.kernels.configs import norm_num_warps
+from revtriton.kernels.configs import next_power_of_2, norm_num_warps
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATION_CODES = {None: gemm_kernels.ACT_NONE, "gelu_tanh": gemm_kernels.ACT_GELU_TANH,
@@ -184,10 +184,6 @@ def row_partial_programs(rows: int) -> int:
 
 # ---------------------------------------------------------------- the GEMM launch
 
-def _bucket(n: int) -> int:
-    return next_power_of_2(max(int(n), 1))
-
-
 def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, row_scale=None, aux=None,
                  store_aux=False, res=None, col_sum=None, alpha=1.0, sign=1, frac_bits=0, dual_b=False,
                  second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0, scale=None):
@@ -228,7 +224,7 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         dummy if res is None else res, 0 if res is None else res.stride(0),
         dummy if col_sum is None else col_sum,
         float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
-        int(bool(store_aux)), _bucket(M), _bucket(K),
+        int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K),
         DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
         TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1, HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,

@@ -12,15 +12,11 @@ from collections import Counter
 _counters: list[Counter] = []
 
 
-# Host arithmetic for grids and keys. triton.cdiv / triton.next_power_of_2 are constexpr functions
-# (a wrapper unwraps every argument): about 5 us a call on the host, several per launch.
+# Host arithmetic for grids: triton.cdiv is a constexpr function (a wrapper unwraps every
+# argument), about 5 us a call on the host, several per launch (kernels/configs.py has
+# next_power_of_2 for the same reason).
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << (int(n) - 1).bit_length() if n > 1 else 1
 
 
 def launch(kernel, grid, *args, **meta):
