@@ -69,6 +69,12 @@ def _bwd(fixed, stream, warps, stages, tma=False):
                          num_stages=stages)
 
 
+def _dkdv(fixed, stream, warps, stages, tma=False, one_loop=False):
+    config = _bwd(fixed, stream, warps, stages, tma)
+    config.kwargs["ONE_LOOP"] = one_loop
+    return config
+
+
 # Per (arch, head-dim bucket 64 / 128 / 256). On sm_90 the streamed tiles (K / V in the forward and
 # the dq pass, Q / dO in the dk/dv pass) arrive by TMA (``USE_TMA``; power-of-two head dims, other
 # head dims fall back to pointer loads); sm_80 uses cp.async pointer loads. 128-row fixed blocks on
@@ -80,9 +86,11 @@ def _bwd(fixed, stream, warps, stages, tma=False):
 #   dk/dv pass, 64: 128 x 64, ratio 0.68-0.72; registers depend on the compiler: 204-226 with
 #     triton 3.9 (3 stages; 237 with 2 under a causal mask), 234-255 with 3.6 (2 stages: 234);
 #   dk/dv pass, 128: two 128 x 128 fp32 accumulators are 128 registers a thread on 8 warps
-#     (FlashAttention-3 gives these warps 240 with setmaxnreg, which Triton cannot): 128 x 32
-#     tiles use all 255 registers (ratio 0.58; no spill with triton 3.9, 64 bytes with 3.6),
-#     128 x 16 tiles 221 / 255 (ratio 0.93); the autotuner keeps the faster on the GPU;
+#     (FlashAttention-3 gives these warps 240 with setmaxnreg, which Triton cannot). In the
+#     three-loop form 128 x 32 tiles used all 255 registers (64 bytes of stack with triton 3.6)
+#     and 128 x 16 tiles issued too much (ratio 0.93); the one-loop form (ONE_LOOP) runs 128 x 32
+#     in 213-219 registers (3.9) / 229-231 (3.6), ratio 0.65 / 0.57, no stack; sm_80's 32 x 32
+#     255 -> 187 registers;
 #   head dim 256 (Gemma): correct, not tuned (the dk/dv pass spills).
 FWD_CONFIGS = {
     (90, 64): [_fwd(128, 128, 8, 3, True), _fwd(128, 128, 8, 2, True), _fwd(64, 128, 4, 3, True)],
@@ -95,12 +103,12 @@ FWD_CONFIGS = {
 # dk/dv pass: BLOCK_FIXED keys a program, BLOCK_STREAM queries a step; dq pass: BLOCK_FIXED queries,
 # BLOCK_STREAM keys (the tutorial's BLOCK_N1 / BLOCK_M1 and BLOCK_M2 / BLOCK_N2).
 DKDV_CONFIGS = {
-    (90, 64): [_bwd(128, 64, 8, 3, True), _bwd(128, 64, 8, 2, True)],
-    (90, 128): [_bwd(128, 32, 8, 2, True), _bwd(128, 16, 8, 2, True)],
-    (90, 256): [_bwd(64, 32, 4, 2, True)],
-    (80, 64): [_bwd(32, 32, 4, 2)],
-    (80, 128): [_bwd(32, 32, 4, 2)],
-    (80, 256): [_bwd(32, 16, 4, 1)],
+    (90, 64): [_dkdv(128, 64, 8, 3, True), _dkdv(128, 64, 8, 2, True)],
+    (90, 128): [_dkdv(128, 32, 8, 2, True, one_loop=True), _dkdv(128, 32, 8, 3, True, one_loop=True)],
+    (90, 256): [_dkdv(64, 32, 4, 2, True)],
+    (80, 64): [_dkdv(32, 32, 4, 2)],
+    (80, 128): [_dkdv(32, 32, 4, 2, one_loop=True)],
+    (80, 256): [_dkdv(32, 16, 4, 1)],
 }
 DQ_CONFIGS = {
     (90, 64): [_bwd(128, 64, 8, 2, True), _bwd(128, 64, 8, 3, True)],
@@ -117,15 +125,15 @@ DQ_CONFIGS = {
 # correctness path, not a tuned one.
 for _table, _configs in ((FWD_CONFIGS, {64: [_fwd(64, 64, 4, 2)], 128: [_fwd(64, 32, 4, 2)],
                                         256: [_fwd(32, 16, 4, 2)]}),
-                         (DKDV_CONFIGS, {64: [_bwd(64, 32, 4, 2)], 128: [_bwd(64, 16, 4, 2)],
-                                         256: [_bwd(32, 16, 4, 2)]}),
+                         (DKDV_CONFIGS, {64: [_dkdv(64, 32, 4, 2)], 128: [_dkdv(64, 16, 4, 2)],
+                                         256: [_dkdv(32, 16, 4, 2)]}),
                          (DQ_CONFIGS, {64: [_bwd(64, 32, 4, 2)], 128: [_bwd(64, 16, 4, 2)],
                                        256: [_bwd(32, 16, 4, 2)]})):
     _table.update({("fp32", bucket): configs for bucket, configs in _configs.items()})
 # The interpreter runs programs serially: small tiles, one config (no autotune without a GPU);
 # tests/test_tiles.py runs every table shape, both load paths, by pinning it.
 FWD_CONFIG_INTERPRETER = _fwd(32, 32, 4, 1, True)
-DKDV_CONFIG_INTERPRETER = _bwd(32, 16, 4, 1, True)
+DKDV_CONFIG_INTERPRETER = _dkdv(32, 16, 4, 1, True)
 DQ_CONFIG_INTERPRETER = _bwd(16, 32, 4, 1, True)
 
 
@@ -457,13 +465,18 @@ def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, delta_base, stride_qt, stride_dot,
                 lo, hi, offs_n, offs_s, columns, column_ok, seq_len, qk_scale, SEG, SELF_UNTIL, stride_segb, code_k,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, EVEN_D: tl.constexpr,
-                USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+                MASKED: tl.constexpr, FOLD_ROW_TERMS: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+                EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr,
                 HEAD_PAD: tl.constexpr):
     """dk, dv contributions of the query blocks [lo, hi) of one query head. MASKED: the causal
     mask and the sequence end (rows past it load q = dO = 0, lse = delta = 0: they add zero).
     Scores are kept transposed ([keys, queries]) so P^T and dS^T feed the dV / dK products as
-    they are (k and v stay in shared memory as the A operands)."""
+    they are (k and v stay in shared memory as the A operands).
+
+    FOLD_ROW_TERMS: S^T's product starts from -lse / sm_scale (-inf where masked) and dP^T's from
+    -delta, so the row terms and the mask ride in the dots' accumulators instead of a pass over
+    each product after it (fewer live registers; used by the one-loop form, see ONE_LOOP)."""
+    scores = tl.zeros([offs_n.shape[0], BLOCK_STREAM], dtype=tl.float32)
     for start_m in range(lo, hi, BLOCK_STREAM):
         start_m = tl.multiple_of(start_m, BLOCK_STREAM)
         offs_m = start_m + offs_s
@@ -478,18 +491,33 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
         else:
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, queries]
-        p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
-        if MASKED:
-            if CAUSAL:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            if SEGMENTS:
-                lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
-                allowed = (code_k[:, None] >= lo_q[None, :]) & (code_k[:, None] <= hi_q[None, :])
-                p_t = tl.where(allowed & row_ok[None, :], p_t, 0.0)
+        if FOLD_ROW_TERMS:
+            s_t = scores - lse[None, :] * (1.4426950408889634 / qk_scale)  # qk_scale / log2(e) = sm_scale
+            if MASKED:
+                if CAUSAL:
+                    s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+                if SEGMENTS:
+                    lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
+                    allowed = (code_k[:, None] >= lo_q[None, :]) & (code_k[:, None] <= hi_q[None, :])
+                    s_t = tl.where(allowed & row_ok[None, :], s_t, float("-inf"))
+            s_t = tl.dot(k, tl.trans(q), s_t, input_precision=DOT_PRECISION)  # [keys, queries]
+            p_t = tl.exp2(s_t * qk_scale)
+        else:
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [keys, queries]
+            p_t = tl.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+            if MASKED:
+                if CAUSAL:
+                    p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+                if SEGMENTS:
+                    lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
+                    allowed = (code_k[:, None] >= lo_q[None, :]) & (code_k[:, None] <= hi_q[None, :])
+                    p_t = tl.where(allowed & row_ok[None, :], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        if FOLD_ROW_TERMS:
+            ds_t = p_t * tl.dot(v, tl.trans(do), scores - delta[None, :], input_precision=DOT_PRECISION)
+        else:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -602,10 +630,18 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
                               stride_ropeb, batch, heads, kv_heads, seq_len, seq_bucket, sm_scale,
                               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                               ROPE: tl.constexpr, SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr):
+                              BLOCK_FIXED: tl.constexpr, BLOCK_STREAM: tl.constexpr, USE_TMA: tl.constexpr,
+                              ONE_LOOP: tl.constexpr):
     """Grid (cdiv(T, BLOCK_FIXED) * B * KV,): program -> (key block, batch x kv head): dk, dv of the
     block summed over the query heads of its group in registers (GQA without atomics). Runs after
-    the dq pass, which wrote delta."""
+    the dq pass, which wrote delta.
+
+    ONE_LOOP (a config switch): every query block in one masked loop, the row terms and masks
+    folded into the dots (``_dkdv_steps``); else three loops (blocks crossing the diagonal masked,
+    full blocks unmasked, the sequence's last block masked), three copies of the loop body. At
+    head dim 128 two 128 x 128 fp32 accumulators take half the registers and the three copies
+    need 255 (with stack on triton 3.6), the one loop about 220; at head dim 64 the unmasked
+    loop issues fewer instructions and the registers fit."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     pid = tl.program_id(0)
     tiles = tl.cdiv(seq_len, BLOCK_FIXED)
@@ -659,26 +695,34 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * heads + h) * seq_len
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
-                             stride_qt, stride_dot,
-                             lo, diagonal_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             SEG, SELF_UNTIL, stride_segb, code_k, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
-                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
-                             stride_qt, stride_dot,
-                             diagonal_end, full_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             SEG, SELF_UNTIL, stride_segb, code_k, False, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
-                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base, DELTA + row_base,
-                             stride_qt, stride_dot,
-                             full_end, stream_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
-                             SEG, SELF_UNTIL, stride_segb, code_k, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA,
-                             DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+        if ONE_LOOP:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base,
+                                 DELTA + row_base, stride_qt, stride_dot,
+                                 lo, stream_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                                 SEG, SELF_UNTIL, stride_segb, code_k, True, True, CAUSAL, SEGMENTS, EVEN_D,
+                                 STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+        else:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base,
+                                 DELTA + row_base, stride_qt, stride_dot,
+                                 lo, diagonal_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                                 SEG, SELF_UNTIL, stride_segb, code_k, True, False, CAUSAL, SEGMENTS, EVEN_D,
+                                 STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base,
+                                 DELTA + row_base, stride_qt, stride_dot,
+                                 diagonal_end, full_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                                 SEG, SELF_UNTIL, stride_segb, code_k, False, False, CAUSAL, SEGMENTS, EVEN_D,
+                                 STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, LSE + row_base,
+                                 DELTA + row_base, stride_qt, stride_dot,
+                                 full_end, stream_end, offs_n, offs_s, columns, column_ok, seq_len, qk_scale,
+                                 SEG, SELF_UNTIL, stride_segb, code_k, True, False, CAUSAL, SEGMENTS, EVEN_D,
+                                 STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+    # dv leaves first: its registers are free for the RoPE tables dk's rotation loads
+    store_tile(DV + b * stride_dvb + kvh * stride_dvh + n0 * stride_dvt, rows, stride_dvt, columns, key_ok,
+               column_ok, dv)
     dk = dk * sm_scale
     if ROPE:  # (tables loaded where used: kept across the loops they would hold registers)
         cos, sin = load_rope_tables(COS + b * stride_ropeb, SIN + b * stride_ropeb, offs_n, key_ok, HEAD_DIM, HEAD_PAD)
         dk = rope_rotate(dk, cos, -sin, BLOCK_FIXED, 1, HEAD_PAD // 2)
     store_tile(DK + b * stride_dkb + kvh * stride_dkh + n0 * stride_dkt, rows, stride_dkt, columns, key_ok,
                column_ok, dk)
-    store_tile(DV + b * stride_dvb + kvh * stride_dvh + n0 * stride_dvt, rows, stride_dvt, columns, key_ok,
-               column_ok, dv)

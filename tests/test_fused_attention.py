@@ -670,9 +670,16 @@ def masked_attention_reference(q, k, v, do, causal, segments, rope):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, causal):
+@pytest.mark.parametrize("one_loop", [False, True], ids=["dkdv-three-loops", "dkdv-one-loop"])
+def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, causal, one_loop, monkeypatch):
     """segments [B, T] masked in the forward, dq and dk/dv kernels (no T x T mask), with the RoPE
-    backward at each row's own positions (tables [B, T, D/2])."""
+    backward at each row's own positions (tables [B, T, D/2]); the dk/dv pass in both loop forms
+    (its masks applied to P, or folded into the dot's accumulator)."""
+    ka = fa._attention_kernels()
+    config = ka.dkdv_configs()[0]
+    monkeypatch.setattr(ka.attention_bwd_dkdv_kernel, "configs",
+                        [type(config)({**config.kwargs, "ONE_LOOP": one_loop}, num_warps=config.num_warps,
+                                      num_stages=config.num_stages)])
     segments = torch.tensor(LAYOUTS[layout])
     batch, tokens = segments.shape
     q, k, v = packed_qkv(batch, tokens, 4, 2, 32, torch.float32)

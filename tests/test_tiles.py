@@ -35,7 +35,7 @@ def shapes(table, names):
 
 
 FWD = shapes(ka.FWD_CONFIGS, ("BLOCK_M", "BLOCK_N", "USE_TMA"))  # both load paths (TMA on sm_90)
-DKDV = shapes(ka.DKDV_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
+DKDV = shapes(ka.DKDV_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA", "ONE_LOOP"))  # both loop forms
 DQ = shapes(ka.DQ_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
 QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K", "HEADS_PER_TILE"))
 GEMM = shapes([kc.GEMM_CONFIGS_SM90, kc.GEMM_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
@@ -71,9 +71,11 @@ def test_tables_have_the_shapes_the_tests_expect():
     # If a table is emptied or renamed this file would silently test nothing.
     assert len(FWD) >= 3 and len(DKDV) >= 3 and len(DQ) >= 3 and len(QKV) >= 4
     assert len(GEMM) >= 5 and len(GEMM_DUAL) >= 4 and len(GEMM_ACT_GRAD) >= 4
-    assert any(f != s for f, s, _ in DKDV) and any(f != s for f, s, _ in DQ) and any(m != n for m, n, _ in FWD)
-    for table in (FWD, DKDV, DQ):  # both load paths: TMA (sm_90) and pointers (sm_80)
+    assert any(f != s for f, s, *_ in DKDV) and any(f != s for f, s, _ in DQ) and any(m != n for m, n, _ in FWD)
+    for table in (FWD, DQ):  # both load paths: TMA (sm_90) and pointers (sm_80)
         assert {tma for *_, tma in table} == {True, False}
+    assert {(tma, one_loop) for *_, tma, one_loop in DKDV} == {(True, True), (True, False), (False, True),
+                                                                (False, False)}
 
 
 # --------------------------------------------------------------------------------------------
