@@ -42,7 +42,7 @@ import os
 import triton
 import triton.language as tl
 
-from .configs import next_power_of_2
+from .configs import config_key, next_power_of_2
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8))
@@ -141,10 +141,6 @@ def _table_key(head_dim, arch, element_size=2):
     """A table's key: (arch, head-dim bucket), or ("fp32", bucket) for 4-byte operands on any arch."""
     bucket = 64 if head_dim is None or head_dim <= 64 else 128 if head_dim <= 128 else 256
     return ("fp32", bucket) if element_size == 4 else (90 if arch >= 90 else 80, bucket)
-
-
-def config_key(config):
-    return tuple(sorted(config.kwargs.items())) + (config.num_warps, config.num_stages)
 
 
 def _union(table):
@@ -476,7 +472,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
     FOLD_ROW_TERMS: S^T's product starts from -lse / sm_scale (-inf where masked) and dP^T's from
     -delta, so the row terms and the mask ride in the dots' accumulators instead of a pass over
     each product after it (fewer live registers; used by the one-loop form, see ONE_LOOP)."""
-    scores = tl.zeros([offs_n.shape[0], BLOCK_STREAM], dtype=tl.float32)
+    zero_scores = tl.zeros([offs_n.shape[0], BLOCK_STREAM], dtype=tl.float32)
     for start_m in range(lo, hi, BLOCK_STREAM):
         start_m = tl.multiple_of(start_m, BLOCK_STREAM)
         offs_m = start_m + offs_s
@@ -492,7 +488,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         if FOLD_ROW_TERMS:
-            s_t = scores - lse[None, :] * (1.4426950408889634 / qk_scale)  # qk_scale / log2(e) = sm_scale
+            s_t = zero_scores - lse[None, :] * (1.4426950408889634 / qk_scale)  # qk_scale / log2(e) = sm_scale
             if MASKED:
                 if CAUSAL:
                     s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
@@ -514,7 +510,7 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
                     p_t = tl.where(allowed & row_ok[None, :], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         if FOLD_ROW_TERMS:
-            ds_t = p_t * tl.dot(v, tl.trans(do), scores - delta[None, :], input_precision=DOT_PRECISION)
+            ds_t = p_t * tl.dot(v, tl.trans(do), zero_scores - delta[None, :], input_precision=DOT_PRECISION)
         else:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -640,8 +636,8 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
     folded into the dots (``_dkdv_steps``); else three loops (blocks crossing the diagonal masked,
     full blocks unmasked, the sequence's last block masked), three copies of the loop body. At
     head dim 128 two 128 x 128 fp32 accumulators take half the registers and the three copies
-    need 255 (with stack on triton 3.6), the one loop about 220; at head dim 64 the unmasked
-    loop issues fewer instructions and the registers fit."""
+    need 255 (with stack on triton 3.6), the one loop 213-231 (sm_90); at head dim 64 the
+    unmasked loop issues fewer instructions, so it keeps three."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     pid = tl.program_id(0)
     tiles = tl.cdiv(seq_len, BLOCK_FIXED)

@@ -29,6 +29,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 1 else 1
 
 
+def config_key(config) -> tuple:
+    """What tells two configs apart: their meta-parameters, warps and stages."""
+    return tuple(sorted(config.kwargs.items())) + (config.num_warps, config.num_stages)
+
+
 def _gemm(bm, bn, bk, warps, stages, group_m=8, tma=False):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "USE_TMA": tma},
                          num_warps=warps, num_stages=stages)
@@ -158,7 +163,7 @@ def prune_for_device(configs, named_args, **kwargs):
     fitted, seen = [], set()
     for config in own:
         config = fit_to_launch(config, named_args, kwargs, arch)
-        key = None if config is None else (tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages)
+        key = None if config is None else config_key(config)
         if config is not None and key not in seen:
             seen.add(key)
             fitted.append(config)

@@ -37,9 +37,10 @@ import torch
 from . import sass
 from .ops import dispatch
 
+from revtriton.kernels.configs import MAX_SHARED  # noqa: F401  (kernels/: the limit the GEMM prune fits to)
+
 ARCHS = (90, 80)
 MAX_REGISTERS = {90: 232, 80: 232}       # of 255: leaves headroom for ptxas
-MAX_SHARED = {90: 227 * 1024, 80: 163 * 1024}
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = {90: 64, 80: 64}
 MAX_CTAS_PER_SM = 32
