@@ -14,8 +14,12 @@ How it works:
 * The block list (timm ``blocks``, GPT-2 ``h``, LLaMA ``layers``) is replaced by a
   :class:`~revtriton.engine.ReversibleStack` whose children are the same blocks, registered
   ``"0"``, ``"1"``, ... as before.
-* For Hugging Face models the base model's forward is replaced by one that runs embeddings ->
-  stack -> final norm; the LM head and its loss (``labels=...``) are the library's own.
+* LLaMA and the decoders with its layer conventions keep their base model's own forward
+  (transformers 5): the library builds masks, position ids, rotary embeddings and the cache, and
+  its layer loop meets stand-ins that run the stack once with every layer's inputs as the halves'
+  conditioning (see ``_HostDecoderModel``). For the other Hugging Face models (and those decoders
+  under transformers 4) the base model's forward is replaced by one that runs embeddings -> stack
+  -> final norm. The LM head and its loss (``labels=...``) are the library's own.
 
 By default the function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two
 streams (both start as the block input; the output is their mean) instead of
@@ -30,7 +34,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -897,7 +901,8 @@ def _is_plain_rms_norm(norm) -> bool | None:
 
 
 # What an attention spec of a block converted before a key existed means (pickled models).
-_SPEC_DEFAULTS = dict(window=None, qk_norm=False, fused_heads=True, fused_norm=True, fused_mlp=True, rope_module=None)
+_SPEC_DEFAULTS = dict(window=None, qk_norm=False, fused_heads=True, fused_norm=True, fused_mlp=True, rope_module=None,
+                      library_rope=False)
 
 
 def _layer_spec(block) -> dict:
@@ -1044,12 +1049,19 @@ class _LlamaOrdinaryBlock(_OrdinaryBlock):
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _rope_spec(config, name, base, head_dim) -> dict:
+def _rope_spec(config, name, base, head_dim, hosted=False) -> dict:
     """``rope_theta`` and ``rope_module``: None for default RoPE (the fused kernels compute it from
-    theta), else the model's rotary embedding, whose scaled frequencies the library path reads."""
+    theta), else the model's rotary embedding, whose scaled frequencies the library path reads.
+    ``hosted`` (the library's own forward and attention run): any RoPE the library computes, on the
+    library path (dynamic / longrope scaling, partial rotary)."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    rotary = getattr(base, "rotary_emb", None)
+    if hosted and rotary is not None and (rope_type not in STATIC_ROPE_TYPES or getattr(
+            rotary, "inv_freq", None) is None or rotary.inv_freq.numel() * 2 != head_dim):
+        return dict(rope_theta=float(params.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
+                    rope_module=rotary, library_rope=True)
     if rope_type not in STATIC_ROPE_TYPES:
         raise NotImplementedError(f"revify: {name} RoPE type {rope_type!r} is not supported (supported: "
                                   f"{', '.join(STATIC_ROPE_TYPES)}; its frequencies change with the sequence length)")
@@ -1057,7 +1069,6 @@ def _rope_spec(config, name, base, head_dim) -> dict:
     if theta is None:
         raise NotImplementedError(f"revify: cannot find rope_theta in the {name} config")
     theta = float(theta)
-    rotary = getattr(base, "rotary_emb", None)
     if rotary is None or getattr(rotary, "inv_freq", None) is None:
         if rope_type != "default":
             raise NotImplementedError(f"revify: {name} has RoPE type {rope_type!r} but no rotary_emb.inv_freq to read")
@@ -1107,6 +1118,9 @@ def _convert_llama(model, conversion):
         f"attention scaling {getattr(attention, 'scaling', None)} != head_dim ** -0.5":
             attention is not None and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12,
     }
+    hosted = _hosts_its_layer_loop()  # the library's own forward and attention modules run
+    if hosted:  # the library path computes these; the fused kernels do not (rope_module set: see _rope_spec)
+        unsupported.pop("partial rotary (partial_rotary_factor < 1)")
     bad = [feature for feature, is_bad in unsupported.items() if is_bad]
     if bad:
         raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
@@ -1115,10 +1129,18 @@ def _convert_llama(model, conversion):
     spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
                 fused_heads=head_dim * heads == config.hidden_size,
                 fused_norm=_layer_norms_are_plain(layer),
-                fused_mlp=config.hidden_act == "silu", **_rope_spec(config, name, base, head_dim))
+                fused_mlp=config.hidden_act == "silu", **_rope_spec(config, name, base, head_dim, hosted))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
     layer_class = type(base.layers[0])
+    if hosted:
+        _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
+                        (layer_class.__module__, layer_class.__name__))
+        base.layers.slice_view = _host_layer_calls
+        _swap_class(base, _HostDecoderModel, type(base).__module__, type(base).__name__)
+        base._revtriton_caches = True  # the library's own cache, sliding windows included
+        _set_up_generation(model, caches=True)
+        return
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_LlamaBlock, _LlamaOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
     _swap_class(base, _RevifiedLlamaModel, type(base).__module__, type(base).__name__)
@@ -1556,12 +1578,19 @@ def _run_layers(stack, hidden, final_norm, kwargs, layout, tie_last=True):
         x = step(x)
         states.append(x)
     out = final_norm(x)
+    return out, _selected_states(states, out, wanted, tie_last)
+
+
+def _selected_states(states, last, wanted, tie_last) -> tuple:
+    """The library's hidden states: the stack's input then each block's readout, the last one the
+    normed output when ``tie_last``; ``wanted`` True, or the indices to keep (others None)."""
+    states = list(states)
     if tie_last:
-        states[-1] = out
+        states[-1] = last
     if wanted is not True:  # transformers 5: an index or a list of them (negative from the end)
         keep = {i % len(states) for i in ([wanted] if isinstance(wanted, int) else wanted)}
         states = [state if i in keep else None for i, state in enumerate(states)]
-    return out, tuple(states)
+    return tuple(states)
 
 
 def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None, pooler_output=None):
@@ -1663,6 +1692,331 @@ class _RevifiedHFViTModel(_NoCheckpointing):
                           pooler_output=pooled)
 
 
+# -- Hugging Face decoders through the library's own forward (transformers 5) ------------------
+#
+# The base model's forward stays the library's: it embeds, builds the masks (padding, packed rows,
+# sliding windows), the position ids, the rotary embeddings and the cache, and loops over
+# ``self.layers[: num_hidden_layers]`` calling each layer with them. The slice (the stack's
+# ``slice_view``) answers that loop with one stand-in per layer: each records its layer's inputs, and
+# the last one runs the reversible stack once with all of them as the halves' conditioning. No
+# layer module is called by the loop (FSDP's per-layer hooks run around the stack's own phases).
+
+
+@dataclass(eq=False)
+class _HostCall:
+    """One call of a revified decoder's own forward, as its layers' stand-ins share it."""
+
+    stack: nn.Module
+    layout: tuple | None  # (positions, segments) for the fused kernels; None: one sequence per row
+    fusable: bool  # the fused kernels can mask what the library's mask does (not a custom 4-D mask)
+    hidden_states: bool  # output_hidden_states: the stack runs block by block
+    first_input: torch.Tensor | None = None
+    returned: torch.Tensor | None = None
+    layer_kwargs: list = None  # each layer's keyword inputs, as the library's loop gave them
+    states: list = None  # hidden states (hidden_states runs)
+    steps: object = None
+    cache_layers: dict = field(default_factory=dict)  # cache layer index -> its state before this call
+
+    def keep_cache_layer(self, cache, index: int):
+        """Before a half updates cache layer ``index``: remember its state the first time, restore it
+        when the half runs again in this call (the stack's overflow report re-runs halves)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or index >= len(layers):
+            return
+        state = vars(layers[index])
+        if index in self.cache_layers:
+            state.clear()
+            state.update(self.cache_layers[index])
+        else:
+            self.cache_layers[index] = dict(state)
+
+    def restore_caches(self, cache):
+        """The cache as it was before this call (a failed forward keeps no step; dynamic layers rebind
+        their tensors, static ones overwrite their slots in place: the shallow states suffice)."""
+        for index, saved in self.cache_layers.items():
+            state = vars(cache.layers[index])
+            state.clear()
+            state.update(saved)
+
+
+_HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call", default=None)
+
+# The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
+# tensor stands for None.
+_COND_SLOTS = ("positions", "segments", "cos", "sin", "position_ids", "full_mask", "sliding_mask", "fusable")
+
+
+@dataclass(frozen=True)
+class _HostCond:
+    layout: tuple | None
+    position_embeddings: tuple
+    position_ids: torch.Tensor | None
+    masks: tuple  # (full attention's, sliding attention's)
+    fusable: bool
+
+    def mask_for(self, spec) -> torch.Tensor | None:
+        return self.masks[spec["window"] is not None]
+
+
+def _none_if_empty(t):
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like) -> tuple:
+    empty = like.new_empty(0)
+    positions, segments = (empty, empty) if layout is None else layout
+    cos, sin = position_embeddings
+    return (positions, segments, cos, sin, empty if position_ids is None else position_ids,
+            *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
+
+
+def _unpack_host_cond(cond) -> _HostCond:
+    if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
+        raise RuntimeError("revtriton: a revified decoder's attention half ran without its model's layer inputs; "
+                           "call the model (its own forward builds them), not the stack or a block alone")
+    positions, segments, cos, sin, position_ids, full_mask, sliding_mask, fusable = cond
+    layout = None if _none_if_empty(positions) is None else (positions, segments)
+    return _HostCond(layout, (cos, sin), _none_if_empty(position_ids),
+                     (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable))
+
+
+def _host_layer_calls(stack, index):
+    """The stack's ``slice_view``: while its model's own forward runs, the layer loop's slice is a
+    list of stand-ins (:func:`_host_layer_call`); otherwise None (a stack of those layers)."""
+    call = _HOST_CALL.get()
+    if call is None or call.stack is not stack:
+        return None
+    positions = range(len(stack))[index]
+    if list(positions) != list(range(len(stack))):
+        raise NotImplementedError(f"revified decoder: the layer loop must run every layer in order (got layers "
+                                  f"{list(positions)} of {len(stack)}): the reversible stack runs as one")
+    call.layer_kwargs = [None] * len(stack)
+    return [functools.partial(_host_layer_call, call, i) for i in positions]
+
+
+def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
+    """Layer i's stand-in in the library's loop. Without output_hidden_states, layers before the last
+    return their input unchanged and the last runs the whole stack; with it, each runs its block."""
+    if args:
+        raise NotImplementedError("revified decoder: the library's layer loop passed positional layer inputs; "
+                                  "this transformers version is not supported")
+    stack = call.stack
+    if i == 0:
+        call.first_input = hidden
+    elif hidden is not call.returned:
+        raise RuntimeError("revified decoder: each layer's output must reach the next layer unchanged (the "
+                           "reversible stack keeps two streams between them)")
+    call.layer_kwargs[i] = kwargs
+    if call.hidden_states:
+        if i == 0:
+            call.steps, call.states = _BlockSteps(stack), [hidden]
+        call.steps.cond = _host_cond(call, [i], hidden)
+        with _caches_restored_on_failure(call, kwargs):
+            out = call.steps._step(i, hidden)
+        call.states.append(out)
+    elif i < len(stack) - 1:
+        out = hidden
+    else:
+        cond = _host_cond(call, range(len(stack)), hidden)
+        with _caches_restored_on_failure(call, kwargs):
+            out = stack(call.first_input, cond=cond)
+    call.returned = out
+    return out
+
+
+def _host_cond(call: _HostCall, layers, like) -> tuple:
+    """The conditioning of ``layers`` (indices) from their recorded inputs: one rotary embedding and
+    one set of position ids for all, one mask per attention kind (full / sliding window)."""
+    stack, first = call.stack, call.layer_kwargs[layers[0]]
+    masks = [None, None]
+    seen = [False, False]
+    for i in layers:
+        kwargs = call.layer_kwargs[i]
+        for key in ("position_embeddings", "position_ids"):
+            if kwargs.get(key) is not first.get(key):
+                raise NotImplementedError(f"revified decoder: layers got different {key} (per-layer rotary "
+                                          f"embeddings are not supported)")
+        block = stack[i]
+        kind = int(hasattr(block, "_revtriton_attention") and _layer_spec(block)["window"] is not None)
+        mask = kwargs.get("attention_mask")
+        if seen[kind] and mask is not masks[kind]:
+            raise NotImplementedError("revified decoder: layers of one attention kind got different masks")
+        masks[kind], seen[kind] = mask, True
+    position_embeddings = first.get("position_embeddings")
+    if position_embeddings is None:
+        raise NotImplementedError("revified decoder: the library's layer loop passed no position_embeddings; "
+                                  "this transformers version is not supported")
+    return _pack_host_cond(call.layout, position_embeddings, first.get("position_ids"), masks, call.fusable, like)
+
+
+def _layer_cache(kwargs):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+@contextlib.contextmanager
+def _caches_restored_on_failure(call: _HostCall, kwargs):
+    """If the stack's forward fails while decoding (an exact stream's overflow report), the cache goes
+    back to what it held before the call, so that it never keeps a failed step."""
+    try:
+        yield
+    except BaseException:
+        cache = _layer_cache(kwargs)
+        if cache is not None:
+            call.restore_caches(cache)
+        raise
+
+
+class _HostLlamaAttentionHalf(_LlamaAttentionHalf):
+    """The attention half of a decoder run through its library's own forward: the fused kernels
+    (with the token layout) where they compute what the library does, else the layer's own
+    attention module with the library's mask, rotary embedding and, while decoding, its cache."""
+
+    def _library_attention(self, x, host: _HostCond):
+        b = self.block
+        kwargs = {}
+        call = _HOST_CALL.get()
+        if not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None:
+            index = next(i for i, block in enumerate(call.stack) if block is b)
+            live = call.layer_kwargs[index] or {}
+            if _layer_cache(live) is not None:  # decoding: the library's attention appends to its cache
+                kwargs = {key: value for key, value in live.items()
+                          if key not in ("attention_mask", "position_embeddings", "position_ids")}
+                call.keep_cache_layer(_layer_cache(live), b.self_attn.layer_idx)
+        x = self._input(x, b.input_layernorm.weight)
+        out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(_layer_spec(b)),
+                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return _residual_dropout(b, "resid_attn_dropout")(out)
+
+    def _fuses(self, x, host: _HostCond) -> bool:
+        call = _HOST_CALL.get()
+        decoding = (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
+                    and any(kwargs is not None and _layer_cache(kwargs) is not None for kwargs in call.layer_kwargs))
+        return host.fusable and not decoding and not self._use_modules(x)
+
+    def _standalone(self, cond) -> bool:
+        """Called outside the model's forward (no conditioning): one sequence per row at positions
+        0..T-1, as :class:`_LlamaAttentionHalf` computes it (its RoPE: not dynamic / partial ones)."""
+        if cond is not None:
+            return False
+        if _layer_spec(self.block)["library_rope"]:
+            raise RuntimeError("revtriton: this attention half's RoPE (dynamic / longrope scaling or partial "
+                               "rotary) comes from its model's rotary embedding: call the model, not the half")
+        return True
+
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        if self._standalone(cond):
+            return super().couple(res, x, sign, frac_bits)
+        host = _unpack_host_cond(cond)
+        if self._fuses(x, host):
+            return self._fused(res, x, sign, frac_bits, layout=host.layout)
+        return couple_output(res, self._library_attention(x, host), sign, frac_bits)
+
+    def __call__(self, x, cond=None):
+        if self._standalone(cond):
+            return super().__call__(x)
+        host = _unpack_host_cond(cond)
+        if self._fuses(x, host):
+            return self._fused(torch.zeros_like(x), x, +1, None, layout=host.layout)[0]
+        return self._library_attention(x, host)
+
+
+class _HostLlamaBlock(_LlamaBlock):
+    _half_classes = (_HostLlamaAttentionHalf, _LlamaMlpHalf)
+    _class_prefix = "RevifiedHost"
+
+
+class _HostLlamaOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _HostLlamaBlock._half_classes
+    _class_prefix = "RevifiedHostOrdinary"
+
+
+class _HostDecoderModel(_NoCheckpointing):
+    """A decoder base model (LlamaModel, MistralModel, ...) whose own forward runs over a reversible
+    stack (see the section's comment). With grad no cache is kept (the reversible backward has no use
+    for one); hidden states, when asked for, are the stack's input and each block's readout."""
+
+    _class_prefix = "RevifiedHost"
+
+    def forward(self, *args, **kwargs):
+        name = type(self).__name__
+        if len(args) > 1:
+            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
+        _check_hf_inputs(name, kwargs)
+        cache_key = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(cache_key)
+        if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
+            raise TypeError(f"revified {name}: the cache must be a transformers Cache (DynamicCache), got "
+                            f"{type(cache).__name__} (legacy tuple caches are not supported)")
+        tokens = args[0] if args else kwargs.get("input_ids")
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is not None:
+            _check_layer_inputs(name, tokens, kwargs, cache)
+        if torch.is_grad_enabled():
+            if cache is not None and callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length():
+                raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
+                                          f"torch.no_grad() / torch.inference_mode()")
+            if kwargs.get("use_cache") is True and not _warned_grad_cache:
+                _warned_grad_cache.append(True)
+                import warnings
+
+                warnings.warn(f"revtriton: revified {name} returns no KV cache with grad enabled (decode under "
+                              f"torch.no_grad() to get one): feed the whole sequence at every step", stacklevel=2)
+            kwargs.pop(cache_key, None)
+            kwargs["use_cache"] = False
+        position_ids = kwargs.get("position_ids")
+        filled = cache is not None and bool(cache.get_seq_length())
+        if (not filled and kwargs.get("attention_mask") is None and position_ids is not None and position_ids.dim() == 2
+                and bool((packed_segments(position_ids)[:, -1] != 1).any())):
+            # Packed rows (DataCollatorWithFlattening): the library separates them only without a cache.
+            kwargs.pop(cache_key, None)
+            kwargs["use_cache"], cache = False, None
+        wanted = kwargs.pop("output_hidden_states", None)
+        if wanted is None:
+            wanted = getattr(self.config, "output_hidden_states", False)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
+        decoding = not torch.is_grad_enabled() and (cache is not None or bool(use_cache))  # the library's path
+        mask = kwargs.get("attention_mask")
+        fusable = not decoding and (mask is None or mask.dim() == 2)  # a custom 4-D mask: the library's path
+        layout = _token_layout(name, tokens, kwargs, rope=True) if tokens is not None and fusable else None
+        call = _HostCall(self.layers, layout, fusable, bool(wanted))
+        token = _HOST_CALL.set(call)
+        try:
+            out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
+        finally:
+            _HOST_CALL.reset(token)
+        if wanted:
+            out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
+                                                    getattr(self.config, "tie_last_hidden_states", None) is not False)
+        return out if return_dict else out.to_tuple()
+
+
+def _check_layer_inputs(name, tokens, kwargs, cache):
+    """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask
+    goes to the library's attention as it is)."""
+    _position_ids(name, kwargs, tokens)
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() == 4:
+        return
+    batch, count = tokens.shape[:2]
+    past = cache.get_seq_length() if cache is not None else 0
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, past + count):
+        raise NotImplementedError(f"revified {name}: attention_mask must be a 2-D padding mask [batch, past + tokens] "
+                                  f"= [{batch}, {past + count}] (1 = token, 0 = padding) or the library's 4-D mask, "
+                                  f"got shape {tuple(mask.shape)}")
+
+
+def _hosts_its_layer_loop() -> bool:
+    """Whether the installed transformers calls decoder layers as :class:`_HostDecoderModel` needs
+    (keyword inputs incl. position_embeddings, one tensor out: transformers 5)."""
+    version = importlib.import_module("transformers").__version__
+    return int(version.split(".")[0]) >= 5
+
+
 _FAMILIES = {
     "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
     "hf_vit_classifier": ("transformers", "ViTForImageClassification", _convert_hf_vit),
@@ -1706,6 +2060,9 @@ for _module, _prefix in _LLAMA_LIKE.items():
         f"Revified{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaBlock),
         f"RevifiedOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaOrdinaryBlock),
         f"Revified{_prefix}Model": (_path, f"{_prefix}Model", _RevifiedLlamaModel),
+        f"RevifiedHost{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaBlock),
+        f"RevifiedHostOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
+        f"RevifiedHost{_prefix}Model": (_path, f"{_prefix}Model", _HostDecoderModel),
         f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _RevifiedLM),
         f"RevifiedNoCache{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _NoCacheGeneration),
     })

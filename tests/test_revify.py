@@ -300,8 +300,28 @@ def test_llama_generate(seeded):
 def test_llama_unsupported_config_is_named(seeded):
     with pytest.raises(NotImplementedError, match="mlp_bias"):
         revify(hf_llama(seeded, mlp_bias=True))
-    with pytest.raises(NotImplementedError, match="'dynamic' is not supported"):
-        revify(hf_llama(seeded, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("rope", ["dynamic", "partial"])
+def test_rope_the_kernels_lack_is_the_models_own(rope, seeded):
+    """Dynamic NTK scaling (frequencies change with the sequence length: 24 tokens past an original
+    context of 16) and partial rotary (Phi-3, half of each head rotated): the library's own forward builds
+    the rotary embedding and its attention modules apply it, so a preserving conversion computes the
+    unconverted model's logits (meft3, 2**-16), cached greedy generation included."""
+    config = (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
+                   max_position_embeddings=16) if rope == "dynamic" else dict(partial_rotary_factor=0.5))
+    builder = hf_llama if rope == "dynamic" else hf_phi3  # Phi-3 rotates the first rotary_ndims of each head
+    original = builder(seeded, initializer_range=0.3, eos_token_id=None, pad_token_id=0, **config).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    ids = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=2e-3)
+    prompt = ids[:, :5]
+    ours = model.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=True)
+    assert torch.equal(ours, original.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=True))
+    with pytest.raises(RuntimeError, match="call the model"):  # a half alone has no rotary embedding to read
+        model.model.layers[0].coupling_halves()[0].branch(torch.randn(1, 4, 64))
 
 
 # Original contexts of 16 < the tests' 24 tokens: the scaled frequencies matter.

@@ -115,12 +115,23 @@ class ReversibleStack(nn.Module):
 
     def __getitem__(self, index):
         """A layer; a slice is a ReversibleStack of those layers with the same options (as
-        nn.Sequential: timm's prune_intermediate_layers assigns ``blocks[:n]``)."""
+        nn.Sequential: timm's prune_intermediate_layers assigns ``blocks[:n]``).
+
+        ``slice_view`` (an attribute a conversion may set: a module-level function, so the stack
+        still pickles) may answer a slice instead: ``slice_view(stack, index)`` returns what the
+        slice stands for, or None for the stack of those layers (which keeps ``slice_view``)."""
         layers = list(self._modules.values())
         if isinstance(index, slice):
-            return ReversibleStack(layers[index], exact=self.exact, frac_bits=self.frac_bits,
+            view = getattr(self, "slice_view", None)
+            layer_calls = None if view is None else view(self, index)
+            if layer_calls is not None:  # a conversion's stand-ins for its host model's layer loop
+                return layer_calls
+            part = ReversibleStack(layers[index], exact=self.exact, frac_bits=self.frac_bits,
                                    anchor_every=self.anchor_every, schedule=self.schedule, streams=self.streams,
                                    readout=getattr(self, "readout", "mean"))
+            if view is not None:
+                part.slice_view = view
+            return part
         return layers[index]
 
     def __iter__(self):

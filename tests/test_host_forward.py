@@ -1,0 +1,100 @@
+"""Revified decoders keep the library's own forward (issue 15, transformers 5).
+
+LLaMA and the decoders with its layer conventions keep their base model's forward: the library
+embeds, builds its masks (padding, packed rows, sliding windows, custom 4-D masks), position ids,
+rotary embeddings and cache, and its layer loop meets one stand-in per layer; the last one runs the
+reversible stack once, with every layer's inputs as the halves' conditioning. Attention runs fused
+where the kernels compute what the library does, else through the layer's own attention module.
+"""
+import copy
+
+import pytest
+import torch
+
+from revtriton.convert import revify
+from revtriton.models import to_stored_activations
+
+from test_models import check_against_twin
+from test_revify import DEPTH, hf_llama, hf_qwen2
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                reason="the host-forward conversion needs transformers 5")
+
+
+def _count_calls(module, counts, key, pre=True):
+    def hook(*_):
+        counts[key] = counts.get(key, 0) + 1
+    return (module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
+
+
+@pytest.mark.parametrize("hidden_states", [False, True])
+def test_the_librarys_forward_runs_and_the_stack_runs_once(hidden_states, seeded):
+    """The library's rotary embedding runs once per forward, the stack once (block by block with
+    output_hidden_states), and the loop calls no layer module: a layer's forward pre-hooks fire once,
+    from the stack (which runs a block's hooks), none from the library's loop."""
+    model = revify(hf_llama(seeded), exact=False)
+    counts = {}
+    _count_calls(model.model.rotary_emb, counts, "rotary")
+    _count_calls(model.model.layers, counts, "stack")
+    for layer in model.model.layers:
+        _count_calls(layer, counts, "layer")
+    ids = torch.randint(0, 128, (2, 8))
+    out = model(input_ids=ids, labels=ids, output_hidden_states=hidden_states)
+    out.loss.backward()
+    assert counts == {"rotary": 1, "layer": DEPTH, **({} if hidden_states else {"stack": 1})}
+    assert (out.hidden_states is not None) == hidden_states
+
+
+def test_the_library_masks_each_layer_by_its_attention_kind(seeded):
+    """Qwen2 with sliding and full attention layers: the library builds one mask per kind and each
+    layer's attention gets its own (a preserving conversion computes the unconverted model's logits
+    and loss; the window of 4 is shorter than the 12-token rows), and trains as its stored-activation
+    twin."""
+    layer_types = ["sliding_attention", "full_attention"] * (DEPTH // 2) + ["sliding_attention"] * (DEPTH % 2)
+    original = hf_qwen2(seeded, initializer_range=0.3, use_sliding_window=True, sliding_window=4,
+                        layer_types=layer_types).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in one row
+    labels = ids.clone()
+    labels[1, :4] = -100  # the loss reads padding queries' logits for the first real label: leave it out
+    real = mask.bool()
+    with torch.no_grad():
+        theirs = original(input_ids=ids, attention_mask=mask, labels=labels)
+        ours = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        one_kind = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+        one_kind.config.layer_types = ["full_attention"] * DEPTH  # the library's masks all full
+        full = one_kind(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(ours.logits[real], theirs.logits[real], rtol=0, atol=2e-3)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=0, atol=2e-3)
+    assert (full[real] - ours.logits[real]).abs().max() > 1e-2  # the window mattered
+
+    exact = revify(copy.deepcopy(original), exact=True).train()  # both kinds of layers on the library path
+    twin = to_stored_activations(copy.deepcopy(exact))
+    loss = exact(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    twin_loss = twin(input_ids=ids, attention_mask=mask, labels=labels).loss
+    twin_loss.backward()
+    check_against_twin(exact, twin, loss, twin_loss, exact=True)
+
+
+def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
+    model = revify(hf_llama(seeded), exact=False).eval()
+    ids = torch.randint(0, 128, (1, 6))
+    from revtriton.convert import _HOST_CALL, _HostCall
+
+    token = _HOST_CALL.set(_HostCall(model.model.layers, None, True, False))
+    try:
+        with pytest.raises(NotImplementedError, match="every layer in order"):
+            model.model.layers[1:]
+        calls = model.model.layers[:]
+        calls[0](torch.randn(1, 6, 64), position_embeddings=(torch.ones(1, 6, 16), torch.zeros(1, 6, 16)))
+        with pytest.raises(RuntimeError, match="unchanged"):
+            calls[1](torch.randn(1, 6, 64))
+    finally:
+        _HOST_CALL.reset(token)
+    assert len(model.model.layers[:2]) == 2  # outside a forward: a stack of those layers
+    with pytest.raises(NotImplementedError, match="runs only inside the stack"):
+        model.model.layers[0](torch.randn(1, 6, 64))
