@@ -3,7 +3,9 @@ one reversible stack, in place, reusing each block's weights.
 
 Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
 ``GPT2Model``, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that share LLaMA's layer
-conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``).
+conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; with
+transformers 5 any decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
+on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...).
 
 How it works:
 
@@ -34,6 +36,8 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +54,8 @@ from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
              "transformers GPTNeoXForCausalLM / GPTNeoXModel",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
+             "with transformers 5, other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
+             "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)",
              "transformers ViTForImageClassification / ViTModel")
 
 
@@ -97,15 +103,17 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
     if type(target).__name__ == "FeatureGetterNet" and type(target).__module__.startswith("timm"):
         target = target.model  # timm features_only: the wrapped model (its forward_intermediates) is converted
+    recorded = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
+                    ordinary_top=ordinary_top)
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
         if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
             convert(target, conversion)
-            config = getattr(target, "config", None)
-            if config is not None and type(config).__module__.startswith("transformers"):
-                # Saved with save_pretrained: revtriton.from_pretrained converts the loaded model again.
-                config.revtriton = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
-                                        ordinary_top=ordinary_top)
+            _record_conversion(target, recorded)
             return model
+    if _llama_convention_base(target) is not None:  # another decoder with LLaMA's layers (Granite, OLMo, ...)
+        _convert_llama(target, conversion, probe=True)
+        _record_conversion(target, recorded)
+        return model
     cls = type(target)
     post_norm = _post_norm_layer(target)
     if post_norm is not None:
@@ -114,6 +122,13 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
             f"and RoBERTa): a reversible coupling adds each half's output to a stream, which a norm applied after "
             f"the add does not fit; pre-norm models are supported: {', '.join(SUPPORTED)}")
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+def _record_conversion(model: nn.Module, recorded: dict):
+    """Saved with save_pretrained: revtriton.from_pretrained converts the loaded model again."""
+    config = getattr(model, "config", None)
+    if config is not None and type(config).__module__.startswith("transformers"):
+        config.revtriton = recorded
 
 
 def _post_norm_layer(model: nn.Module) -> str | None:
@@ -448,7 +463,30 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
             _swapped[key] = _swapped_class(name, mixin, cls)
         globals()[name] = _swapped[key]
         return _swapped[key]
+    found = _convention_class(name)
+    if found is not None:
+        _BLOCK_BASES[name] = found
+        return __getattr__(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _convention_class(name: str):
+    """``_BLOCK_BASES``' entry of a swapped class of a decoder admitted by its layer conventions
+    (``RevifiedHost<Family>DecoderLayer`` / ``...Model``), from transformers' module for the family
+    (``transformers.models.<family, snake case>``), or None."""
+    match = re.fullmatch(r"RevifiedHost(Ordinary)?((\w+?)(DecoderLayer|Model))", name)
+    if match is None:
+        return None
+    ordinary, class_name, family, kind = match.groups()
+    mixin = _HostDecoderModel if kind == "Model" else _HostLlamaOrdinaryBlock if ordinary else _HostLlamaBlock
+    for module in {family.lower(), re.sub(r"(?<!^)(?=[A-Z])", "_", family).lower()}:
+        path = f"transformers.models.{module}.modeling_{module}"
+        try:
+            if hasattr(importlib.import_module(path), class_name):
+                return path, class_name, mixin
+        except ImportError:
+            continue
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -519,8 +557,9 @@ class _Half:
         raise NotImplementedError
 
     def _input(self, x, weight):
-        # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block).
-        return x if x.dtype == weight.dtype else x.to(weight.dtype)
+        # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block);
+        # weight None: a norm without one (OLMo's), the projections then cast as they do.
+        return x if weight is None or x.dtype == weight.dtype else x.to(weight.dtype)
 
     def _layout(self, cond):
         """``cond`` (a token layout), or the block's KV-cache state while a model generates with a
@@ -902,7 +941,7 @@ def _is_plain_rms_norm(norm) -> bool | None:
 
 # What an attention spec of a block converted before a key existed means (pickled models).
 _SPEC_DEFAULTS = dict(window=None, qk_norm=False, fused_heads=True, fused_norm=True, fused_mlp=True, rope_module=None,
-                      library_rope=False)
+                      library_rope=False, fused_attention=True)
 
 
 def _layer_spec(block) -> dict:
@@ -946,7 +985,7 @@ class _LlamaAttentionHalf(_Half):
         spec = _layer_spec(self.block)
         window = spec["window"]
         return (spec["qk_norm"] or not spec["fused_heads"] or not spec["fused_norm"] or spec["rope_module"] is not None
-                or (window is not None and x.shape[-2] > window))
+                or not spec["fused_attention"] or (window is not None and x.shape[-2] > window))
 
     def _qkv_weights(self):
         a = self.block.self_attn
@@ -985,7 +1024,7 @@ class _LlamaAttentionHalf(_Half):
 
     def _modules(self, x, layout=None):
         b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
-        x = self._input(x, b.input_layernorm.weight)
+        x = self._input(x, getattr(b.input_layernorm, "weight", None))
         n = b.input_layernorm(x)
         qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
         q, k, v = self._qkv(n)
@@ -1032,7 +1071,7 @@ class _LlamaMlpHalf(_Half):
 
     def _modules(self, x):
         b = self.block
-        h = b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
+        h = b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight", None))))
         return _residual_dropout(b, "resid_mlp_dropout")(h)
 
 
@@ -1097,17 +1136,21 @@ def _sliding_windows(config, depth) -> list:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def _convert_llama(model, conversion):
+def _convert_llama(model, conversion, probe=False):
     """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
     with RoPE and GQA, gated MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm), Gemma
     (RMSNorm by 1 + weight, GeGLU), Phi-3 (fused qkv and gate/up projections, residual dropout).
     What the fused kernels lack (qk-norm, another norm or activation, scaled RoPE, a window shorter
-    than the rows, head_dim * heads != width) runs on the library path (``_Half._beyond_fused``)."""
+    than the rows, head_dim * heads != width) runs on the library path (``_Half._beyond_fused``).
+    ``probe``: a decoder admitted by its layer conventions, not its class (:func:`_llama_convention_base`):
+    each layer must compute what its halves do on a probe (:func:`_probe_layers`), else nothing changes
+    and NotImplementedError says so."""
     base = model.model if hasattr(model, "model") else model
     config, name = base.config, type(model).__name__
     if not len(base.layers):
         raise ValueError(f"revify: {name} has no decoder layers")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = base.layers[0].self_attn if len(base.layers) else None
     unsupported = {
@@ -1118,20 +1161,34 @@ def _convert_llama(model, conversion):
         f"attention scaling {getattr(attention, 'scaling', None)} != head_dim ** -0.5":
             attention is not None and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12,
     }
-    hosted = _hosts_its_layer_loop()  # the library's own forward and attention modules run
-    if hosted:  # the library path computes these; the fused kernels do not (rope_module set: see _rope_spec)
-        unsupported.pop("partial rotary (partial_rotary_factor < 1)")
+    # With the library's own forward and attention modules (transformers 5) these run on the library
+    # path (the fused kernels lack them); the replaced forward cannot compute them.
+    hosted = _hosts_its_layer_loop()
     bad = [feature for feature, is_bad in unsupported.items() if is_bad]
-    if bad:
+    if bad and not hosted:
         raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
     qk_norm = attention is not None and hasattr(attention, "q_norm")
     layer = base.layers[0]
+    mlp = layer.mlp
+    gated = hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj"))
+    projections = hasattr(attention, "o_proj") and (
+        hasattr(attention, "qkv_proj") or all(hasattr(attention, part) for part in ("q_proj", "k_proj", "v_proj")))
     spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
                 fused_heads=head_dim * heads == config.hidden_size,
                 fused_norm=_layer_norms_are_plain(layer),
-                fused_mlp=config.hidden_act == "silu", **_rope_spec(config, name, base, head_dim, hosted))
+                fused_attention=projections and not any(is_bad for feature, is_bad in unsupported.items()
+                                                        if feature.startswith(("attention", "logit"))),
+                fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not unsupported["mlp_bias=True"],
+                **_rope_spec(config, name, base, head_dim, hosted))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
+    if probe:
+        try:
+            _probe_layers(base, name)
+        except BaseException:
+            for block in base.layers:
+                del block._revtriton_attention
+            raise
     layer_class = type(base.layers[0])
     if hosted:
         _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
@@ -1147,6 +1204,99 @@ def _convert_llama(model, conversion):
     windows = any(block._revtriton_attention["window"] is not None for block in base.layers)
     base._revtriton_caches = not windows  # the library's sliding cache drops keys: decode without one
     _set_up_generation(model, caches=not windows)
+
+
+_LLAMA_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_LLAMA_LAYER_EXTRAS = ("resid_attn_dropout", "resid_mlp_dropout")  # Phi-3's dropouts on the branches
+
+
+def _llama_convention_base(model: nn.Module):
+    """The base model of a Hugging Face decoder whose layers look like LLaMA's (``layers`` of layers
+    with exactly self_attn, mlp, input_layernorm and post_attention_layernorm; a rotary embedding),
+    whatever its class, or None when it does not look like one. Raises NotImplementedError naming
+    what differs for one that nearly does (other parts in its layers: Gemma 2's sandwich norms; a
+    forward that does not run its layers as one slice; transformers 4)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers)
+            or getattr(base, "rotary_emb", None) is None):
+        return None
+    layer = layers[0]
+    parts = {name for name, _ in layer.named_children()}
+    if not set(_LLAMA_LAYER_PARTS) <= parts:
+        return None
+    extra = sorted(parts - set(_LLAMA_LAYER_PARTS) - set(_LLAMA_LAYER_EXTRAS))
+    if extra:
+        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides LLaMA's pre-norm "
+                                  f"layer parts ({', '.join(_LLAMA_LAYER_PARTS)}): not supported")
+    name = type(base).__name__
+    if not _hosts_its_layer_loop():
+        raise NotImplementedError(f"revify: {name} is not a known family; decoders are admitted by their layer "
+                                  f"conventions with transformers 5 only")
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "self.layers[" not in source:
+        raise NotImplementedError(f"revify: {name}.forward does not run its layers as one slice (self.layers[...]), "
+                                  f"which a reversible stack needs to stand in for them: not supported")
+    return base
+
+
+def _relative_error(ours, theirs) -> float:
+    return float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
+
+
+def _probe_layers(base: nn.Module, name: str):
+    """Each layer's own forward against ``x + F(x) + G(x + F(x))`` from its halves on the layer's own
+    modules, then each fused branch against that branch (a branch that differs keeps the modules), on
+    random inputs in eval mode without grad, errors relative to the update (not to x, which dominates
+    at small weights): a decoder admitted by its layer conventions must compute what its halves do.
+    Features that depend on the values (clipping) may escape it."""
+    weight = next(p for p in base.parameters() if p.is_floating_point())
+    if weight.device.type == "meta" or "DTensor" in (type(weight).__name__, type(weight.data).__name__):
+        import warnings
+
+        warnings.warn(f"revtriton: {name}'s weights are not materialised: its layers were not probed against their "
+                      f"halves", stacklevel=4)
+        return
+    tokens, device, dtype = 6, weight.device, weight.dtype
+    x = torch.randn(2, tokens, base.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    positions = torch.arange(tokens, device=device).expand(2, tokens)
+    mask = torch.full((tokens, tokens), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)
+    mask = mask.expand(2, 1, tokens, tokens)  # additive: sdpa and eager attention alike
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+    training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            rotary = base.rotary_emb(x, positions)
+            cond = _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
+            for i, block in enumerate(base.layers):
+                out = type(block).forward(block, x, attention_mask=mask, position_ids=positions,
+                                          position_embeddings=rotary)
+                out = out[0] if isinstance(out, tuple) else out
+                spec = block._revtriton_attention
+                fused = dict(fused_attention=spec["fused_attention"], fused_mlp=spec["fused_mlp"])
+                spec.update(fused_attention=False, fused_mlp=False)  # the layer's own modules first
+                attention, mlp = _HostLlamaAttentionHalf(block), _LlamaMlpHalf(block)
+                a = attention(x, cond)
+                m = mlp(x + a)
+                error = _relative_error(x + a + m - x, out - x)  # against the layer's update, not x + update
+                if not error <= tolerance:
+                    raise NotImplementedError(
+                        f"revify: {name} layer {i} ({type(block).__name__}) does not compute LLaMA's pre-norm layer "
+                        f"x + attention(norm(x)), then + mlp(norm(h)) (relative difference {error:.1e} on a "
+                        f"probe): not supported")
+                # The fused kernels where they compute the same branch (not SmolLM3's layers without RoPE,
+                # Helium's interleaved rotary, ...); else that branch keeps the layer's own modules.
+                spec.update(fused)
+                if spec["fused_attention"] and not _relative_error(attention(x, cond), a) <= tolerance:
+                    spec["fused_attention"] = False
+                if spec["fused_mlp"] and not _relative_error(mlp(x + a), m) <= tolerance:
+                    spec["fused_mlp"] = False
+    finally:
+        base.train(training)
 
 
 # -- Hugging Face GPT-NeoX -------------------------------------------------------------------
@@ -1882,7 +2032,7 @@ class _HostLlamaAttentionHalf(_LlamaAttentionHalf):
                 kwargs = {key: value for key, value in live.items()
                           if key not in ("attention_mask", "position_embeddings", "position_ids")}
                 call.keep_cache_layer(_layer_cache(live), b.self_attn.layer_idx)
-        x = self._input(x, b.input_layernorm.weight)
+        x = self._input(x, getattr(b.input_layernorm, "weight", None))
         out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(_layer_spec(b)),
                           position_ids=host.position_ids, position_embeddings=host.position_embeddings, **kwargs)
         out = out[0] if isinstance(out, tuple) else out

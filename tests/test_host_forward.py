@@ -98,3 +98,90 @@ def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
     assert len(model.model.layers[:2]) == 2  # outside a forward: a stack of those layers
     with pytest.raises(NotImplementedError, match="runs only inside the stack"):
         model.model.layers[0](torch.randn(1, 6, 64))
+
+
+# -- decoders admitted by their layer conventions, not their class -------------------------------
+
+
+def _decoder(family, seed, **overrides):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                  initializer_range=0.3)  # large weights: every branch shows in the logits
+    config_class = getattr(transformers, f"{family}Config")
+    return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
+
+
+CONVENTION_FAMILIES = {
+    "Granite": {},  # attention_multiplier as the attention's scaling: the library path
+    "Olmo": {},  # LayerNorm without weights
+    "SmolLM3": dict(no_rope_layer_interval=2),  # layer 1 without RoPE: its attention keeps the library path
+    "Helium": {},  # interleaved rotary: the library path
+    "Starcoder2": {},  # LayerNorm with bias, a GELU MLP (c_fc / c_proj)
+    "Llama": dict(mlp_bias=True),  # a known family with what the fused MLP lacks
+}
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("family", sorted(CONVENTION_FAMILIES))
+def test_decoders_with_llamas_layer_conventions_compute_the_librarys_function(family, seeded):
+    """Decoders revify finds by their layers' parts (not their class name) keep their function under a
+    preserving conversion, cached greedy generation included; each layer was probed at conversion and
+    branches the fused kernels would compute differently keep the layer's own modules."""
+    original = _decoder(family, seeded, **CONVENTION_FAMILIES[family])
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs = original(input_ids=ids).logits
+        ours = model(input_ids=ids, use_cache=False).logits  # no cache: the fused kernels where chosen
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    prompt = ids[:, :4]
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
+def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp_path):
+    """Granite: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
+    revtriton.from_pretrained converts it again (equal logits); the swapped classes pickle, and a
+    fresh process finds them in transformers' module for the family."""
+    import pickle
+
+    from revtriton import from_pretrained
+    from revtriton.convert import _convention_class
+
+    model = revify(_decoder("Granite", seeded), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    ids = torch.randint(1, 128, (2, 10))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    twin_loss = twin(input_ids=ids, labels=ids).loss
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, model(input_ids=ids).logits)
+    path, name, _ = _convention_class("RevifiedHostGraniteDecoderLayer")
+    assert (path, name) == ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer")
+    assert _convention_class("RevifiedHostSeedOssModel")[:2] == ("transformers.models.seed_oss.modeling_seed_oss",
+                                                                  "SeedOssModel")
+    assert _convention_class("RevifiedHostNoSuchDecoderLayer") is None
+
+
+def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
+    """A layer with other parts (Gemma 2's sandwich norms) is named; a layer whose parts match but
+    whose function does not (Granite's residual multiplier) fails the probe; the model is unchanged."""
+    with pytest.raises(NotImplementedError, match="pre_feedforward_layernorm"):
+        revify(_decoder("Gemma2", seeded))
+    original = _decoder("Granite", seeded, residual_multiplier=0.5)
+    model = copy.deepcopy(original)
+    with pytest.raises(NotImplementedError, match="does not compute LLaMA's pre-norm layer"):
+        revify(model)
+    assert not any(hasattr(layer, "_revtriton_attention") for layer in model.model.layers)
+    assert type(model.model.layers) is torch.nn.ModuleList and type(model) is type(original)
+    ids = torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+

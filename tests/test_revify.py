@@ -297,11 +297,6 @@ def test_llama_generate(seeded):
     assert out.shape == (1, 9) and torch.equal(step, out[:, -1])
 
 
-def test_llama_unsupported_config_is_named(seeded):
-    with pytest.raises(NotImplementedError, match="mlp_bias"):
-        revify(hf_llama(seeded, mlp_bias=True))
-
-
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("rope", ["dynamic", "partial"])
 def test_rope_the_kernels_lack_is_the_models_own(rope, seeded):
