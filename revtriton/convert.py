@@ -3,8 +3,8 @@ one reversible stack, in place, reusing each block's weights.
 
 Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
 ``GPT2Model``, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that share LLaMA's layer
-conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; with
-transformers 5 any decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
+conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; any
+decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
 on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...).
 
 How it works:
@@ -16,12 +16,12 @@ How it works:
 * The block list (timm ``blocks``, GPT-2 ``h``, LLaMA ``layers``) is replaced by a
   :class:`~revtriton.engine.ReversibleStack` whose children are the same blocks, registered
   ``"0"``, ``"1"``, ... as before.
-* LLaMA and the decoders with its layer conventions keep their base model's own forward
-  (transformers 5): the library builds masks, position ids, rotary embeddings and the cache, and
+* Hugging Face decoders (LLaMA and its kin, GPT-2, GPT-NeoX; transformers 5) keep their base
+  model's own forward: the library builds masks, position ids, rotary embeddings and the cache, and
   its layer loop meets stand-ins that run the stack once with every layer's inputs as the halves'
-  conditioning (see ``_HostDecoderModel``). For the other Hugging Face models (and those decoders
-  under transformers 4) the base model's forward is replaced by one that runs embeddings -> stack
-  -> final norm. The LM head and its loss (``labels=...``) are the library's own.
+  conditioning (see ``_HostDecoderModel``). For HF ViT the base model's forward is replaced by one
+  that runs embeddings -> stack -> final norm. The LM head and its loss (``labels=...``) are the
+  library's own.
 
 By default the function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two
 streams (both start as the block input; the output is their mean) instead of
@@ -46,7 +46,7 @@ from torch import nn
 from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
-from .ops.attention import decode_attention_reference, multi_head_attention_reference, norm_attention_couple
+from .ops.attention import multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.reference import packed_segments, rope_inv_freq
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
@@ -54,7 +54,7 @@ from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
              "transformers GPTNeoXForCausalLM / GPTNeoXModel",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
-             "with transformers 5, other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
+             "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)",
              "transformers ViTForImageClassification / ViTModel")
 
@@ -522,9 +522,9 @@ class _Half:
     Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
     own submodules. The module path runs when dropout is active in training or when a
     projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
-    are never bypassed, and while a model decodes with a KV cache. A token layout (``cond``:
-    padded or packed rows of a Hugging Face model, attention halves only) goes to the fused op
-    (its kernels mask it) where the half says it can (``fuses_layout``), else to the modules.
+    are never bypassed. A token layout (``cond``: padded or packed rows of a Hugging Face model,
+    attention halves only) goes to the fused op (its kernels mask it) where the half says it can
+    (``fuses_layout``), else to the modules.
     """
 
     takes_cond = False  # attention halves of Hugging Face decoders: True (cond = _token_layout's)
@@ -561,22 +561,12 @@ class _Half:
         # weight None: a norm without one (OLMo's), the projections then cast as they do.
         return x if weight is None or x.dtype == weight.dtype else x.to(weight.dtype)
 
-    def _layout(self, cond):
-        """``cond`` (a token layout), or the block's KV-cache state while a model generates with a
-        cache (attention halves only; see :class:`_Decoding`)."""
-        if cond is None and self.takes_cond:
-            state = _DECODING.get()
-            if state is not None and id(self.block) in state.blocks:
-                return state
-        return cond
-
     def _on_modules(self, x, cond) -> bool:
-        if cond is not None and (isinstance(cond, _Decoding) or not self.fuses_layout):
+        if cond is not None and not self.fuses_layout:
             return True
         return self._use_modules(x)
 
     def couple(self, res, x, sign, frac_bits=None, cond=None):
-        cond = self._layout(cond)
         if self._on_modules(x, cond):
             h = self._modules(x) if cond is None else self._modules(x, cond)
             return couple_output(res, h, sign, frac_bits)
@@ -586,7 +576,6 @@ class _Half:
 
     def __call__(self, x, cond=None):
         """H(x) with plain autograd (used by stored-activation twins)."""
-        cond = self._layout(cond)
         if self._on_modules(x, cond):
             return self._modules(x) if cond is None else self._modules(x, cond)
         layout = {} if cond is None else {"layout": cond}
@@ -836,6 +825,9 @@ class _GPT2AttentionHalf(_Half):
     def _projections(self):
         return self.block.attn.c_attn, self.block.attn.c_proj
 
+    def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
+        return not _attention_spec(self.block).get("fused_attention", True)
+
     def _dropouts(self):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
@@ -852,10 +844,6 @@ class _GPT2AttentionHalf(_Half):
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
         q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
-        if isinstance(layout, _Decoding):
-            o = decode_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads,
-                                           extend=layout.extend_for(a.layer_idx), key_valid=layout.key_valid)
-            return a.resid_dropout(a.c_proj(o))
         segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True,
                                            rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0,
@@ -866,6 +854,9 @@ class _GPT2AttentionHalf(_Half):
 class _GPT2MlpHalf(_Half):
     def _projections(self):
         return self.block.mlp.c_fc, self.block.mlp.c_proj
+
+    def _beyond_fused(self, x):  # an activation the fused kernels do not have (the library's forward)
+        return self.block._revtriton_activation is None
 
     def _dropouts(self):
         return (_p(self.block.mlp.dropout),)
@@ -882,37 +873,25 @@ class _GPT2MlpHalf(_Half):
         return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
 
 
-class _GPT2Block(_RevifiedBlock):
-    _half_classes = (_GPT2AttentionHalf, _GPT2MlpHalf)
-
-
-class _GPT2OrdinaryBlock(_OrdinaryBlock):
-    _half_classes = _GPT2Block._half_classes
-
-
 def _convert_gpt2(model, conversion):
     from transformers.pytorch_utils import Conv1D
 
     _PLAIN_PROJECTIONS.add(Conv1D)
     base = model.transformer if hasattr(model, "transformer") else model
     config = base.config
-    activation = _HF_ACTIVATIONS.get(config.activation_function)
-    unsupported = {
-        f"activation_function={config.activation_function!r}": activation is None,
-        "add_cross_attention=True": bool(getattr(config, "add_cross_attention", False)),
-        "scale_attn_by_inverse_layer_idx=True": bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
-        "scale_attn_weights=False": not getattr(config, "scale_attn_weights", True),
-    }
-    bad = [name for name, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise NotImplementedError(f"revify: {type(model).__name__} with {', '.join(bad)} is not supported")
+    _require_hosted_layer_loop(type(model).__name__)
+    if getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"revify: {type(model).__name__} with add_cross_attention=True is not supported")
+    # What the fused kernels lack runs on the library's own modules: another activation, other scores' scaling.
+    plain_scaling = getattr(config, "scale_attn_weights", True) and not getattr(
+        config, "scale_attn_by_inverse_layer_idx", False)
     for block in base.h:
-        block._revtriton_activation = activation
-    _convert_blocks(base, "h", config.hidden_size, conversion, (_GPT2Block, _GPT2OrdinaryBlock),
-                    ("transformers.models.gpt2.modeling_gpt2", "GPT2Block"))
-    _swap_class(base, _RevifiedGPT2Model, "transformers.models.gpt2.modeling_gpt2", "GPT2Model")
-    base._revtriton_caches = True
-    _set_up_generation(model, caches=True)
+        block._revtriton_activation = _HF_ACTIVATIONS.get(config.activation_function)
+        block._revtriton_attention = dict(fused_attention=plain_scaling)
+    path = "transformers.models.gpt2.modeling_gpt2"
+    _convert_blocks(base, "h", config.hidden_size, conversion, (_HostGPT2Block, _HostGPT2OrdinaryBlock),
+                    (path, "GPT2Block"))
+    _host_the_layer_loop(model, base, "h", _HostGPT2Model)
 
 
 # -- Hugging Face LLaMA ----------------------------------------------------------------------
@@ -1029,12 +1008,6 @@ class _LlamaAttentionHalf(_Half):
         qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
         q, k, v = self._qkv(n)
         out = _residual_dropout(b, "resid_attn_dropout")
-        if isinstance(layout, _Decoding):
-            o = decode_attention_reference(q, k, v, heads=spec["heads"],
-                                           kv_heads=spec["kv_heads"], extend=layout.extend_for(a.layer_idx),
-                                           positions=layout.positions, key_valid=layout.key_valid, qk_norm=qk_norm,
-                                           **self._rope())
-            return out(a.o_proj(o))
         positions, segments = (None, None) if layout is None else layout
         o = multi_head_attention_reference(q, k, v, heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], causal=True,
@@ -1075,29 +1048,21 @@ class _LlamaMlpHalf(_Half):
         return _residual_dropout(b, "resid_mlp_dropout")(h)
 
 
-class _LlamaBlock(_RevifiedBlock):
-    _half_classes = (_LlamaAttentionHalf, _LlamaMlpHalf)
-
-
-class _LlamaOrdinaryBlock(_OrdinaryBlock):
-    _half_classes = _LlamaBlock._half_classes
-
-
 # RoPE variants whose frequencies are fixed when the model is built (the rotary embedding's inv_freq
 # and attention_scaling say it all); "dynamic" and "longrope" change them with the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _rope_spec(config, name, base, head_dim, hosted=False) -> dict:
+def _rope_spec(config, name, base, head_dim) -> dict:
     """``rope_theta`` and ``rope_module``: None for default RoPE (the fused kernels compute it from
-    theta), else the model's rotary embedding, whose scaled frequencies the library path reads.
-    ``hosted`` (the library's own forward and attention run): any RoPE the library computes, on the
-    library path (dynamic / longrope scaling, partial rotary)."""
+    theta), else the model's rotary embedding, whose scaled frequencies the library path reads;
+    ``library_rope``: RoPE only the model's own rotary embedding and attention compute (dynamic /
+    longrope scaling, partial rotary), on the library path."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     rotary = getattr(base, "rotary_emb", None)
-    if hosted and rotary is not None and (rope_type not in STATIC_ROPE_TYPES or getattr(
+    if rotary is not None and (rope_type not in STATIC_ROPE_TYPES or getattr(
             rotary, "inv_freq", None) is None or rotary.inv_freq.numel() * 2 != head_dim):
         return dict(rope_theta=float(params.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
                     rope_module=rotary, library_rope=True)
@@ -1153,20 +1118,10 @@ def _convert_llama(model, conversion, probe=False):
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention = base.layers[0].self_attn if len(base.layers) else None
-    unsupported = {
-        "mlp_bias=True": bool(getattr(config, "mlp_bias", False)),
-        "logit softcapping": any(getattr(config, key, None) for key in
-                                                   ("attn_logit_softcapping", "final_logit_softcapping")),
-        "partial rotary (partial_rotary_factor < 1)": float(getattr(config, "partial_rotary_factor", 1.0)) != 1.0,
-        f"attention scaling {getattr(attention, 'scaling', None)} != head_dim ** -0.5":
-            attention is not None and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12,
-    }
-    # With the library's own forward and attention modules (transformers 5) these run on the library
-    # path (the fused kernels lack them); the replaced forward cannot compute them.
-    hosted = _hosts_its_layer_loop()
-    bad = [feature for feature, is_bad in unsupported.items() if is_bad]
-    if bad and not hosted:
-        raise NotImplementedError(f"revify: {name} with {', '.join(bad)} is not supported")
+    # What the fused kernels lack, on the layers' own modules (the library path).
+    plain_attention = (getattr(config, "attn_logit_softcapping", None) is None
+                       and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12)
+    _require_hosted_layer_loop(name)
     qk_norm = attention is not None and hasattr(attention, "q_norm")
     layer = base.layers[0]
     mlp = layer.mlp
@@ -1176,10 +1131,9 @@ def _convert_llama(model, conversion, probe=False):
     spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
                 fused_heads=head_dim * heads == config.hidden_size,
                 fused_norm=_layer_norms_are_plain(layer),
-                fused_attention=projections and not any(is_bad for feature, is_bad in unsupported.items()
-                                                        if feature.startswith(("attention", "logit"))),
-                fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not unsupported["mlp_bias=True"],
-                **_rope_spec(config, name, base, head_dim, hosted))
+                fused_attention=projections and plain_attention,
+                fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not getattr(config, "mlp_bias", False),
+                **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
     if probe:
@@ -1190,20 +1144,9 @@ def _convert_llama(model, conversion, probe=False):
                 del block._revtriton_attention
             raise
     layer_class = type(base.layers[0])
-    if hosted:
-        _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
-                        (layer_class.__module__, layer_class.__name__))
-        base.layers.slice_view = _host_layer_calls
-        _swap_class(base, _HostDecoderModel, type(base).__module__, type(base).__name__)
-        base._revtriton_caches = True  # the library's own cache, sliding windows included
-        _set_up_generation(model, caches=True)
-        return
-    _convert_blocks(base, "layers", config.hidden_size, conversion, (_LlamaBlock, _LlamaOrdinaryBlock),
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    _swap_class(base, _RevifiedLlamaModel, type(base).__module__, type(base).__name__)
-    windows = any(block._revtriton_attention["window"] is not None for block in base.layers)
-    base._revtriton_caches = not windows  # the library's sliding cache drops keys: decode without one
-    _set_up_generation(model, caches=not windows)
+    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
 
 
 _LLAMA_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -1345,15 +1288,10 @@ class _NeoXAttentionHalf(_Half):
         rope = dict(rope_theta=spec["rope_theta"], rope_dims=spec["rope_dims"])
         if rotary is not None:
             rope.update(rope_inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling))
-        if isinstance(layout, _Decoding):
-            o = decode_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"],
-                                           extend=layout.extend_for(a.layer_idx), positions=layout.positions,
-                                           key_valid=layout.key_valid, **rope)
-        else:
-            positions, segments = (None, None) if layout is None else layout
-            o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
-                                               dropout=self._dropouts()[0] if b.training else 0.0,
-                                               positions=positions, segments=segments, **rope)
+        positions, segments = (None, None) if layout is None else layout
+        o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
+                                           dropout=self._dropouts()[0] if b.training else 0.0,
+                                           positions=positions, segments=segments, **rope)
         return b.post_attention_dropout(a.dense(o))
 
 
@@ -1380,14 +1318,6 @@ class _NeoXMlpHalf(_Half):
         return b.post_mlp_dropout(b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight))))
 
 
-class _NeoXBlock(_RevifiedBlock):
-    _half_classes = (_NeoXAttentionHalf, _NeoXMlpHalf)
-
-
-class _NeoXOrdinaryBlock(_OrdinaryBlock):
-    _half_classes = _NeoXBlock._half_classes
-
-
 def _convert_neox(model, conversion):
     """GPT-NeoX (Pythia): pre-norm LayerNorm blocks with the parallel residual ``x + A(x) + M(x)``
     (or the sequential one, ``use_parallel_residual=False``), partial rotary, biases. A plain
@@ -1409,6 +1339,7 @@ def _convert_neox(model, conversion):
     if abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12:
         raise NotImplementedError(f"revify: {name} with attention scaling {attention.scaling} != head_dim ** -0.5 "
                                   f"is not supported")
+    _require_hosted_layer_loop(name)
     rope_dims = int(attention.rotary_ndims)
     spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, **_rope_spec(config, name, base, rope_dims))
     activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
@@ -1416,11 +1347,9 @@ def _convert_neox(model, conversion):
         block._revtriton_attention = dict(spec)
         block._revtriton_activation = activation
     layer_class = type(base.layers[0])
-    _convert_blocks(base, "layers", config.hidden_size, conversion, (_NeoXBlock, _NeoXOrdinaryBlock),
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    _swap_class(base, _RevifiedNeoXModel, type(base).__module__, type(base).__name__)
-    base._revtriton_caches = True
-    _set_up_generation(model, caches=True)
+    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
 
 
 # -- Hugging Face base-model forward ---------------------------------------------------------
@@ -1489,125 +1418,15 @@ class _BlockSteps(nn.Module):
 
 
 
-def _set_up_generation(model, caches: bool):
-    """The LM class swap: gradient-checkpointing requests warn (:class:`_NoCheckpointing`); with
-    ``caches`` generate uses the library's KV cache (the attention halves run with it, see
-    :class:`_Decoding`), else it recomputes the whole prefix every step (:class:`_NoCacheGeneration`:
-    generate's default becomes no cache; the model's config keeps the user's use_cache, it is saved)."""
+def _set_up_generation(model):
+    """The LM class swap: gradient-checkpointing requests warn (:class:`_NoCheckpointing`); generate
+    is the library's, with its own KV cache (the attention modules run with it while decoding)."""
     if not callable(getattr(model, "prepare_inputs_for_generation", None)):
         return
     cls = type(model)
-    if caches:
-        _swap_class(model, _RevifiedLM, cls.__module__, cls.__name__)
-        return
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and hasattr(generation_config, "use_cache"):
-        generation_config.use_cache = False
-    _swap_class(model, _NoCacheGeneration, cls.__module__, cls.__name__)
+    _swap_class(model, _RevifiedLM, cls.__module__, cls.__name__)
 
 
-@dataclass(eq=False)
-class _Decoding:
-    """What the attention halves of a model generating with a KV cache need (no grad: the stack runs
-    forward only, so its halves may keep state): the library's cache (each layer appends its new keys
-    and values), the new tokens' positions [B, T] and which keys are real ([B, past + T], or None)."""
-
-    cache: object
-    positions: torch.Tensor
-    key_valid: torch.Tensor | None
-    blocks: frozenset = frozenset()  # ids of the blocks of the stack this forward runs
-
-    def extend_for(self, layer_idx: int):
-        return lambda k, v: self.cache.update(k, v, layer_idx)
-
-
-# The decoding state of the running forward: per thread / task (two threads may decode with one model),
-# for the blocks of one stack only.
-_DECODING: contextvars.ContextVar = contextvars.ContextVar("revtriton_decoding", default=None)
-
-
-@contextlib.contextmanager
-def _decoding(stack: nn.Module, state: _Decoding | None):
-    """Hand ``state`` to the attention halves of every block of ``stack`` for one forward. If the
-    forward fails (an exact stream's overflow report re-runs the halves), the cache is cut back to
-    what it held before, so it never keeps a failed or doubled step."""
-    if state is None:
-        yield
-        return
-    state.blocks = frozenset(id(block) for block in stack)
-    past = state.cache.get_seq_length()
-    token = _DECODING.set(state)
-    try:
-        yield
-    except BaseException:
-        added = state.cache.get_seq_length() - past
-        if added > 0:
-            state.cache.crop(-added)  # a negative length removes that many tokens (transformers 4 and 5)
-        raise
-    finally:
-        _DECODING.reset(token)
-
-
-def _generation_cache(model, name, hidden, kwargs):
-    """The KV-cache state of this call (:class:`_Decoding`), or None for a plain forward.
-
-    As the library's models: a cache is kept when one is passed or ``use_cache`` (default: the
-    config's) is on, here only without grad (generate, inference; the stack then runs forward
-    only). With grad none is kept (the reversible backward has no use for one): an explicit
-    ``use_cache=True`` then warns, a filled cache raises."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
-        raise TypeError(f"revified {name}: the cache must be a transformers Cache (DynamicCache), got "
-                        f"{type(cache).__name__} (legacy tuple caches are not supported)")
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = bool(getattr(model.config, "use_cache", False))
-    if cache is None and not use_cache:
-        return None
-    filled = cache is not None and bool(cache.get_seq_length())
-    caches = getattr(model, "_revtriton_caches", False)  # older pickles: none
-    if torch.is_grad_enabled() or not caches:
-        if filled:
-            why = ("with grad enabled: decode under torch.no_grad() / torch.inference_mode()" if caches else
-                   "with sliding-window attention (generate recomputes the prefix)")
-            raise NotImplementedError(f"revified {name} keeps no KV cache {why}")
-        if kwargs.get("use_cache") is True and not _warned_grad_cache:
-            _warned_grad_cache.append(True)
-            import warnings
-
-            why = ("with grad enabled (decode under torch.no_grad() to get one)" if caches else
-                   "with sliding-window attention")
-            warnings.warn(f"revtriton: revified {name} returns no KV cache {why}: feed the whole sequence at every "
-                          f"step", stacklevel=3)
-        return None
-    position_ids = kwargs.get("position_ids")
-    if (not filled and kwargs.get("attention_mask") is None and position_ids is not None and position_ids.dim() == 2
-            and bool((packed_segments(position_ids)[:, -1] != 1).any())):
-        return None  # packed rows (DataCollatorWithFlattening): kept apart by the layout, not decoded
-    if cache is None:
-        transformers = importlib.import_module("transformers")
-        cache = transformers.DynamicCache(config=model.config)
-    if any(type(layer).__name__ != "DynamicLayer" for layer in getattr(cache, "layers", ())):
-        raise NotImplementedError(f"revified {name}: only a DynamicCache of full-attention layers is supported, "
-                                  f"got {type(cache).__name__}")
-    batch, tokens = hidden.shape[:2]
-    past = cache.get_seq_length()
-    positions = _position_ids(name, kwargs, hidden)
-    if positions is None:
-        positions = torch.arange(past, past + tokens, device=hidden.device).expand(batch, tokens)
-    mask = kwargs.get("attention_mask")
-    key_valid = None
-    if mask is not None:
-        if mask.dim() != 2 or tuple(mask.shape) != (batch, past + tokens):
-            raise NotImplementedError(f"revified {name}: with a cache, attention_mask must be a 2-D padding mask "
-                                      f"[batch, past + new tokens] = [{batch}, {past + tokens}], got "
-                                      f"{tuple(mask.shape)}")
-        if not bool(mask.bool().all()):
-            key_valid = mask.to(hidden.device).bool()
-    return _Decoding(cache, positions, key_valid)
-
-
-_warned_no_cache = []
 _warned_grad_cache = []
 
 
@@ -1633,28 +1452,6 @@ class _RevifiedLM(_NoCheckpointing):
     cache; a classifier)."""
 
     _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
-
-
-class _NoCacheGeneration(_RevifiedLM):
-    """generate() of a revified LM that keeps no KV cache (sliding-window attention): every step runs
-    the whole prefix, whatever use_cache says.
-
-    With ``use_cache=True`` generate would feed only the new token each step and expect the cache to
-    hold the rest; here the prefix is never sliced and no cache is passed, so the tokens are those of
-    greedy decoding without a cache.
-    """
-
-    _class_prefix = "RevifiedNoCache"  # pickled by name: distinct from _RevifiedLM's class
-
-    def prepare_inputs_for_generation(self, input_ids, *args, next_sequence_length=None, cache=None, **kwargs):
-        if (next_sequence_length is not None or cache is not None) and not _warned_no_cache:
-            _warned_no_cache.append(True)
-            import warnings
-
-            warnings.warn("revtriton: a revified model keeps no KV cache; generate(use_cache=True) recomputes the "
-                          "whole prefix at every step (correct tokens, slower)", stacklevel=2)
-        return super().prepare_inputs_for_generation(input_ids, *args, next_sequence_length=None, cache=None,
-                                                     **kwargs)
 
 
 def _check_hf_inputs(model_name, kwargs):
@@ -1743,84 +1540,17 @@ def _selected_states(states, last, wanted, tie_last) -> tuple:
     return tuple(states)
 
 
-def _hf_output(module, output_class_name, hidden, kwargs, decoding=None, hidden_states=None, pooler_output=None):
-    cache = None if decoding is None else decoding.cache
+def _hf_output(module, output_class_name, hidden, kwargs, hidden_states=None, pooler_output=None):
     return_dict = kwargs.get("return_dict")
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     if not return_dict:
-        return tuple(item for item in (hidden, pooler_output, cache, hidden_states) if item is not None)
+        return tuple(item for item in (hidden, pooler_output, hidden_states) if item is not None)
     output_class = getattr(importlib.import_module("transformers.modeling_outputs"), output_class_name)
     extra = {} if hidden_states is None else {"hidden_states": hidden_states}
     if pooler_output is not None:
         extra["pooler_output"] = pooler_output
-    if cache is not None:
-        field = "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"  # transformers 5 / 4
-        extra[field] = cache
     return output_class(last_hidden_state=hidden, **extra)
-
-
-def _embeddings_input(module, input_ids, kwargs, embed):
-    inputs_embeds = kwargs.get("inputs_embeds")
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("specify exactly one of input_ids or inputs_embeds")
-    return embed(input_ids) if inputs_embeds is None else inputs_embeds
-
-
-class _RevifiedGPT2Model(_NoCheckpointing):
-    """GPT2Model forward over a reversible stack: embeddings -> stack -> ln_f (no cache; padding masks
-    and packed rows through the attention halves' conditioning)."""
-
-    def forward(self, input_ids=None, *args, **kwargs):
-        if args:
-            raise TypeError("revified GPT2Model: pass arguments other than input_ids by keyword")
-        _check_hf_inputs("GPT2Model", kwargs)
-        if input_ids is not None:
-            input_ids = input_ids.view(-1, input_ids.shape[-1])
-        hidden = _embeddings_input(self, input_ids, kwargs, self.wte)
-        tokens = hidden.shape[1]
-        decoding = _generation_cache(self, "GPT2Model", hidden, kwargs)
-        layout = None if decoding else _token_layout("GPT2Model", hidden, kwargs, rope=False)  # checks position_ids
-        position_ids = kwargs.get("position_ids")
-        if decoding is not None:
-            position_ids = decoding.positions
-        elif position_ids is None:
-            position_ids = torch.arange(tokens, device=hidden.device).unsqueeze(0)
-        hidden = hidden + self.wpe(position_ids).to(hidden.device)
-        token_type_ids = kwargs.get("token_type_ids")
-        if token_type_ids is not None:
-            hidden = hidden + self.wte(token_type_ids.view(-1, tokens))
-        with _decoding(self.h, decoding):
-            hidden, states = _run_layers(self.h, self.drop(hidden), self.ln_f, kwargs, layout)
-        return _hf_output(self, "BaseModelOutputWithPastAndCrossAttentions", hidden, kwargs, decoding, states)
-
-
-class _RevifiedLlamaModel(_NoCheckpointing):
-    """LlamaModel (and Mistral / Qwen2 / Qwen3 / Gemma / Phi-3) forward over a reversible stack:
-    embeddings -> stack -> final norm; position_ids, padding masks and packed rows reach the
-    attention halves as their conditioning, a KV cache while decoding. Subclasses name their parts."""
-
-    _embed, _embed_dropout, _final_norm = "embed_tokens", None, "norm"
-
-    def forward(self, input_ids=None, *args, **kwargs):
-        name = type(self).__name__.removeprefix("Revified")  # LlamaModel, MistralModel, ...
-        if args:
-            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
-        _check_hf_inputs(name, kwargs)
-        hidden = _embeddings_input(self, input_ids, kwargs, getattr(self, self._embed))
-        decoding = _generation_cache(self, name, hidden, kwargs)
-        layout = None if decoding else _token_layout(name, hidden, kwargs, rope=True)
-        if self._embed_dropout is not None:
-            hidden = getattr(self, self._embed_dropout)(hidden)
-        with _decoding(self.layers, decoding):
-            hidden, states = _run_layers(self.layers, hidden, getattr(self, self._final_norm), kwargs, layout)
-        return _hf_output(self, "BaseModelOutputWithPast", hidden, kwargs, decoding, states)
-
-
-class _RevifiedNeoXModel(_RevifiedLlamaModel):
-    """GPTNeoXModel: embed_in -> emb_dropout -> stack -> final_layer_norm."""
-
-    _embed, _embed_dropout, _final_norm = "embed_in", "emb_dropout", "final_layer_norm"
 
 
 class _RevifiedHFViTModel(_NoCheckpointing):
@@ -1845,11 +1575,12 @@ class _RevifiedHFViTModel(_NoCheckpointing):
 # -- Hugging Face decoders through the library's own forward (transformers 5) ------------------
 #
 # The base model's forward stays the library's: it embeds, builds the masks (padding, packed rows,
-# sliding windows), the position ids, the rotary embeddings and the cache, and loops over
-# ``self.layers[: num_hidden_layers]`` calling each layer with them. The slice (the stack's
-# ``slice_view``) answers that loop with one stand-in per layer: each records its layer's inputs, and
-# the last one runs the reversible stack once with all of them as the halves' conditioning. No
-# layer module is called by the loop (FSDP's per-layer hooks run around the stack's own phases).
+# sliding windows), the position ids, the rotary embeddings and the cache, and loops over its layers
+# (``self.layers[: n]``, ``for layer in self.layers``, ``enumerate(self.h)``) calling each with them.
+# The stack's ``layers_view`` answers that loop, while the model's forward runs, with one stand-in
+# per layer: each records its layer's inputs, and the last one runs the reversible stack once with
+# all of them as the halves' conditioning. No layer module is called by the loop (FSDP's per-layer
+# hooks run around the stack's own phases). LLaMA and its kin, GPT-NeoX and GPT-2 run this way.
 
 
 @dataclass(eq=False)
@@ -1865,6 +1596,7 @@ class _HostCall:
     layer_kwargs: list = None  # each layer's keyword inputs, as the library's loop gave them
     states: list = None  # hidden states (hidden_states runs)
     steps: object = None
+    running: bool = False  # the stack itself runs (its own iteration sees its layers, not stand-ins)
     cache_layers: dict = field(default_factory=dict)  # cache layer index -> its state before this call
 
     def keep_cache_layer(self, cache, index: int):
@@ -1904,8 +1636,13 @@ class _HostCond:
     masks: tuple  # (full attention's, sliding attention's)
     fusable: bool
 
-    def mask_for(self, spec) -> torch.Tensor | None:
-        return self.masks[spec["window"] is not None]
+    def mask_for(self, block) -> torch.Tensor | None:
+        """The library's mask of the block's attention kind (full, or sliding window)."""
+        return self.masks[_attention_spec(block).get("window") is not None]
+
+
+def _attention_spec(block) -> dict:
+    return getattr(block, "_revtriton_attention", None) or {}
 
 
 def _none_if_empty(t):
@@ -1915,7 +1652,7 @@ def _none_if_empty(t):
 def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like) -> tuple:
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
-    cos, sin = position_embeddings
+    cos, sin = (empty, empty) if position_embeddings is None else position_embeddings
     return (positions, segments, cos, sin, empty if position_ids is None else position_ids,
             *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
 
@@ -1926,15 +1663,22 @@ def _unpack_host_cond(cond) -> _HostCond:
                            "call the model (its own forward builds them), not the stack or a block alone")
     positions, segments, cos, sin, position_ids, full_mask, sliding_mask, fusable = cond
     layout = None if _none_if_empty(positions) is None else (positions, segments)
-    return _HostCond(layout, (cos, sin), _none_if_empty(position_ids),
+    rotary = None if _none_if_empty(cos) is None else (cos, sin)
+    return _HostCond(layout, rotary, _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable))
 
 
+def _blocks(stack) -> list:
+    """The stack's layers, never the stand-ins (iterating the stack during a host call gives those)."""
+    return list(stack._modules.values())
+
+
 def _host_layer_calls(stack, index):
-    """The stack's ``slice_view``: while its model's own forward runs, the layer loop's slice is a
-    list of stand-ins (:func:`_host_layer_call`); otherwise None (a stack of those layers)."""
+    """The stack's ``layers_view``: while its model's own forward runs (and not the stack itself), the
+    layer loop's slice or iteration is a list of stand-ins (:func:`_host_layer_call`); otherwise None
+    (the layers)."""
     call = _HOST_CALL.get()
-    if call is None or call.stack is not stack:
+    if call is None or call.stack is not stack or call.running:
         return None
     positions = range(len(stack))[index]
     if list(positions) != list(range(len(stack))):
@@ -1947,10 +1691,11 @@ def _host_layer_calls(stack, index):
 def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
     """Layer i's stand-in in the library's loop. Without output_hidden_states, layers before the last
     return their input unchanged and the last runs the whole stack; with it, each runs its block."""
-    if args:
-        raise NotImplementedError("revified decoder: the library's layer loop passed positional layer inputs; "
-                                  "this transformers version is not supported")
     stack = call.stack
+    if args:  # GPT-2's loop passes the cache and the mask by position: name them as the layer does
+        bound = inspect.signature(_library_forward(stack[i])).bind(None, hidden, *args, **kwargs).arguments
+        kwargs = {**dict(list(bound.items())[2:]), **bound.get("kwargs", {})}
+        kwargs.pop("kwargs", None)
     if i == 0:
         call.first_input = hidden
     elif hidden is not call.returned:
@@ -1961,17 +1706,23 @@ def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
         if i == 0:
             call.steps, call.states = _BlockSteps(stack), [hidden]
         call.steps.cond = _host_cond(call, [i], hidden)
-        with _caches_restored_on_failure(call, kwargs):
+        with _running(call, kwargs):
             out = call.steps._step(i, hidden)
         call.states.append(out)
     elif i < len(stack) - 1:
         out = hidden
     else:
         cond = _host_cond(call, range(len(stack)), hidden)
-        with _caches_restored_on_failure(call, kwargs):
+        with _running(call, kwargs):
             out = stack(call.first_input, cond=cond)
     call.returned = out
     return out
+
+
+def _library_forward(block):
+    """The forward of the library's layer class a swapped block came from."""
+    return next(klass.forward for klass in type(block).__mro__
+                if klass.__module__ != __name__ and "forward" in vars(klass))
 
 
 def _host_cond(call: _HostCall, layers, like) -> tuple:
@@ -1987,26 +1738,28 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
                 raise NotImplementedError(f"revified decoder: layers got different {key} (per-layer rotary "
                                           f"embeddings are not supported)")
         block = stack[i]
-        kind = int(hasattr(block, "_revtriton_attention") and _layer_spec(block)["window"] is not None)
+        kind = int(_attention_spec(block).get("window") is not None)
         mask = kwargs.get("attention_mask")
         if seen[kind] and mask is not masks[kind]:
             raise NotImplementedError("revified decoder: layers of one attention kind got different masks")
         masks[kind], seen[kind] = mask, True
-    position_embeddings = first.get("position_embeddings")
-    if position_embeddings is None:
-        raise NotImplementedError("revified decoder: the library's layer loop passed no position_embeddings; "
-                                  "this transformers version is not supported")
-    return _pack_host_cond(call.layout, position_embeddings, first.get("position_ids"), masks, call.fusable, like)
+    return _pack_host_cond(call.layout, first.get("position_embeddings"), first.get("position_ids"), masks,
+                           call.fusable, like)
+
+
+_CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
 
 
 def _layer_cache(kwargs):
-    return kwargs.get("cache", kwargs.get("past_key_values"))
+    return next((kwargs[key] for key in _CACHE_KEYS if kwargs.get(key) is not None), None)
 
 
 @contextlib.contextmanager
-def _caches_restored_on_failure(call: _HostCall, kwargs):
-    """If the stack's forward fails while decoding (an exact stream's overflow report), the cache goes
-    back to what it held before the call, so that it never keeps a failed step."""
+def _running(call: _HostCall, kwargs):
+    """The stack runs (its own iteration sees its layers). If it fails while decoding (an exact
+    stream's overflow report), the cache goes back to what it held before the call, so that it never
+    keeps a failed step."""
+    call.running = True
     try:
         yield
     except BaseException:
@@ -2014,31 +1767,41 @@ def _caches_restored_on_failure(call: _HostCall, kwargs):
         if cache is not None:
             call.restore_caches(cache)
         raise
+    finally:
+        call.running = False
 
 
-class _HostLlamaAttentionHalf(_LlamaAttentionHalf):
-    """The attention half of a decoder run through its library's own forward: the fused kernels
-    (with the token layout) where they compute what the library does, else the layer's own
-    attention module with the library's mask, rotary embedding and, while decoding, its cache."""
+class _HostAttention:
+    """Mixin of the attention half of a layer run through its library's own forward: the fused
+    kernels (with the token layout) where they compute what the library does, else the layer's own
+    attention module with the library's mask, rotary embedding and, while decoding, its cache.
+    Families say how to call their module (``_library_call``)."""
 
-    def _library_attention(self, x, host: _HostCond):
-        b = self.block
-        kwargs = {}
+    def _attention_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _library_call(self, x, host: "_HostCond", extra: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
+        return bool(_attention_spec(self.block).get("library_rope"))
+
+    def _library_attention(self, x, host: "_HostCond"):
+        if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
+            return self._modules(x)
+        extra = {}
         call = _HOST_CALL.get()
         if not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None:
-            index = next(i for i, block in enumerate(call.stack) if block is b)
+            index = next(i for i, block in enumerate(_blocks(call.stack)) if block is self.block)
             live = call.layer_kwargs[index] or {}
-            if _layer_cache(live) is not None:  # decoding: the library's attention appends to its cache
-                kwargs = {key: value for key, value in live.items()
-                          if key not in ("attention_mask", "position_embeddings", "position_ids")}
-                call.keep_cache_layer(_layer_cache(live), b.self_attn.layer_idx)
-        x = self._input(x, getattr(b.input_layernorm, "weight", None))
-        out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(_layer_spec(b)),
-                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return _residual_dropout(b, "resid_attn_dropout")(out)
+            cache = _layer_cache(live)
+            if cache is not None:  # decoding: the library's attention appends to its cache
+                extra = {key: value for key, value in live.items()
+                         if key not in ("attention_mask", "position_embeddings", "position_ids")}
+                call.keep_cache_layer(cache, self._attention_module().layer_idx)
+        return self._library_call(x, host, extra)
 
-    def _fuses(self, x, host: _HostCond) -> bool:
+    def _fuses(self, x, host: "_HostCond") -> bool:
         call = _HOST_CALL.get()
         decoding = (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
                     and any(kwargs is not None and _layer_cache(kwargs) is not None for kwargs in call.layer_kwargs))
@@ -2046,10 +1809,10 @@ class _HostLlamaAttentionHalf(_LlamaAttentionHalf):
 
     def _standalone(self, cond) -> bool:
         """Called outside the model's forward (no conditioning): one sequence per row at positions
-        0..T-1, as :class:`_LlamaAttentionHalf` computes it (its RoPE: not dynamic / partial ones)."""
+        0..T-1, as the family's own half computes it (not RoPE only the model's rotary computes)."""
         if cond is not None:
             return False
-        if _layer_spec(self.block)["library_rope"]:
+        if self._needs_model_rope():
             raise RuntimeError("revtriton: this attention half's RoPE (dynamic / longrope scaling or partial "
                                "rotary) comes from its model's rotary embedding: call the model, not the half")
         return True
@@ -2071,14 +1834,55 @@ class _HostLlamaAttentionHalf(_LlamaAttentionHalf):
         return self._library_attention(x, host)
 
 
-class _HostLlamaBlock(_LlamaBlock):
-    _half_classes = (_HostLlamaAttentionHalf, _LlamaMlpHalf)
-    _class_prefix = "RevifiedHost"
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
 
 
-class _HostLlamaOrdinaryBlock(_OrdinaryBlock):
-    _half_classes = _HostLlamaBlock._half_classes
-    _class_prefix = "RevifiedHostOrdinary"
+class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
+    def _attention_module(self):
+        return self.block.self_attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, getattr(b.input_layernorm, "weight", None))
+        out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(b),
+                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **extra)
+        return _residual_dropout(b, "resid_attn_dropout")(_first(out))
+
+
+class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.input_layernorm.weight)
+        out = b.attention(b.input_layernorm(x), attention_mask=host.mask_for(b),
+                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **extra)
+        return b.post_attention_dropout(_first(out))
+
+
+class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
+    def _attention_module(self):
+        return self.block.attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.ln_1.weight)
+        return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), **extra))
+
+
+def _host_block_mixins(halves: tuple) -> tuple:
+    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names)."""
+    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix="RevifiedHost"))
+    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,),
+                    dict(_half_classes=halves, _class_prefix="RevifiedHostOrdinary"))
+    return reversible, ordinary
+
+
+_HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
+_HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
+_HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
 
 
 class _HostDecoderModel(_NoCheckpointing):
@@ -2087,6 +1891,8 @@ class _HostDecoderModel(_NoCheckpointing):
     for one); hidden states, when asked for, are the stack's input and each block's readout."""
 
     _class_prefix = "RevifiedHost"
+    _layers = "layers"  # the attribute of its layer list (the stack)
+    _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
 
     def forward(self, *args, **kwargs):
         name = type(self).__name__
@@ -2132,8 +1938,10 @@ class _HostDecoderModel(_NoCheckpointing):
         decoding = not torch.is_grad_enabled() and (cache is not None or bool(use_cache))  # the library's path
         mask = kwargs.get("attention_mask")
         fusable = not decoding and (mask is None or mask.dim() == 2)  # a custom 4-D mask: the library's path
-        layout = _token_layout(name, tokens, kwargs, rope=True) if tokens is not None and fusable else None
-        call = _HostCall(self.layers, layout, fusable, bool(wanted))
+        if tokens is not None and tokens.dim() > 2 and kwargs.get("inputs_embeds") is None:
+            tokens = tokens.view(-1, tokens.shape[-1])  # GPT-2 takes [..., tokens] ids
+        layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
+        call = _HostCall(getattr(self, self._layers), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
         try:
             out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
@@ -2143,6 +1951,12 @@ class _HostDecoderModel(_NoCheckpointing):
             out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
                                                     getattr(self.config, "tie_last_hidden_states", None) is not False)
         return out if return_dict else out.to_tuple()
+
+
+class _HostGPT2Model(_HostDecoderModel):
+    """GPT2Model: its layers are ``h``, position embeddings are added before the loop."""
+
+    _layers, _rope = "h", False
 
 
 def _check_layer_inputs(name, tokens, kwargs, cache):
@@ -2158,6 +1972,21 @@ def _check_layer_inputs(name, tokens, kwargs, cache):
         raise NotImplementedError(f"revified {name}: attention_mask must be a 2-D padding mask [batch, past + tokens] "
                                   f"= [{batch}, {past + count}] (1 = token, 0 = padding) or the library's 4-D mask, "
                                   f"got shape {tuple(mask.shape)}")
+
+
+def _require_hosted_layer_loop(name: str):
+    if not _hosts_its_layer_loop():
+        version = importlib.import_module("transformers").__version__
+        raise NotImplementedError(f"revify: {name} needs transformers >= 5 (its decoders' own forward calls each "
+                                  f"layer with keyword inputs, where revtriton stands in for them); found {version}")
+
+
+def _host_the_layer_loop(model, base, layers: str, model_mixin: type):
+    """The converted stack answers the base model's layer loop (``layers_view``), the base model's
+    forward sets up each call (``model_mixin``), generate keeps the library's cache."""
+    getattr(base, layers).layers_view = _host_layer_calls
+    _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
+    _set_up_generation(model)
 
 
 def _hosts_its_layer_loop() -> bool:
@@ -2185,11 +2014,8 @@ for _module, _prefix in _LLAMA_LIKE.items():
 
 _BLOCK_BASES.update({
     "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
-    "RevifiedGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2Block),
     "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
-    "RevifiedOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _GPT2OrdinaryBlock),
-    "RevifiedGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _RevifiedGPT2Model),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),
     "RevifiedViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTBlock),
     "RevifiedOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTOrdinaryBlock),
@@ -2197,22 +2023,23 @@ _BLOCK_BASES.update({
     "RevifiedViTForImageClassification": ("transformers.models.vit.modeling_vit", "ViTForImageClassification",
                                           _RevifiedLM),
 })
+_BLOCK_BASES.update({
+    "RevifiedHostGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _HostGPT2Block),
+    "RevifiedHostOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _HostGPT2OrdinaryBlock),
+    "RevifiedHostGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _HostGPT2Model),
+})
 _NEOX_PATH = "transformers.models.gpt_neox.modeling_gpt_neox"
 _BLOCK_BASES.update({
-    "RevifiedGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _NeoXBlock),
-    "RevifiedOrdinaryGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _NeoXOrdinaryBlock),
-    "RevifiedGPTNeoXModel": (_NEOX_PATH, "GPTNeoXModel", _RevifiedNeoXModel),
+    "RevifiedHostGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXBlock),
+    "RevifiedHostOrdinaryGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXOrdinaryBlock),
+    "RevifiedHostGPTNeoXModel": (_NEOX_PATH, "GPTNeoXModel", _HostDecoderModel),
     "RevifiedGPTNeoXForCausalLM": (_NEOX_PATH, "GPTNeoXForCausalLM", _RevifiedLM),
 })
 for _module, _prefix in _LLAMA_LIKE.items():
     _path = f"transformers.models.{_module}.modeling_{_module}"
     _BLOCK_BASES.update({
-        f"Revified{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaBlock),
-        f"RevifiedOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _LlamaOrdinaryBlock),
-        f"Revified{_prefix}Model": (_path, f"{_prefix}Model", _RevifiedLlamaModel),
         f"RevifiedHost{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaBlock),
         f"RevifiedHostOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
         f"RevifiedHost{_prefix}Model": (_path, f"{_prefix}Model", _HostDecoderModel),
         f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _RevifiedLM),
-        f"RevifiedNoCache{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _NoCacheGeneration),
     })

@@ -1,6 +1,7 @@
-"""Revified decoders keep the library's own forward (issue 15, transformers 5).
+"""Revified decoders keep the library's own forward (issue 15).
 
-LLaMA and the decoders with its layer conventions keep their base model's forward: the library
+LLaMA and the decoders with its layer conventions, GPT-2 and GPT-NeoX keep their base model's
+forward: the library
 embeds, builds its masks (padding, packed rows, sliding windows, custom 4-D masks), position ids,
 rotary embeddings and cache, and its layer loop meets one stand-in per layer; the last one runs the
 reversible stack once, with every layer's inputs as the halves' conditioning. Attention runs fused
@@ -18,8 +19,6 @@ from test_models import check_against_twin
 from test_revify import DEPTH, hf_llama, hf_qwen2
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
-                                reason="the host-forward conversion needs transformers 5")
 
 
 def _count_calls(module, counts, key, pre=True):
@@ -85,8 +84,12 @@ def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
     ids = torch.randint(0, 128, (1, 6))
     from revtriton.convert import _HOST_CALL, _HostCall
 
+    other = revify(hf_llama(seeded + 1), exact=False).eval()
     token = _HOST_CALL.set(_HostCall(model.model.layers, None, True, False))
     try:
+        # Another model's layers, iterated or sliced inside this model's forward (a hook), are its layers.
+        assert all(isinstance(layer, torch.nn.Module) for layer in other.model.layers)
+        assert isinstance(other.model.layers[:], type(other.model.layers)) and len(other.model.layers[:]) == DEPTH
         with pytest.raises(NotImplementedError, match="every layer in order"):
             model.model.layers[1:]
         calls = model.model.layers[:]

@@ -277,7 +277,7 @@ def test_hf_cache_masks_and_per_block_calls(seeded):
     assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
     model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
     with pytest.raises(NotImplementedError, match="attention_mask must be a 2-D padding mask"):
-        model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12))  # padding masks: test_token_layouts.py
+        model(input_ids=ids, attention_mask=torch.ones(2, 11))  # padding masks: test_token_layouts.py
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model.transformer(input_ids=ids, output_attentions=True)
     with pytest.raises(NotImplementedError, match="runs only inside"):

@@ -117,12 +117,14 @@ class ReversibleStack(nn.Module):
         """A layer; a slice is a ReversibleStack of those layers with the same options (as
         nn.Sequential: timm's prune_intermediate_layers assigns ``blocks[:n]``).
 
-        ``slice_view`` (an attribute a conversion may set: a module-level function, so the stack
-        still pickles) may answer a slice instead: ``slice_view(stack, index)`` returns what the
-        slice stands for, or None for the stack of those layers (which keeps ``slice_view``)."""
+        ``layers_view`` (an attribute a conversion may set: a module-level function, so the stack
+        still pickles) may answer a slice, and iteration (``slice(None)``), instead:
+        ``layers_view(stack, index)`` returns what they stand for (a host model's layer loop meets
+        stand-ins), or None for the layers themselves (a slice: the stack of those layers, which
+        keeps ``layers_view``)."""
         layers = list(self._modules.values())
         if isinstance(index, slice):
-            view = getattr(self, "slice_view", None)
+            view = getattr(self, "layers_view", None)
             layer_calls = None if view is None else view(self, index)
             if layer_calls is not None:  # a conversion's stand-ins for its host model's layer loop
                 return layer_calls
@@ -130,12 +132,14 @@ class ReversibleStack(nn.Module):
                                    anchor_every=self.anchor_every, schedule=self.schedule, streams=self.streams,
                                    readout=getattr(self, "readout", "mean"))
             if view is not None:
-                part.slice_view = view
+                part.layers_view = view
             return part
         return layers[index]
 
     def __iter__(self):
-        return iter(self._modules.values())
+        view = getattr(self, "layers_view", None)
+        layer_calls = None if view is None else view(self, slice(None))
+        return iter(self._modules.values() if layer_calls is None else layer_calls)
 
     def _segments(self):
         """[(first_index, [layers]) | (index, transition_module)] in order."""
