@@ -16,11 +16,10 @@ How it works:
 * The block list (timm ``blocks``, GPT-2 ``h``, LLaMA ``layers``) is replaced by a
   :class:`~revtriton.engine.ReversibleStack` whose children are the same blocks, registered
   ``"0"``, ``"1"``, ... as before.
-* Hugging Face decoders (LLaMA and its kin, GPT-2, GPT-NeoX; transformers 5) keep their base
+* Hugging Face models (LLaMA and its kin, GPT-2, GPT-NeoX, ViT; transformers 5) keep their base
   model's own forward: the library builds masks, position ids, rotary embeddings and the cache, and
   its layer loop meets stand-ins that run the stack once with every layer's inputs as the halves'
-  conditioning (see ``_HostDecoderModel``). For HF ViT the base model's forward is replaced by one
-  that runs embeddings -> stack -> final norm. The LM head and its loss (``labels=...``) are the
+  conditioning (see ``_HostDecoderModel``). The heads and their losses (``labels=...``) are the
   library's own.
 
 By default the function changes: a block becomes ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` on two
@@ -789,14 +788,6 @@ class _HFViTMlpHalf(_Half):
         return b.dropout(b.mlp(b.layernorm_after(self._input(x, b.layernorm_after.weight))))
 
 
-class _HFViTBlock(_RevifiedBlock):
-    _half_classes = (_HFViTAttentionHalf, _HFViTMlpHalf)
-
-
-class _HFViTOrdinaryBlock(_OrdinaryBlock):
-    _half_classes = _HFViTBlock._half_classes
-
-
 def _convert_hf_vit(model, conversion):
     base = model.vit if hasattr(model, "vit") else model
     layers = getattr(base, "layers", None)
@@ -807,9 +798,10 @@ def _convert_hf_vit(model, conversion):
     if attention.head_dim * attention.num_attention_heads != base.config.hidden_size:
         raise NotImplementedError("revify: HF ViT with head_dim * heads != hidden_size is not supported")
     layer_class = type(layers[0])
-    _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HFViTBlock, _HFViTOrdinaryBlock),
+    _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HostViTBlock, _HostViTOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    _swap_class(base, _RevifiedHFViTModel, type(base).__module__, type(base).__name__)
+    base.layers.layers_view = _host_layer_calls
+    _swap_class(base, _HostViTModel, type(base).__module__, type(base).__name__)
     if model is not base:  # the classifier: gradient-checkpointing requests warn there too
         _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
 
@@ -1352,7 +1344,7 @@ def _convert_neox(model, conversion):
     _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
 
 
-# -- Hugging Face base-model forward ---------------------------------------------------------
+# -- block by block ------------------------------------------------------------------------------
 
 
 class _BlockSteps(nn.Module):
@@ -1491,12 +1483,7 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     position_ids = _position_ids(model_name, kwargs, hidden)
     mask = kwargs.get("attention_mask")
     segments = None
-    if mask is not None:
-        if mask.dim() != 2 or tuple(mask.shape) != (batch, tokens):
-            raise NotImplementedError(
-                f"revified {model_name}: attention_mask must be a 2-D padding mask [batch, tokens] = [{batch}, "
-                f"{tokens}] (1 = token, 0 = padding), got shape {tuple(mask.shape)}; 4-D / custom masks are not "
-                f"supported")
+    if mask is not None:  # [batch, tokens] (checked by _check_layer_inputs)
         if not bool(mask.bool().all()):
             segments = mask.to(device=device).bool().long()
     elif position_ids is not None:
@@ -1512,22 +1499,6 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     return positions, segments
 
 
-def _run_layers(stack, hidden, final_norm, kwargs, layout, tie_last=True):
-    """``(final_norm(stack(hidden)), hidden_states or None)``. With ``output_hidden_states`` the stack
-    runs block by block (:class:`_BlockSteps`): the states are the library's, the stack's input then
-    each block's readout, the last one the normed output unless ``tie_last`` is False (HF ViT) (True,
-    or the indices to keep, others None)."""
-    wanted = kwargs.get("output_hidden_states")
-    if not wanted:
-        return final_norm(stack(hidden, cond=layout)), None
-    states, x = [hidden], hidden
-    for step in _BlockSteps(stack, cond=layout):
-        x = step(x)
-        states.append(x)
-    out = final_norm(x)
-    return out, _selected_states(states, out, wanted, tie_last)
-
-
 def _selected_states(states, last, wanted, tie_last) -> tuple:
     """The library's hidden states: the stack's input then each block's readout, the last one the
     normed output when ``tie_last``; ``wanted`` True, or the indices to keep (others None)."""
@@ -1540,38 +1511,6 @@ def _selected_states(states, last, wanted, tie_last) -> tuple:
     return tuple(states)
 
 
-def _hf_output(module, output_class_name, hidden, kwargs, hidden_states=None, pooler_output=None):
-    return_dict = kwargs.get("return_dict")
-    if return_dict is None:
-        return_dict = getattr(module.config, "return_dict", True)
-    if not return_dict:
-        return tuple(item for item in (hidden, pooler_output, hidden_states) if item is not None)
-    output_class = getattr(importlib.import_module("transformers.modeling_outputs"), output_class_name)
-    extra = {} if hidden_states is None else {"hidden_states": hidden_states}
-    if pooler_output is not None:
-        extra["pooler_output"] = pooler_output
-    return output_class(last_hidden_state=hidden, **extra)
-
-
-class _RevifiedHFViTModel(_NoCheckpointing):
-    """ViTModel forward over a reversible stack: embeddings -> stack -> layernorm -> pooler (the
-    library's own forward loops over the layers one by one)."""
-
-    def forward(self, pixel_values=None, *args, **kwargs):
-        if args:
-            raise TypeError("revified ViTModel: pass arguments other than pixel_values by keyword")
-        _check_hf_inputs("ViTModel", kwargs)
-        if kwargs.get("attention_mask") is not None:
-            raise NotImplementedError("revified ViTModel: attention_mask is not supported (every patch attends)")
-        expected_dtype = self.embeddings.patch_embeddings.projection.weight.dtype
-        hidden = self.embeddings(pixel_values.to(expected_dtype), bool_masked_pos=kwargs.get("bool_masked_pos"),
-                                 interpolate_pos_encoding=kwargs.get("interpolate_pos_encoding"))
-        sequence, states = _run_layers(self.layers, hidden, self.layernorm, kwargs, None, tie_last=False)
-        pooled = self.pooler(sequence) if self.pooler is not None else None
-        return _hf_output(self, "BaseModelOutputWithPooling", sequence, kwargs, hidden_states=states,
-                          pooler_output=pooled)
-
-
 # -- Hugging Face decoders through the library's own forward (transformers 5) ------------------
 #
 # The base model's forward stays the library's: it embeds, builds the masks (padding, packed rows,
@@ -1580,7 +1519,7 @@ class _RevifiedHFViTModel(_NoCheckpointing):
 # The stack's ``layers_view`` answers that loop, while the model's forward runs, with one stand-in
 # per layer: each records its layer's inputs, and the last one runs the reversible stack once with
 # all of them as the halves' conditioning. No layer module is called by the loop (FSDP's per-layer
-# hooks run around the stack's own phases). LLaMA and its kin, GPT-NeoX and GPT-2 run this way.
+# hooks run around the stack's own phases). LLaMA and its kin, GPT-NeoX, GPT-2 and ViT run this way.
 
 
 @dataclass(eq=False)
@@ -1817,12 +1756,16 @@ class _HostAttention:
                                "rotary) comes from its model's rotary embedding: call the model, not the half")
         return True
 
+    def _fused_with(self, res, x, sign, frac_bits, host: "_HostCond"):
+        layout = {} if host.layout is None else {"layout": host.layout}  # ViT's halves take none
+        return self._fused(res, x, sign, frac_bits, **layout)
+
     def couple(self, res, x, sign, frac_bits=None, cond=None):
         if self._standalone(cond):
             return super().couple(res, x, sign, frac_bits)
         host = _unpack_host_cond(cond)
         if self._fuses(x, host):
-            return self._fused(res, x, sign, frac_bits, layout=host.layout)
+            return self._fused_with(res, x, sign, frac_bits, host)
         return couple_output(res, self._library_attention(x, host), sign, frac_bits)
 
     def __call__(self, x, cond=None):
@@ -1830,7 +1773,7 @@ class _HostAttention:
             return super().__call__(x)
         host = _unpack_host_cond(cond)
         if self._fuses(x, host):
-            return self._fused(torch.zeros_like(x), x, +1, None, layout=host.layout)[0]
+            return self._fused_with(torch.zeros_like(x), x, +1, None, host)[0]
         return self._library_attention(x, host)
 
 
@@ -1872,6 +1815,18 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
         return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), **extra))
 
 
+class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
+    takes_cond = True  # the library's mask (an attention_mask given to ViTModel), no token layout
+
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.layernorm_before.weight)
+        return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
+
+
 def _host_block_mixins(halves: tuple) -> tuple:
     """A family's reversible and ordinary block mixins (the swapped classes pickle by their names)."""
     reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix="RevifiedHost"))
@@ -1883,16 +1838,20 @@ def _host_block_mixins(halves: tuple) -> tuple:
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
+_HostViTBlock, _HostViTOrdinaryBlock = _host_block_mixins((_HostViTAttentionHalf, _HFViTMlpHalf))
 
 
 class _HostDecoderModel(_NoCheckpointing):
-    """A decoder base model (LlamaModel, MistralModel, ...) whose own forward runs over a reversible
-    stack (see the section's comment). With grad no cache is kept (the reversible backward has no use
-    for one); hidden states, when asked for, are the stack's input and each block's readout."""
+    """A base model (LlamaModel, GPTNeoXModel, GPT2Model, ViTModel, ...) whose own forward runs over
+    a reversible stack (see the section's comment). With grad no cache is kept (the reversible
+    backward has no use for one); hidden states, when asked for, are the stack's input and each
+    block's readout."""
 
     _class_prefix = "RevifiedHost"
     _layers = "layers"  # the attribute of its layer list (the stack)
     _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
+    _tokens_input = True  # input_ids / inputs_embeds, padding masks and KV caches (not an image encoder)
+    _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
 
     def forward(self, *args, **kwargs):
         name = type(self).__name__
@@ -1904,11 +1863,13 @@ class _HostDecoderModel(_NoCheckpointing):
         if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
             raise TypeError(f"revified {name}: the cache must be a transformers Cache (DynamicCache), got "
                             f"{type(cache).__name__} (legacy tuple caches are not supported)")
-        tokens = args[0] if args else kwargs.get("input_ids")
-        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        tokens = None
+        if self._tokens_input:
+            tokens = args[0] if args else kwargs.get("input_ids")
+            tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is not None:
             _check_layer_inputs(name, tokens, kwargs, cache)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._tokens_input:
             if cache is not None and callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length():
                 raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
                                           f"torch.no_grad() / torch.inference_mode()")
@@ -1935,9 +1896,11 @@ class _HostDecoderModel(_NoCheckpointing):
             return_dict = getattr(self.config, "return_dict", True)
         use_cache = kwargs.get("use_cache")
         use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
-        decoding = not torch.is_grad_enabled() and (cache is not None or bool(use_cache))  # the library's path
+        decoding = (self._tokens_input and not torch.is_grad_enabled()
+                    and (cache is not None or bool(use_cache)))  # the library's path
         mask = kwargs.get("attention_mask")
-        fusable = not decoding and (mask is None or mask.dim() == 2)  # a custom 4-D mask: the library's path
+        # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
+        fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
         if tokens is not None and tokens.dim() > 2 and kwargs.get("inputs_embeds") is None:
             tokens = tokens.view(-1, tokens.shape[-1])  # GPT-2 takes [..., tokens] ids
         layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
@@ -1948,8 +1911,9 @@ class _HostDecoderModel(_NoCheckpointing):
         finally:
             _HOST_CALL.reset(token)
         if wanted:
+            tie_last = getattr(self.config, "tie_last_hidden_states", None)
             out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
-                                                    getattr(self.config, "tie_last_hidden_states", None) is not False)
+                                                    self._tie_last if tie_last is None else tie_last)
         return out if return_dict else out.to_tuple()
 
 
@@ -1957,6 +1921,12 @@ class _HostGPT2Model(_HostDecoderModel):
     """GPT2Model: its layers are ``h``, position embeddings are added before the loop."""
 
     _layers, _rope = "h", False
+
+
+class _HostViTModel(_HostDecoderModel):
+    """ViTModel: patches in, no cache; its last hidden state is the last layer's (before layernorm)."""
+
+    _rope, _tokens_input, _tie_last = False, False, False
 
 
 def _check_layer_inputs(name, tokens, kwargs, cache):
@@ -2017,9 +1987,9 @@ _BLOCK_BASES.update({
     "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),
-    "RevifiedViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTBlock),
-    "RevifiedOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HFViTOrdinaryBlock),
-    "RevifiedViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _RevifiedHFViTModel),
+    "RevifiedHostViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTBlock),
+    "RevifiedHostOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTOrdinaryBlock),
+    "RevifiedHostViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _HostViTModel),
     "RevifiedViTForImageClassification": ("transformers.models.vit.modeling_vit", "ViTForImageClassification",
                                           _RevifiedLM),
 })

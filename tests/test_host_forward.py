@@ -16,7 +16,7 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
 from test_models import check_against_twin
-from test_revify import DEPTH, hf_llama, hf_qwen2
+from test_revify import DEPTH, hf_llama, hf_qwen2, hf_vit
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,4 +187,23 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
     ids = torch.randint(1, 128, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_hf_vit_takes_the_librarys_patch_mask(seeded):
+    """HF ViT runs its own forward too: an attention_mask over the patches (the library builds its
+    bidirectional mask) reaches its attention modules, so a preserving conversion computes the
+    unconverted model's logits; without a mask the fused halves run, with one the library's modules."""
+    original = hf_vit(seeded, initializer_range=0.3).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[1, 5:] = 0  # the second image attends to its first 4 patches (and the class token) only
+    with torch.no_grad():
+        theirs = original(pixel_values=pixels, attention_mask=mask).logits
+        ours = model(pixel_values=pixels, attention_mask=mask).logits
+        unmasked = model(pixel_values=pixels).logits
+        torch.testing.assert_close(unmasked, original(pixel_values=pixels).logits, rtol=0, atol=2e-3)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
+    assert (ours[1] - unmasked[1]).abs().max() > 1e-2 and torch.allclose(ours[0], unmasked[0], atol=1e-5)
 

@@ -376,7 +376,7 @@ MUTANTS = [
            ("tests/test_revify.py", "-k", "meta_device"),
            "a model revified on the meta device decides its norms are not plain: the fused path is lost for good"),
     Mutant("hf-vit-last-hidden-state-normed", "revtriton/convert.py",
-           "kwargs, None, tie_last=False)", "kwargs, None, tie_last=True)",
+           "    _rope, _tokens_input, _tie_last = False, False, False", "    _rope, _tokens_input, _tie_last = False, False, True",
            ("tests/test_revify.py", "-k", "hf_vit_keeps"),
            "HF ViT's last hidden state is the normed output (the library's is the last layer's, before layernorm)"),
     Mutant("sass-unpredicated-branch-is-a-loop", "revtriton/sass.py",
