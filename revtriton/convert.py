@@ -50,7 +50,8 @@ from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.reference import packed_segments, rope_inv_freq
 from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
-SUPPORTED = ("timm VisionTransformer", "transformers GPT2LMHeadModel", "transformers GPT2Model",
+SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
+             "transformers GPT2LMHeadModel", "transformers GPT2Model",
              "transformers GPTNeoXForCausalLM / GPTNeoXModel",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
              "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
@@ -264,6 +265,14 @@ class _OrdinaryBlock:
     def forward(self, x, cond=None):  # cond: the token layout of a Hugging Face model (see _token_layout)
         attention, mlp = (cls(self) for cls in self._half_classes)
         return _WholeLayer(attention, mlp, parallel=_parallel_residual(self))(x, cond)
+
+
+def _host_block_mixins(halves: tuple) -> tuple:
+    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names)."""
+    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix="RevifiedHost"))
+    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,),
+                    dict(_half_classes=halves, _class_prefix="RevifiedHostOrdinary"))
+    return reversible, ordinary
 
 
 def _parallel_residual(block) -> bool:
@@ -734,6 +743,91 @@ def _convert_timm_vit(model, conversion):
     _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
     _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
                     ("timm.models.vision_transformer", "Block"))
+
+
+# -- timm EVA (EVA-02: rotary position embeddings, SwiGLU) --------------------------------------------
+
+
+class _EvaHalf(_Half):
+    """A half of a timm EvaBlock, always through its own modules: EVA's rotary leaves the prefix
+    tokens unrotated and its attention may gate or norm its output, which the fused kernels do not.
+    Layer scale (gamma) and stochastic depth as the block applies them."""
+
+    def _use_modules(self, x) -> bool:
+        return True
+
+    def _scaled(self, h, gamma, drop_path, x):
+        if gamma is not None:
+            h = gamma * h
+        return _scale_rows(h, _drop_path_scale(x, float(getattr(drop_path, "drop_prob", 0.0)), self.block.training))
+
+
+class _EvaAttentionHalf(_EvaHalf):
+    takes_cond = True  # the model's rotary embedding and attention mask (the stand-ins' conditioning)
+
+    def _modules(self, x, cond=None):
+        if cond is None:
+            raise RuntimeError("revtriton: an EVA attention half takes its model's rotary embedding: call the model, "
+                               "not the half")
+        host = _unpack_host_cond(cond)
+        b = self.block
+        x = self._input(x, getattr(b.norm1, "weight", None))
+        h = b.attn(b.norm1(x), rope=host.position_embeddings, attn_mask=host.mask_for(b))
+        return self._scaled(h, b.gamma_1, b.drop_path1, x)
+
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        return couple_output(res, self._modules(x, cond), sign, frac_bits)
+
+    def __call__(self, x, cond=None):
+        return self._modules(x, cond)
+
+
+class _EvaMlpHalf(_EvaHalf):
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, getattr(b.norm2, "weight", None))
+        return self._scaled(b.mlp(b.norm2(x)), b.gamma_2, b.drop_path2, x)
+
+
+_EvaBlock, _EvaOrdinaryBlock = _host_block_mixins((_EvaAttentionHalf, _EvaMlpHalf))
+
+
+class _EvaRevifiedModel:
+    """A revified timm EVA: forward_features and forward_intermediates are timm's own, their block
+    loops meet the stack's stand-ins (whole stack; block by block for the intermediates)."""
+
+    _keeps_class_name = True
+
+    def _hosted(self, method, hidden_states, *args, **kwargs):
+        token = _HOST_CALL.set(_HostCall(self.blocks, None, False, hidden_states))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _HOST_CALL.reset(token)
+
+    def forward_features(self, *args, **kwargs):
+        return self._hosted(super().forward_features, False, *args, **kwargs)
+
+    def forward_intermediates(self, *args, **kwargs):
+        return self._hosted(super().forward_intermediates, True, *args, **kwargs)
+
+    set_grad_checkpointing = _TimmRevifiedModel.set_grad_checkpointing
+
+
+def _convert_eva(model, conversion):
+    from timm.models.eva import EvaBlock
+
+    for i, block in enumerate(model.blocks):
+        if type(block) is not EvaBlock:
+            raise NotImplementedError(f"timm block {i} ({type(block).__name__}): revify supports EVA's pre-norm "
+                                      f"EvaBlock only (a post-norm block norms after the residual add)")
+    if getattr(model, "rope_mixed", False):
+        raise NotImplementedError("revify: timm EVA with mixed (per-layer) rotary embeddings is not supported")
+    model.grad_checkpointing = False
+    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_EvaBlock, _EvaOrdinaryBlock),
+                    ("timm.models.eva", "EvaBlock"))
+    model.blocks.layers_view = _host_layer_calls
+    _swap_class(model, _EvaRevifiedModel, "timm.models.eva", "Eva")
 
 
 # -- Hugging Face ViT (pre-norm encoder) -------------------------------------------------------------
@@ -1591,18 +1685,21 @@ def _none_if_empty(t):
 def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like) -> tuple:
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
-    cos, sin = (empty, empty) if position_embeddings is None else position_embeddings
+    if position_embeddings is None:
+        cos, sin = empty, empty
+    else:
+        cos, sin = (position_embeddings, empty) if torch.is_tensor(position_embeddings) else position_embeddings
     return (positions, segments, cos, sin, empty if position_ids is None else position_ids,
             *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
 
 
 def _unpack_host_cond(cond) -> _HostCond:
     if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
-        raise RuntimeError("revtriton: a revified decoder's attention half ran without its model's layer inputs; "
+        raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
     positions, segments, cos, sin, position_ids, full_mask, sliding_mask, fusable = cond
     layout = None if _none_if_empty(positions) is None else (positions, segments)
-    rotary = None if _none_if_empty(cos) is None else (cos, sin)
+    rotary = None if _none_if_empty(cos) is None else cos if _none_if_empty(sin) is None else (cos, sin)
     return _HostCond(layout, rotary, _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable))
 
@@ -1620,8 +1717,9 @@ def _host_layer_calls(stack, index):
     if call is None or call.stack is not stack or call.running:
         return None
     positions = range(len(stack))[index]
-    if list(positions) != list(range(len(stack))):
-        raise NotImplementedError(f"revified decoder: the layer loop must run every layer in order (got layers "
+    whole = list(range(len(stack))) if not call.hidden_states else list(range(len(positions)))  # steps: a prefix
+    if list(positions) != whole:
+        raise NotImplementedError(f"revified model: the layer loop must run every layer in order (got layers "
                                   f"{list(positions)} of {len(stack)}): the reversible stack runs as one")
     call.layer_kwargs = [None] * len(stack)
     return [functools.partial(_host_layer_call, call, i) for i in positions]
@@ -1631,14 +1729,16 @@ def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
     """Layer i's stand-in in the library's loop. Without output_hidden_states, layers before the last
     return their input unchanged and the last runs the whole stack; with it, each runs its block."""
     stack = call.stack
-    if args:  # GPT-2's loop passes the cache and the mask by position: name them as the layer does
-        bound = inspect.signature(_library_forward(stack[i])).bind(None, hidden, *args, **kwargs).arguments
-        kwargs = {**dict(list(bound.items())[2:]), **bound.get("kwargs", {})}
-        kwargs.pop("kwargs", None)
+    if args:  # GPT-2's and ViT's loops pass the mask (and cache) by position: name them as the layer does
+        signature = inspect.signature(_library_forward(stack[i]))
+        rest = next((name for name, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        bound = signature.bind(None, hidden, *args, **kwargs).arguments
+        named = dict(list(bound.items())[2:])  # after self and the hidden states
+        kwargs = {**named, **named.pop(rest, {})}
     if i == 0:
         call.first_input = hidden
     elif hidden is not call.returned:
-        raise RuntimeError("revified decoder: each layer's output must reach the next layer unchanged (the "
+        raise RuntimeError("revified model: each layer's output must reach the next layer unchanged (the "
                            "reversible stack keeps two streams between them)")
     call.layer_kwargs[i] = kwargs
     if call.hidden_states:
@@ -1672,18 +1772,20 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
     seen = [False, False]
     for i in layers:
         kwargs = call.layer_kwargs[i]
-        for key in ("position_embeddings", "position_ids"):
+        if kwargs.get("is_causal"):
+            raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
+        for key in ("position_embeddings", "rope", "position_ids"):
             if kwargs.get(key) is not first.get(key):
-                raise NotImplementedError(f"revified decoder: layers got different {key} (per-layer rotary "
+                raise NotImplementedError(f"revified model: layers got different {key} (per-layer rotary "
                                           f"embeddings are not supported)")
         block = stack[i]
         kind = int(_attention_spec(block).get("window") is not None)
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
         if seen[kind] and mask is not masks[kind]:
-            raise NotImplementedError("revified decoder: layers of one attention kind got different masks")
+            raise NotImplementedError("revified model: layers of one attention kind got different masks")
         masks[kind], seen[kind] = mask, True
-    return _pack_host_cond(call.layout, first.get("position_embeddings"), first.get("position_ids"), masks,
-                           call.fusable, like)
+    rotary = first.get("position_embeddings", first.get("rope"))  # (cos, sin); timm EVA: one tensor
+    return _pack_host_cond(call.layout, rotary, first.get("position_ids"), masks, call.fusable, like)
 
 
 _CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
@@ -1827,14 +1929,6 @@ class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
         return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
 
 
-def _host_block_mixins(halves: tuple) -> tuple:
-    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names)."""
-    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix="RevifiedHost"))
-    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,),
-                    dict(_half_classes=halves, _class_prefix="RevifiedHostOrdinary"))
-    return reversible, ordinary
-
-
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
@@ -1968,6 +2062,7 @@ def _hosts_its_layer_loop() -> bool:
 
 _FAMILIES = {
     "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
+    "timm_eva": ("timm", "Eva", _convert_eva),
     "hf_vit_classifier": ("transformers", "ViTForImageClassification", _convert_hf_vit),
     "hf_vit": ("transformers", "ViTModel", _convert_hf_vit),
     "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
@@ -1984,6 +2079,9 @@ for _module, _prefix in _LLAMA_LIKE.items():
 
 _BLOCK_BASES.update({
     "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
+    "RevifiedHostEvaBlock": ("timm.models.eva", "EvaBlock", _EvaBlock),
+    "RevifiedHostOrdinaryEvaBlock": ("timm.models.eva", "EvaBlock", _EvaOrdinaryBlock),
+    "RevifiedEva": ("timm.models.eva", "Eva", _EvaRevifiedModel),
     "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
     "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),

@@ -364,7 +364,7 @@ def test_post_norm_encoders_raise_naming_the_feature():
 @pytest.mark.timm
 def test_timm_unsupported_models_raise_naming_the_class(seeded):
     timm = pytest.importorskip("timm")
-    for name, options, cls in [("resnet18", {}, "ResNet"), ("eva02_tiny_patch14_224", dict(img_size=28), "eva.Eva"),
+    for name, options, cls in [("resnet18", {}, "ResNet"),  # EVA-02: tests/test_timm_eva.py
                                ("swin_tiny_patch4_window7_224", dict(img_size=32, window_size=2), "SwinTransformer"),
                                ("beit_base_patch16_224", dict(img_size=32, depth=2), "beit.Beit")]:
         with pytest.raises(TypeError, match=rf"revify does not support timm\.models\..*{cls}"):
