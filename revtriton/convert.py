@@ -262,7 +262,7 @@ class _OrdinaryBlock:
     _class_prefix = "RevifiedOrdinary"
     _keeps_class_name = True  # as _RevifiedBlock: found by the library's layer name
 
-    def forward(self, x, cond=None):  # cond: the token layout of a Hugging Face model (see _token_layout)
+    def forward(self, x, cond=None):  # cond: a Hugging Face model's layer inputs (see _pack_host_cond)
         attention, mlp = (cls(self) for cls in self._half_classes)
         return _WholeLayer(attention, mlp, parallel=_parallel_residual(self))(x, cond)
 
@@ -356,7 +356,7 @@ class _WholeLayer:
         self.attention, self.mlp, self.adapter, self.parallel = attention, mlp, adapter, parallel
 
     @property
-    def takes_cond(self) -> bool:  # the attention half takes the token layout
+    def takes_cond(self) -> bool:  # the attention half takes the model's layer inputs
         return self.attention.takes_cond
 
     def parameters(self):
@@ -480,13 +480,15 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
 
 def _convention_class(name: str):
     """``_BLOCK_BASES``' entry of a swapped class of a decoder admitted by its layer conventions
-    (``RevifiedHost<Family>DecoderLayer`` / ``...Model``), from transformers' module for the family
-    (``transformers.models.<family, snake case>``), or None."""
-    match = re.fullmatch(r"RevifiedHost(Ordinary)?((\w+?)(DecoderLayer|Model))", name)
-    if match is None:
+    (``RevifiedHost<Family>DecoderLayer`` / ``RevifiedHost<Family>Model`` / ``Revified<Family>ForCausalLM``),
+    from transformers' module for the family (``transformers.models.<family, snake case>``), or None."""
+    match = re.fullmatch(r"Revified(Host)?(Ordinary)?((\w+?)(DecoderLayer|Model|ForCausalLM))", name)
+    if match is None or (match.group(1) is None) != (match.group(5) == "ForCausalLM"):
         return None
-    ordinary, class_name, family, kind = match.groups()
-    mixin = _HostDecoderModel if kind == "Model" else _HostLlamaOrdinaryBlock if ordinary else _HostLlamaBlock
+    _, ordinary, class_name, family, kind = match.groups()
+    mixins = {"Model": _HostDecoderModel, "ForCausalLM": _RevifiedLM,
+              "DecoderLayer": _HostLlamaOrdinaryBlock if ordinary else _HostLlamaBlock}
+    mixin = mixins[kind]
     for module in {family.lower(), re.sub(r"(?<!^)(?=[A-Z])", "_", family).lower()}:
         path = f"transformers.models.{module}.modeling_{module}"
         try:
@@ -530,13 +532,11 @@ class _Half:
     Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
     own submodules. The module path runs when dropout is active in training or when a
     projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
-    are never bypassed. A token layout (``cond``: padded or packed rows of a Hugging Face model,
-    attention halves only) goes to the fused op (its kernels mask it) where the half says it can
-    (``fuses_layout``), else to the modules.
+    are never bypassed. Halves that take the model's layer inputs as conditioning (a Hugging
+    Face model's attention, EVA's) override ``couple`` / ``__call__``; here ``cond`` is None.
     """
 
-    takes_cond = False  # attention halves of Hugging Face decoders: True (cond = _token_layout's)
-    fuses_layout = False  # _fused takes the token layout (layout=(positions, segments))
+    takes_cond = False  # the attention halves of Hugging Face models and EVA: True (see _pack_host_cond)
 
     def __init__(self, block: nn.Module):
         self.block = block
@@ -561,7 +561,7 @@ class _Half:
     def _fused(self, res, x, sign, frac_bits):
         raise NotImplementedError
 
-    def _modules(self, x, layout=None):  # H(x) through the block's submodules (layout: takes_cond halves)
+    def _modules(self, x):  # H(x) through the block's submodules
         raise NotImplementedError
 
     def _input(self, x, weight):
@@ -569,25 +569,16 @@ class _Half:
         # weight None: a norm without one (OLMo's), the projections then cast as they do.
         return x if weight is None or x.dtype == weight.dtype else x.to(weight.dtype)
 
-    def _on_modules(self, x, cond) -> bool:
-        if cond is not None and not self.fuses_layout:
-            return True
-        return self._use_modules(x)
-
     def couple(self, res, x, sign, frac_bits=None, cond=None):
-        if self._on_modules(x, cond):
-            h = self._modules(x) if cond is None else self._modules(x, cond)
-            return couple_output(res, h, sign, frac_bits)
-        if cond is not None:
-            return self._fused(res, x, sign, frac_bits, layout=cond)
+        if self._use_modules(x):
+            return couple_output(res, self._modules(x), sign, frac_bits)
         return self._fused(res, x, sign, frac_bits)
 
     def __call__(self, x, cond=None):
         """H(x) with plain autograd (used by stored-activation twins)."""
-        if self._on_modules(x, cond):
-            return self._modules(x) if cond is None else self._modules(x, cond)
-        layout = {} if cond is None else {"layout": cond}
-        return self._fused(torch.zeros_like(x), x, +1, None, **layout)[0]
+        if self._use_modules(x):
+            return self._modules(x)
+        return self._fused(torch.zeros_like(x), x, +1, None)[0]
 
 
 _PLAIN_PROJECTIONS = {nn.Linear}  # + transformers' Conv1D, added when GPT-2 is converted
@@ -906,7 +897,6 @@ def _convert_hf_vit(model, conversion):
 
 class _GPT2AttentionHalf(_Half):
     takes_cond = True
-    fuses_layout = True
 
     def _projections(self):
         return self.block.attn.c_attn, self.block.attn.c_proj
@@ -926,14 +916,12 @@ class _GPT2AttentionHalf(_Half):
                                      a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
                                      causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
 
-    def _modules(self, x, layout=None):
+    def _modules(self, x):  # one sequence per row (a half called alone; an empty batch)
         b, a = self.block, self.block.attn
         x = self._input(x, b.ln_1.weight)
         q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
-        segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True,
-                                           rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0,
-                                           segments=segments)
+                                           rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0)
         return a.resid_dropout(a.c_proj(o))
 
 
@@ -1034,7 +1022,6 @@ def _residual_dropout(block, name):
 
 class _LlamaAttentionHalf(_Half):
     takes_cond = True
-    fuses_layout = True
 
     def _projections(self):
         a = self.block.self_attn
@@ -1087,19 +1074,17 @@ class _LlamaAttentionHalf(_Half):
                                      rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm),
                                      **_layout_options(layout))
 
-    def _modules(self, x, layout=None):
+    def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
         x = self._input(x, getattr(b.input_layernorm, "weight", None))
         n = b.input_layernorm(x)
         qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
         q, k, v = self._qkv(n)
         out = _residual_dropout(b, "resid_attn_dropout")
-        positions, segments = (None, None) if layout is None else layout
         o = multi_head_attention_reference(q, k, v, heads=spec["heads"],
                                            kv_heads=spec["kv_heads"], causal=True,
                                            dropout=self._dropouts()[0] if b.training else 0.0,
-                                           positions=positions, segments=segments, window=spec["window"],
-                                           qk_norm=qk_norm, **self._rope())
+                                           window=spec["window"], qk_norm=qk_norm, **self._rope())
         return out(a.o_proj(o))
 
 
@@ -1336,7 +1321,6 @@ class _NeoXAttentionHalf(_Half):
     ([head][q, k, v][head_dim]), rotary on the first ``rotary_ndims`` of each head, biases."""
 
     takes_cond = True
-    fuses_layout = True
 
     def _projections(self):
         return self.block.attention.query_key_value, self.block.attention.dense
@@ -1364,7 +1348,7 @@ class _NeoXAttentionHalf(_Half):
                                      rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps,
                                      **_layout_options(layout))
 
-    def _modules(self, x, layout=None):
+    def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
         x = self._input(x, b.input_layernorm.weight)
         batch, tokens, _ = x.shape
@@ -1374,10 +1358,8 @@ class _NeoXAttentionHalf(_Half):
         rope = dict(rope_theta=spec["rope_theta"], rope_dims=spec["rope_dims"])
         if rotary is not None:
             rope.update(rope_inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling))
-        positions, segments = (None, None) if layout is None else layout
         o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
-                                           dropout=self._dropouts()[0] if b.training else 0.0,
-                                           positions=positions, segments=segments, **rope)
+                                           dropout=self._dropouts()[0] if b.training else 0.0, **rope)
         return b.post_attention_dropout(a.dense(o))
 
 
@@ -1523,7 +1505,8 @@ CHECKPOINTING_MESSAGE = (
 
 class _NoCheckpointing:
     """Hugging Face's gradient_checkpointing_enable() (TrainingArguments(gradient_checkpointing=True))
-    on a revified model: a warning instead of a flag the replaced forward would silently ignore."""
+    on a revified model: a warning instead of a flag that would have the library call the layers one
+    by one (the stack stands in for them)."""
 
     def gradient_checkpointing_enable(self, *args, **kwargs):
         import warnings
@@ -1631,12 +1614,27 @@ class _HostCall:
     steps: object = None
     running: bool = False  # the stack itself runs (its own iteration sees its layers, not stand-ins)
     cache_layers: dict = field(default_factory=dict)  # cache layer index -> its state before this call
+    cache_depth: int | None = None  # how many layers the cache had before this call (it may add some)
+    block_index: dict = field(default_factory=dict)  # id(block) -> its index in the stack
+
+    def index_of(self, block) -> int:
+        if not self.block_index:
+            self.block_index = {id(b): i for i, b in enumerate(_blocks(self.stack))}
+        return self.block_index[id(block)]
 
     def keep_cache_layer(self, cache, index: int):
-        """Before a half updates cache layer ``index``: remember its state the first time, restore it
-        when the half runs again in this call (the stack's overflow report re-runs halves)."""
+        """Before a half updates cache layer ``index``: remember its state the first time, put it back
+        when the half runs again in this call (the stack's overflow report re-runs halves); a layer
+        the cache created in this call starts again from nothing."""
         layers = getattr(cache, "layers", None)
-        if layers is None or index >= len(layers):
+        if layers is None:
+            return
+        if self.cache_depth is None:
+            self.cache_depth = len(layers)
+        if index >= self.cache_depth:
+            if index in self.cache_layers:  # a re-run: the cache appends the layer again
+                del layers[index:]
+            self.cache_layers[index] = None
             return
         state = vars(layers[index])
         if index in self.cache_layers:
@@ -1649,9 +1647,12 @@ class _HostCall:
         """The cache as it was before this call (a failed forward keeps no step; dynamic layers rebind
         their tensors, static ones overwrite their slots in place: the shallow states suffice)."""
         for index, saved in self.cache_layers.items():
-            state = vars(cache.layers[index])
-            state.clear()
-            state.update(saved)
+            if saved is not None:
+                state = vars(cache.layers[index])
+                state.clear()
+                state.update(saved)
+        if self.cache_depth is not None:
+            del cache.layers[self.cache_depth:]
 
 
 _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call", default=None)
@@ -1833,8 +1834,7 @@ class _HostAttention:
         extra = {}
         call = _HOST_CALL.get()
         if not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None:
-            index = next(i for i, block in enumerate(_blocks(call.stack)) if block is self.block)
-            live = call.layer_kwargs[index] or {}
+            live = call.layer_kwargs[call.index_of(self.block)] or {}
             cache = _layer_cache(live)
             if cache is not None:  # decoding: the library's attention appends to its cache
                 extra = {key: value for key, value in live.items()
@@ -1850,12 +1850,14 @@ class _HostAttention:
 
     def _standalone(self, cond) -> bool:
         """Called outside the model's forward (no conditioning): one sequence per row at positions
-        0..T-1, as the family's own half computes it (not RoPE only the model's rotary computes)."""
+        0..T-1, as the family's own half computes it; not what only the library's modules compute
+        (RoPE only the model's rotary embedding computes, other score scalings or softcapping)."""
         if cond is not None:
             return False
-        if self._needs_model_rope():
-            raise RuntimeError("revtriton: this attention half's RoPE (dynamic / longrope scaling or partial "
-                               "rotary) comes from its model's rotary embedding: call the model, not the half")
+        if self._needs_model_rope() or not _attention_spec(self.block).get("fused_attention", True):
+            raise RuntimeError("revtriton: this attention half computes what only its layer's own attention module "
+                               "does (its model's RoPE, score scaling or softcapping): call the model, not the half "
+                               "or the stack alone")
         return True
 
     def _fused_with(self, res, x, sign, frac_bits, host: "_HostCond"):
@@ -1960,6 +1962,8 @@ class _HostDecoderModel(_NoCheckpointing):
         tokens = None
         if self._tokens_input:
             tokens = args[0] if args else kwargs.get("input_ids")
+            if tokens is not None and tokens.dim() > 2:
+                tokens = tokens.view(-1, tokens.shape[-1])  # GPT-2 takes [..., tokens] ids
             tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is not None:
             _check_layer_inputs(name, tokens, kwargs, cache)
@@ -1995,8 +1999,6 @@ class _HostDecoderModel(_NoCheckpointing):
         mask = kwargs.get("attention_mask")
         # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
         fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
-        if tokens is not None and tokens.dim() > 2 and kwargs.get("inputs_embeds") is None:
-            tokens = tokens.view(-1, tokens.shape[-1])  # GPT-2 takes [..., tokens] ids
         layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
         call = _HostCall(getattr(self, self._layers), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)

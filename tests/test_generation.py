@@ -166,7 +166,8 @@ def test_another_model_inside_a_cached_forward_keeps_its_own_cache(seeded, monke
 
 def test_a_failed_cached_forward_leaves_the_cache_as_it_was(seeded):
     """An exact stream that overflows raises; the overflow report re-runs the halves. The cache keeps
-    what it held before the call, not the failed step twice."""
+    what it held before the call, not the failed step twice (also a cache that had no layers yet)."""
+    transformers = pytest.importorskip("transformers")
     model = revify(hf_llama(seeded), frac_bits=28).eval()
     ids = torch.randint(0, 128, (1, 5))
     with torch.no_grad():
@@ -174,7 +175,11 @@ def test_a_failed_cached_forward_leaves_the_cache_as_it_was(seeded):
         assert cache.get_seq_length() == 5
         with pytest.raises(OverflowError):
             model(inputs_embeds=torch.full((1, 3, 64), 300.0), past_key_values=cache)
+        empty = transformers.DynamicCache()  # no config: it creates its layers as they are first updated
+        with pytest.raises(OverflowError):
+            model(inputs_embeds=torch.full((1, 3, 64), 300.0), past_key_values=empty)
     assert cache.get_seq_length() == 5
+    assert empty.get_seq_length() == 0 and not len(empty.layers)
 
 
 def test_bad_caches_and_positions_raise_clearly(seeded):

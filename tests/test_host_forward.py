@@ -8,6 +8,8 @@ reversible stack once, with every layer's inputs as the halves' conditioning. At
 where the kernels compute what the library does, else through the layer's own attention module.
 """
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -146,7 +148,8 @@ def test_decoders_with_llamas_layer_conventions_compute_the_librarys_function(fa
 def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp_path):
     """Granite: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
     revtriton.from_pretrained converts it again (equal logits); the swapped classes pickle, and a
-    fresh process finds them in transformers' module for the family."""
+    fresh process finds them in transformers' module for the family; a half called alone refuses
+    (what it computes differently, Granite's score scaling, only the layer's module does)."""
     import pickle
 
     from revtriton import from_pretrained
@@ -164,8 +167,15 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     model.save_pretrained(tmp_path)
     loaded = from_pretrained(tmp_path).eval()
     with torch.no_grad():
-        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, model(input_ids=ids).logits)
+        expected = model(input_ids=ids).logits
+        assert torch.equal(loaded(input_ids=ids).logits, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
+    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    with pytest.raises(RuntimeError, match="call the model"):  # Granite's score scaling: its own module only
+        model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
     path, name, _ = _convention_class("RevifiedHostGraniteDecoderLayer")
     assert (path, name) == ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer")
     assert _convention_class("RevifiedHostSeedOssModel")[:2] == ("transformers.models.seed_oss.modeling_seed_oss",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from . import backend
 from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import (apply_row_scale, normalize_reference, packed_segments,  # noqa: F401 (re-exported)
-                        repeat_kv_heads, rope_inv_freq, see_self_if_empty, sequence_mask)
+                        repeat_kv_heads, rope_inv_freq, sequence_mask)
 from .streams import ResidualScale, library_couple_output
 
 
@@ -123,29 +123,6 @@ def flash_core_attention(q, k, v, *, heads, kv_heads, causal, rope_theta=None, p
     q, k, v = _heads(q, k, v, heads, kv_heads, None, rope_theta, positions, None, 1.0)
     o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, segments=segments)
     return o.reshape(batch, tokens, heads * o.shape[-1])
-
-
-def decode_attention_reference(q, k, v, *, heads, kv_heads, extend, rope_theta=None, positions=None,
-                               key_valid=None, qk_norm=None, rope_inv_freq=None, rope_scale=1.0, rope_dims=None):
-    """Causal attention of new tokens over a KV cache (inference, no grad needed).
-
-    q [B, T, heads*hd], k and v [B, T, kv_heads*hd] are the new tokens' projections; ``extend(k, v)``
-    appends their keys and values ([B, kv_heads, T, hd], after qk-norm and RoPE) to the cache and
-    returns all of them ([B, kv_heads, past + T, hd]). ``positions`` [B, T]: RoPE positions;
-    ``key_valid`` [B, past + T]: False at padding keys. New token i sees the keys up to past + i."""
-    batch, tokens, _ = q.shape
-    q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims)
-    k, v = extend(k, v)
-    keys = k.shape[-2]
-    past = keys - tokens
-    k, v = repeat_kv_heads(k, heads), repeat_kv_heads(v, heads)
-    query_index = torch.arange(past, keys, device=q.device)[:, None]
-    key_index = torch.arange(keys, device=q.device)[None, :]
-    mask = (key_index <= query_index)[None, None]
-    if key_valid is not None:  # padding keys hidden; a query left with none sees itself (finite rows)
-        mask = see_self_if_empty(mask & key_valid[:, None, None, :].bool())
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return o.transpose(1, 2).reshape(batch, tokens, o.shape[1] * o.shape[-1])
 
 
 def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *, heads, kv_heads=None,
