@@ -200,7 +200,7 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-def test_hf_vit_takes_the_librarys_patch_mask(seeded):
+def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     """HF ViT runs its own forward too: an attention_mask over the patches (the library builds its
     bidirectional mask) reaches its attention modules, so a preserving conversion computes the
     unconverted model's logits; without a mask the fused halves run, with one the library's modules."""
@@ -209,10 +209,18 @@ def test_hf_vit_takes_the_librarys_patch_mask(seeded):
     pixels = torch.randn(2, 3, 32, 32)
     mask = torch.ones(2, 17, dtype=torch.long)
     mask[1, 5:] = 0  # the second image attends to its first 4 patches (and the class token) only
+    import revtriton.convert
+
+    fused_calls = []
+    real = revtriton.convert.norm_attention_couple
+    monkeypatch.setattr(revtriton.convert, "norm_attention_couple",
+                        lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     with torch.no_grad():
         theirs = original(pixel_values=pixels, attention_mask=mask).logits
         ours = model(pixel_values=pixels, attention_mask=mask).logits
+        assert not fused_calls  # the mask: the library's attention modules
         unmasked = model(pixel_values=pixels).logits
+        assert len(fused_calls) == DEPTH  # no mask: the fused attention half in every block
         torch.testing.assert_close(unmasked, original(pixel_values=pixels).logits, rtol=0, atol=2e-3)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
     assert (ours[1] - unmasked[1]).abs().max() > 1e-2 and torch.allclose(ours[0], unmasked[0], atol=1e-5)
