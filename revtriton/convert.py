@@ -992,18 +992,10 @@ def _is_plain_rms_norm(norm) -> bool | None:
     return torch.allclose(got, expected, rtol=1e-2, atol=1e-3)  # bf16 weights round
 
 
-# What an attention spec of a block converted before a key existed means (pickled models).
-_SPEC_DEFAULTS = dict(window=None, qk_norm=False, fused_heads=True, fused_norm=True, fused_mlp=True, rope_module=None,
-                      library_rope=False, fused_attention=True)
-
-
 def _layer_spec(block) -> dict:
-    """The block's conversion spec (``_convert_llama``), completed for models pickled before a key
-    existed; ``fused_norm`` left undecided at conversion (weights on the meta device) is probed now."""
+    """The block's conversion spec (``_convert_llama``); ``fused_norm`` left undecided at conversion
+    (weights on the meta device) is probed now."""
     spec = block._revtriton_attention
-    if any(key not in spec for key in _SPEC_DEFAULTS):
-        spec.update({key: value for key, value in _SPEC_DEFAULTS.items() if key not in spec},
-                    head_dim=spec.get("head_dim", getattr(block.self_attn, "head_dim", None)))
     if spec["fused_norm"] is None:
         spec["fused_norm"] = _layer_norms_are_plain(block)
     return spec
@@ -1229,7 +1221,7 @@ def _llama_convention_base(model: nn.Module):
     with exactly self_attn, mlp, input_layernorm and post_attention_layernorm; a rotary embedding),
     whatever its class, or None when it does not look like one. Raises NotImplementedError naming
     what differs for one that nearly does (other parts in its layers: Gemma 2's sandwich norms; a
-    forward that does not run its layers as one slice; transformers 4)."""
+    forward that does not run its layers as one slice)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers)
@@ -1244,9 +1236,6 @@ def _llama_convention_base(model: nn.Module):
         raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides LLaMA's pre-norm "
                                   f"layer parts ({', '.join(_LLAMA_LAYER_PARTS)}): not supported")
     name = type(base).__name__
-    if not _hosts_its_layer_loop():
-        raise NotImplementedError(f"revify: {name} is not a known family; decoders are admitted by their layer "
-                                  f"conventions with transformers 5 only")
     try:
         source = inspect.getsource(type(base).forward)
     except (OSError, TypeError):
@@ -1601,7 +1590,7 @@ def _selected_states(states, last, wanted, tie_last) -> tuple:
 
 @dataclass(eq=False)
 class _HostCall:
-    """One call of a revified decoder's own forward, as its layers' stand-ins share it."""
+    """One call of a revified model's own forward, as its layers' stand-ins share it."""
 
     stack: nn.Module
     layout: tuple | None  # (positions, segments) for the fused kernels; None: one sequence per row
@@ -1967,8 +1956,9 @@ class _HostDecoderModel(_NoCheckpointing):
             tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is not None:
             _check_layer_inputs(name, tokens, kwargs, cache)
+        filled = cache is not None and bool(cache.get_seq_length())
         if torch.is_grad_enabled() and self._tokens_input:
-            if cache is not None and callable(getattr(cache, "get_seq_length", None)) and cache.get_seq_length():
+            if filled:
                 raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
                                           f"torch.no_grad() / torch.inference_mode()")
             if kwargs.get("use_cache") is True and not _warned_grad_cache:
@@ -1980,7 +1970,6 @@ class _HostDecoderModel(_NoCheckpointing):
             kwargs.pop(cache_key, None)
             kwargs["use_cache"] = False
         position_ids = kwargs.get("position_ids")
-        filled = cache is not None and bool(cache.get_seq_length())
         if (not filled and kwargs.get("attention_mask") is None and position_ids is not None and position_ids.dim() == 2
                 and bool((packed_segments(position_ids)[:, -1] != 1).any())):
             # Packed rows (DataCollatorWithFlattening): the library separates them only without a cache.
@@ -2041,8 +2030,10 @@ def _check_layer_inputs(name, tokens, kwargs, cache):
 
 
 def _require_hosted_layer_loop(name: str):
-    if not _hosts_its_layer_loop():
-        version = importlib.import_module("transformers").__version__
+    """transformers 5: its models call their layers as :class:`_HostDecoderModel` needs (keyword
+    inputs incl. position_embeddings, one tensor out)."""
+    version = importlib.import_module("transformers").__version__
+    if int(version.split(".")[0]) < 5:
         raise NotImplementedError(f"revify: {name} needs transformers >= 5 (its decoders' own forward calls each "
                                   f"layer with keyword inputs, where revtriton stands in for them); found {version}")
 
@@ -2053,13 +2044,6 @@ def _host_the_layer_loop(model, base, layers: str, model_mixin: type):
     getattr(base, layers).layers_view = _host_layer_calls
     _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
     _set_up_generation(model)
-
-
-def _hosts_its_layer_loop() -> bool:
-    """Whether the installed transformers calls decoder layers as :class:`_HostDecoderModel` needs
-    (keyword inputs incl. position_embeddings, one tensor out: transformers 5)."""
-    version = importlib.import_module("transformers").__version__
-    return int(version.split(".")[0]) >= 5
 
 
 _FAMILIES = {
