@@ -1,11 +1,14 @@
 """``revify(model)``: turn the transformer blocks of an existing timm or Hugging Face model into
 one reversible stack, in place, reusing each block's weights.
 
-Supported: timm ``VisionTransformer`` (standard ``Block``), Hugging Face ``GPT2LMHeadModel`` /
-``GPT2Model``, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that share LLaMA's layer
-conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; any
+Supported: timm ``VisionTransformer`` (standard ``Block``) and ``Eva``, Hugging Face ``GPT2LMHeadModel`` /
+``GPT2Model``, ``GPTNeoX...``, ViT, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that
+share LLaMA's layer conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; any
 decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
-on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...).
+on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...). Also found by their layer
+conventions and probed the same way: decoders with GPT-2's layers (GPTBigCode), with GPT-J's
+parallel layers (GPT-J, CodeGen), and pre-norm encoders with BERT's layer parts
+(RoBERTa-PreLayerNorm, XLM-RoBERTa-XL).
 
 How it works:
 
@@ -36,6 +39,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -56,7 +60,10 @@ SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
              "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
              "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)",
-             "transformers ViTForImageClassification / ViTModel")
+             "transformers ViTForImageClassification / ViTModel",
+             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode) or GPT-J's (ln_1, attn, mlp in "
+             "parallel: GPT-J, CodeGen)",
+             "pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL: any head)")
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
@@ -112,6 +119,18 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
             return model
     if _llama_convention_base(target) is not None:  # another decoder with LLaMA's layers (Granite, OLMo, ...)
         _convert_llama(target, conversion, probe=True)
+        _record_conversion(target, recorded)
+        return model
+    if _parallel_convention_base(target) is not None:  # GPT-J's layers (GPT-J, CodeGen)
+        _convert_parallel(target, conversion)
+        _record_conversion(target, recorded)
+        return model
+    if _gpt2_convention_base(target) is not None:  # another decoder with GPT-2's layers (GPTBigCode)
+        _convert_gpt2(target, conversion, probe=True)
+        _record_conversion(target, recorded)
+        return model
+    if _prenorm_encoder_base(target) is not None:  # BERT's layer parts, pre-norm (RoBERTa-PreLayerNorm, ...)
+        _convert_prenorm_encoder(target, conversion)
         _record_conversion(target, recorded)
         return model
     cls = type(target)
@@ -267,17 +286,18 @@ class _OrdinaryBlock:
         return _WholeLayer(attention, mlp, parallel=_parallel_residual(self))(x, cond)
 
 
-def _host_block_mixins(halves: tuple) -> tuple:
-    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names)."""
-    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix="RevifiedHost"))
-    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,),
-                    dict(_half_classes=halves, _class_prefix="RevifiedHostOrdinary"))
+def _host_block_mixins(halves: tuple, prefix: str = "RevifiedHost") -> tuple:
+    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names,
+    ``<prefix><layer class>`` and ``<prefix>Ordinary<layer class>``)."""
+    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix=prefix))
+    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,), dict(_half_classes=halves,
+                                                                   _class_prefix=f"{prefix}Ordinary"))
     return reversible, ordinary
 
 
 def _parallel_residual(block) -> bool:
-    """GPT-NeoX's parallel residual, ``x + A(x) + M(x)`` (the attribute of its layers)."""
-    return bool(getattr(block, "use_parallel_residual", False))
+    """A parallel residual, ``x + A(x) + M(x)``: GPT-NeoX's (an attribute of its layers), GPT-J's."""
+    return bool(getattr(block, "use_parallel_residual", False) or _attention_spec(block).get("parallel"))
 
 
 # -- function-preserving conversion (MEFT) ------------------------------------------------------
@@ -479,24 +499,40 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
 
 
 def _convention_class(name: str):
-    """``_BLOCK_BASES``' entry of a swapped class of a decoder admitted by its layer conventions
-    (``RevifiedHost<Family>DecoderLayer`` / ``RevifiedHost<Family>Model`` / ``Revified<Family>ForCausalLM``),
-    from transformers' module for the family (``transformers.models.<family, snake case>``), or None."""
-    match = re.fullmatch(r"Revified(Host)?(Ordinary)?((\w+?)(DecoderLayer|Model|ForCausalLM))", name)
-    if match is None or (match.group(1) is None) != (match.group(5) == "ForCausalLM"):
+    """``_BLOCK_BASES``' entry of a swapped class of a model admitted by its layer conventions, or None:
+    a decoder with LLaMA's layers (``RevifiedHost[Ordinary]<Family>DecoderLayer``,
+    ``RevifiedHost<Family>Model``, ``Revified<Family>ForCausalLM``), one with GPT-2's
+    (``RevifiedHostGPT2Style[Ordinary]<Family>Block``, ``RevifiedHostGPT2Style<Family>Model``) or
+    GPT-J's (``RevifiedHostParallel...``), or a pre-norm BERT-style encoder
+    (``RevifiedHostEncoder[Ordinary]<Family>Layer``, ``RevifiedHostEncoder<Family>Model``,
+    ``Revified<Family>For<Head>``), its class found in the module of transformers' ``<Family>Model``."""
+    match = re.fullmatch(r"Revified(HostEncoder|HostGPT2Style|HostParallel|Host)?(Ordinary)?"
+                         r"((\w+?)(DecoderLayer|Layer|Block|Model|For[A-Z]\w*))", name)
+    if match is None:
         return None
-    _, ordinary, class_name, family, kind = match.groups()
-    mixins = {"Model": _HostDecoderModel, "ForCausalLM": _RevifiedLM,
-              "DecoderLayer": _HostLlamaOrdinaryBlock if ordinary else _HostLlamaBlock}
-    mixin = mixins[kind]
-    for module in {family.lower(), re.sub(r"(?<!^)(?=[A-Z])", "_", family).lower()}:
-        path = f"transformers.models.{module}.modeling_{module}"
-        try:
-            if hasattr(importlib.import_module(path), class_name):
-                return path, class_name, mixin
-        except ImportError:
-            continue
-    return None
+    host, ordinary, class_name, family, kind = match.groups()
+    mixins = {(None, None, "For"): _RevifiedLM,
+              ("Host", None, "DecoderLayer"): _HostLlamaBlock,
+              ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
+              ("Host", None, "Model"): _HostDecoderModel,
+              ("HostEncoder", None, "Layer"): _HostEncoderBlock,
+              ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
+              ("HostEncoder", None, "Model"): _HostEncoderModel,
+              ("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
+              ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
+              ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel,
+              ("HostParallel", None, "Block"): _HostParallelBlock,
+              ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
+              ("HostParallel", None, "Model"): _HostParallelModel}
+    mixin = mixins.get((host, ordinary, "For" if kind.startswith("For") else kind))
+    if mixin is None:
+        return None
+    try:
+        transformers = importlib.import_module("transformers")
+        module = importlib.import_module(getattr(transformers, f"{family}Model").__module__)
+    except (ImportError, AttributeError):
+        return None
+    return (module.__name__, class_name, mixin) if hasattr(module, class_name) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,7 +625,9 @@ def _layout_options(layout) -> dict:
     return {} if layout is None else dict(positions=layout[0], segments=layout[1])
 
 
-def _p(dropout) -> float:
+def _p(dropout) -> float:  # an nn.Dropout, a probability (GPTBigCode's attention keeps a float), or None
+    if isinstance(dropout, (int, float)):
+        return float(dropout)
     return float(getattr(dropout, "p", 0.0) or 0.0)
 
 
@@ -925,12 +963,17 @@ class _GPT2AttentionHalf(_Half):
         return a.resid_dropout(a.c_proj(o))
 
 
+def _out_in(projection) -> torch.Tensor:
+    """A projection's weight as nn.Linear keeps it, [out, in] (transformers' Conv1D keeps [in, out])."""
+    return projection.weight if isinstance(projection, nn.Linear) else projection.weight.t()
+
+
 class _GPT2MlpHalf(_Half):
     def _projections(self):
         return self.block.mlp.c_fc, self.block.mlp.c_proj
 
-    def _beyond_fused(self, x):  # an activation the fused kernels do not have (the library's forward)
-        return self.block._revtriton_activation is None
+    def _beyond_fused(self, x):  # an activation the fused kernels do not have, other projections
+        return not self.block._revtriton_attention["fused_mlp"]
 
     def _dropouts(self):
         return (_p(self.block.mlp.dropout),)
@@ -938,8 +981,9 @@ class _GPT2MlpHalf(_Half):
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         x = self._input(x, b.ln_2.weight)
-        return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, m.c_fc.weight.t(), m.c_fc.bias,
-                               m.c_proj.weight.t(), m.c_proj.bias, norm="layer", activation=b._revtriton_activation,
+        return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
+                               _out_in(m.c_proj), m.c_proj.bias, norm="layer",
+                               activation=b._revtriton_attention["activation"],
                                eps=b.ln_2.eps)
 
     def _modules(self, x):
@@ -947,25 +991,94 @@ class _GPT2MlpHalf(_Half):
         return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
 
 
-def _convert_gpt2(model, conversion):
+def _convert_gpt2(model, conversion, probe=False):
+    """GPT-2 and the decoders that share its layer conventions (``h`` of blocks with ln_1, attn, ln_2,
+    mlp: GPTBigCode). The fused kernels run GPT-2's own projections (transformers' Conv1D, q/k/v
+    side by side) with head_dim ** -0.5 scores and a GELU / ReLU MLP; anything else runs the layer's
+    own modules. ``probe``: a decoder admitted by its conventions (:func:`_gpt2_convention_base`),
+    each layer checked against its own forward (:func:`_probe_layers`)."""
     from transformers.pytorch_utils import Conv1D
 
     _PLAIN_PROJECTIONS.add(Conv1D)
     base = model.transformer if hasattr(model, "transformer") else model
-    config = base.config
-    _require_hosted_layer_loop(type(model).__name__)
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
     if getattr(config, "add_cross_attention", False):
-        raise NotImplementedError(f"revify: {type(model).__name__} with add_cross_attention=True is not supported")
+        raise NotImplementedError(f"revify: {name} with add_cross_attention=True is not supported")
+    if not len(base.h):
+        raise ValueError(f"revify: {name} has no decoder layers")
     # What the fused kernels lack runs on the library's own modules: another activation, other scores' scaling.
     plain_scaling = getattr(config, "scale_attn_weights", True) and not getattr(
         config, "scale_attn_by_inverse_layer_idx", False)
+    activation = _HF_ACTIVATIONS.get(getattr(config, "activation_function", None))
+    hidden = config.hidden_size
     for block in base.h:
-        block._revtriton_activation = _HF_ACTIVATIONS.get(config.activation_function)
-        block._revtriton_attention = dict(fused_attention=plain_scaling)
-    path = "transformers.models.gpt2.modeling_gpt2"
-    _convert_blocks(base, "h", config.hidden_size, conversion, (_HostGPT2Block, _HostGPT2OrdinaryBlock),
-                    (path, "GPT2Block"))
-    _host_the_layer_loop(model, base, "h", _HostGPT2Model)
+        a, m = block.attn, block.mlp
+        gpt2_attention = (all(isinstance(getattr(a, part, None), Conv1D) for part in ("c_attn", "c_proj"))
+                          and tuple(a.c_attn.weight.shape) == (hidden, 3 * hidden))
+        gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
+        block._revtriton_attention = dict(fused_attention=plain_scaling and gpt2_attention,
+                                          fused_mlp=gpt2_mlp and activation is not None, activation=activation)
+    if probe:
+        try:
+            _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs,
+                          "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
+        except BaseException:
+            for block in base.h:
+                del block._revtriton_attention
+            raise
+    mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
+    if not probe:
+        mixins, model_mixin = (_HostGPT2Block, _HostGPT2OrdinaryBlock), _HostGPT2Model
+    layer_class = type(base.h[0])
+    _convert_blocks(base, "h", hidden, conversion, mixins, (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "h", model_mixin)
+
+
+_GPT2_LAYER_PARTS = ("ln_1", "attn", "ln_2", "mlp")
+
+
+def _gpt2_convention_base(model: nn.Module):
+    """The base model of a Hugging Face decoder whose layers look like GPT-2's (``h`` of blocks with
+    exactly ln_1, attn, ln_2 and mlp), whatever its class, or None. Raises NotImplementedError naming
+    what differs for one that nearly does (other parts; a layer loop that does not take each layer's
+    output as the next hidden states, GPT-Neo's ``outputs[0]``)."""
+    base = getattr(model, "transformer", model)
+    layers = getattr(base, "h", None)
+    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    layer = layers[0]
+    parts = {name for name, _ in layer.named_children()}
+    if not set(_GPT2_LAYER_PARTS) <= parts:
+        return None
+    extra = sorted(parts - set(_GPT2_LAYER_PARTS))
+    if extra:
+        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides GPT-2's pre-norm "
+                                  f"layer parts ({', '.join(_GPT2_LAYER_PARTS)}): not supported")
+    _check_block_loop(base)
+    return base
+
+
+def _check_block_loop(base):
+    """The base model's loop over ``h`` must take each block's output as the next hidden states (a
+    stand-in returns them; GPT-Neo's and ImageGPT's loops read ``outputs[0]``)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "hidden_states = block(" not in source:
+        raise NotImplementedError(f"revify: {type(base).__name__}.forward does not take each layer's output as the "
+                                  f"next hidden states (hidden_states = block(...)), where a reversible stack stands "
+                                  f"in for its layers: not supported")
+
+
+def _causal_layer_inputs(x):
+    """:func:`_probe_layers`' inputs of a decoder without RoPE: an additive causal mask (sdpa and eager
+    attention alike)."""
+    batch, tokens = x.shape[:2]
+    mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
+    mask = mask.expand(batch, 1, tokens, tokens)
+    return dict(attention_mask=mask), _pack_host_cond(None, None, None, (mask, mask), True, x)
 
 
 # -- Hugging Face LLaMA ----------------------------------------------------------------------
@@ -1201,7 +1314,8 @@ def _convert_llama(model, conversion, probe=False):
         block._revtriton_attention = dict(spec, window=window)
     if probe:
         try:
-            _probe_layers(base, name)
+            _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _llama_layer_inputs(base),
+                          "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
         except BaseException:
             for block in base.layers:
                 del block._revtriton_attention
@@ -1250,12 +1364,15 @@ def _relative_error(ours, theirs) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
 
 
-def _probe_layers(base: nn.Module, name: str):
-    """Each layer's own forward against ``x + F(x) + G(x + F(x))`` from its halves on the layer's own
-    modules, then each fused branch against that branch (a branch that differs keeps the modules), on
-    random inputs in eval mode without grad, errors relative to the update (not to x, which dominates
-    at small weights): a decoder admitted by its layer conventions must compute what its halves do.
-    Features that depend on the values (clipping) may escape it."""
+def _probe_layers(base: nn.Module, name: str, layers, halves: tuple, layer_inputs, layer_kind: str,
+                  parallel: bool = False):
+    """Each layer's own forward against ``x + F(x) + G(x + F(x))`` from its halves (``halves``: the
+    attention and MLP half classes) on the layer's own modules, then each fused branch against that
+    branch (a branch that differs keeps the modules), on random inputs in eval mode without grad,
+    errors relative to the update (not to x, which dominates at small weights): a model admitted by
+    its layer conventions must compute what its halves do (``x + F(x) + G(x)`` when ``parallel``).
+    ``layer_inputs(x)`` gives the layer's keyword inputs and the halves' conditioning. Features that
+    depend on the values (clipping) may escape it."""
     weight = next(p for p in base.parameters() if p.is_floating_point())
     if weight.device.type == "meta" or "DTensor" in (type(weight).__name__, type(weight.data).__name__):
         import warnings
@@ -1265,41 +1382,50 @@ def _probe_layers(base: nn.Module, name: str):
         return
     tokens, device, dtype = 6, weight.device, weight.dtype
     x = torch.randn(2, tokens, base.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    positions = torch.arange(tokens, device=device).expand(2, tokens)
-    mask = torch.full((tokens, tokens), torch.finfo(dtype).min, device=device, dtype=dtype).triu(1)
-    mask = mask.expand(2, 1, tokens, tokens)  # additive: sdpa and eager attention alike
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
     training = base.training
     base.eval()
     try:
         with torch.no_grad():
-            rotary = base.rotary_emb(x, positions)
-            cond = _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
-            for i, block in enumerate(base.layers):
-                out = type(block).forward(block, x, attention_mask=mask, position_ids=positions,
-                                          position_embeddings=rotary)
+            kwargs, cond = layer_inputs(x)
+            for i, block in enumerate(layers):
+                out = type(block).forward(block, x, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
                 spec = block._revtriton_attention
                 fused = dict(fused_attention=spec["fused_attention"], fused_mlp=spec["fused_mlp"])
                 spec.update(fused_attention=False, fused_mlp=False)  # the layer's own modules first
-                attention, mlp = _HostLlamaAttentionHalf(block), _LlamaMlpHalf(block)
+                attention, mlp = (half(block) for half in halves)
                 a = attention(x, cond)
-                m = mlp(x + a)
+                m = mlp(x if parallel else x + a)
                 error = _relative_error(x + a + m - x, out - x)  # against the layer's update, not x + update
                 if not error <= tolerance:
                     raise NotImplementedError(
-                        f"revify: {name} layer {i} ({type(block).__name__}) does not compute LLaMA's pre-norm layer "
-                        f"x + attention(norm(x)), then + mlp(norm(h)) (relative difference {error:.1e} on a "
-                        f"probe): not supported")
+                        f"revify: {name} layer {i} ({type(block).__name__}) does not compute {layer_kind} "
+                        f"(relative difference {error:.1e} on a probe): not supported")
                 # The fused kernels where they compute the same branch (not SmolLM3's layers without RoPE,
                 # Helium's interleaved rotary, ...); else that branch keeps the layer's own modules.
                 spec.update(fused)
                 if spec["fused_attention"] and not _relative_error(attention(x, cond), a) <= tolerance:
                     spec["fused_attention"] = False
-                if spec["fused_mlp"] and not _relative_error(mlp(x + a), m) <= tolerance:
+                if spec["fused_mlp"] and not _relative_error(mlp(x if parallel else x + a), m) <= tolerance:
                     spec["fused_mlp"] = False
     finally:
         base.train(training)
+
+
+def _llama_layer_inputs(base):
+    """:func:`_probe_layers`' inputs of a decoder with LLaMA's layers: a causal mask, positions 0..T-1
+    and the model's rotary embedding of them."""
+    def inputs(x):
+        batch, tokens = x.shape[:2]
+        positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
+        mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
+        mask = mask.expand(batch, 1, tokens, tokens)  # additive: sdpa and eager attention alike
+        rotary = base.rotary_emb(x, positions)
+        cond = _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
+        return dict(attention_mask=mask, position_ids=positions, position_embeddings=rotary), cond
+
+    return inputs
 
 
 # -- Hugging Face GPT-NeoX -------------------------------------------------------------------
@@ -1407,6 +1533,233 @@ def _convert_neox(model, conversion):
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
     _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
+
+
+# -- Hugging Face decoders with GPT-J's layers (one norm, attention and MLP in parallel) -----------
+#
+# GPT-J and CodeGen: ``h`` of blocks with exactly ln_1, attn and mlp computing
+# ``x + attn(ln_1(x)) + mlp(ln_1(x))`` (GPT-NeoX's parallel residual with one norm shared by both
+# branches), interleaved rotary from the model's rotary embedding. Both branches run the layer's own
+# modules (the fused kernels rotate halves, not interleaved pairs, and norm per branch); the
+# attention half is ``_ParallelAttentionHalf`` (with the other halves that take the model's inputs).
+
+
+class _ParallelMlpHalf(_Half):
+    def _beyond_fused(self, x):
+        return True
+
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.ln_1(self._input(x, b.ln_1.weight)))
+
+
+_PARALLEL_LAYER_PARTS = ("ln_1", "attn", "mlp")
+
+
+def _parallel_convention_base(model: nn.Module):
+    """The base model of a Hugging Face decoder whose layers look like GPT-J's (``h`` of blocks with
+    exactly ln_1, attn and mlp), whatever its class, or None."""
+    base = getattr(model, "transformer", model)
+    layers = getattr(base, "h", None)
+    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    if {name for name, _ in layers[0].named_children()} != set(_PARALLEL_LAYER_PARTS):
+        return None
+    _check_block_loop(base)
+    return base
+
+
+def _convert_parallel(model, conversion):
+    """GPT-J / CodeGen (:func:`_parallel_convention_base`): each layer probed against its own forward;
+    a plain conversion couples attention (F) and MLP (G), a preserving one keeps the layer whole
+    (meft1 / meft2); meft3 splits a layer into sublayers, which a parallel residual does not compose."""
+    base = _parallel_convention_base(model)
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
+    if conversion.preserve == "meft3":
+        raise NotImplementedError(f"revify: {name}'s layers add attention and MLP in parallel: preserve='meft3' "
+                                  f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
+    for block in base.h:
+        block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False)
+
+    def layer_inputs(x):
+        kwargs, cond = _causal_layer_inputs(x)
+        batch, tokens = x.shape[:2]
+        positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
+        rotary = base.rotary_emb(x, position_ids=positions) if getattr(base, "rotary_emb", None) is not None else None
+        mask = kwargs["attention_mask"]
+        kwargs.update(position_ids=positions, **({} if rotary is None else {"position_embeddings": rotary}))
+        return kwargs, _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
+
+    try:
+        _probe_layers(base, name, base.h, (_ParallelAttentionHalf, _ParallelMlpHalf), layer_inputs,
+                      "GPT-J's parallel layer x + attn(ln_1(x)) + mlp(ln_1(x))", parallel=True)
+    except BaseException:
+        for block in base.h:
+            del block._revtriton_attention
+        raise
+    layer_class = type(base.h[0])
+    _convert_blocks(base, "h", config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "h", _HostParallelModel)
+
+
+# -- Hugging Face pre-norm encoders (BERT's layer parts, a LayerNorm before each branch) -----------
+#
+# RoBERTa-PreLayerNorm and XLM-RoBERTa-XL keep BERT's layer parts (``attention.self`` with query /
+# key / value, ``attention.output.dense``, ``intermediate.dense`` + activation, ``output.dense``, each
+# output adding the residual) and put a LayerNorm before each branch instead of after the residual
+# add: ``attention.LayerNorm`` (or ``attention.self_attn_layer_norm``) before attention,
+# ``intermediate.LayerNorm`` (or the layer's ``LayerNorm``) before the MLP. Admitted by those parts,
+# whatever the class, and checked on a probe against each layer's own forward. Positions are
+# absolute (added with the embeddings); masks are bidirectional.
+
+
+def _attention_norm(layer):
+    """The LayerNorm before a BERT-style layer's attention branch, or None (BERT itself: post-norm)."""
+    attention = layer.attention
+    for name in ("LayerNorm", "self_attn_layer_norm"):
+        norm = getattr(attention, name, None)
+        if isinstance(norm, nn.LayerNorm):
+            return norm
+    return None
+
+
+def _mlp_norm(layer) -> tuple:
+    """(the LayerNorm before a BERT-style layer's MLP branch or None, whether ``intermediate`` applies it)."""
+    inner = getattr(layer.intermediate, "LayerNorm", None)
+    if isinstance(inner, nn.LayerNorm):
+        return inner, True
+    outer = getattr(layer, "LayerNorm", None)
+    return (outer, False) if isinstance(outer, nn.LayerNorm) else (None, False)
+
+
+class _EncoderAttentionHalf(_Half):
+    takes_cond = True
+
+    def _projections(self):
+        a = self.block.attention
+        return a.self.query, a.self.key, a.self.value, a.output.dense
+
+    def _dropouts(self):
+        a = self.block.attention
+        return _p(getattr(a.self, "dropout", None)), _p(getattr(a.output, "dropout", None))
+
+    def _beyond_fused(self, x):
+        return not self.block._revtriton_attention["fused_attention"]
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        a, norm = self.block.attention, _attention_norm(self.block)
+        s = a.self
+        x = self._input(x, norm.weight)
+        w_qkv = torch.cat([s.query.weight, s.key.weight, s.value.weight])
+        b_qkv = None if s.query.bias is None else torch.cat([s.query.bias, s.key.bias, s.value.bias])
+        segments = None if layout is None else layout[1]  # absolute positions entered with the embeddings
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv,
+                                     a.output.dense.weight, a.output.dense.bias, heads=s.num_attention_heads,
+                                     causal=False, norm="layer", eps=norm.eps, segments=segments)
+
+    def _branch(self, x, mask=None, extra=None):
+        """The layer's own modules: dropout(dense(self-attention(norm(x), mask))), without the residual."""
+        a, norm = self.block.attention, _attention_norm(self.block)
+        x = self._input(x, norm.weight)
+        h = _first(a.self(norm(x), attention_mask=mask, **(extra or {})))
+        return _residual_dropout(a.output, "dropout")(a.output.dense(h))
+
+    def _modules(self, x):  # a half called alone: every row one sequence, no mask
+        return self._branch(x)
+
+
+class _EncoderMlpHalf(_Half):
+    def _projections(self):
+        return self.block.intermediate.dense, self.block.output.dense
+
+    def _dropouts(self):
+        return (_p(getattr(self.block.output, "dropout", None)),)
+
+    def _beyond_fused(self, x):
+        return not self.block._revtriton_attention["fused_mlp"]
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, (norm, _) = self.block, _mlp_norm(self.block)
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, b.intermediate.dense.weight,
+                               b.intermediate.dense.bias, b.output.dense.weight, b.output.dense.bias, norm="layer",
+                               activation=b._revtriton_attention["activation"], eps=norm.eps)
+
+    def _modules(self, x):
+        b, (norm, inside) = self.block, _mlp_norm(self.block)
+        x = self._input(x, norm.weight)
+        h = b.intermediate(x if inside else norm(x))  # RoBERTa-PreLayerNorm's intermediate norms itself
+        return _residual_dropout(b.output, "dropout")(b.output.dense(h))
+
+
+def _prenorm_encoder_base(model: nn.Module):
+    """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm before
+    each branch (``encoder.layer``; see the section's comment), whatever its class, or None."""
+    base = getattr(model, "base_model", model)
+    if not type(base).__module__.startswith("transformers"):
+        return None
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    layer = layers[0]
+    attention = getattr(layer, "attention", None)
+    parts = (getattr(attention, "self", None), getattr(attention, "output", None),
+             getattr(layer, "intermediate", None), getattr(layer, "output", None))
+    if any(part is None for part in parts) or _attention_norm(layer) is None or _mlp_norm(layer)[0] is None:
+        return None
+    return base
+
+
+def _convert_prenorm_encoder(model, conversion):
+    """A pre-norm BERT-style encoder (:func:`_prenorm_encoder_base`): each layer is probed against its
+    own forward (NotImplementedError, model unchanged, where it differs); the fused kernels run the
+    branches they compute (LayerNorm, q/k/v with head_dim ** -0.5 scores, a GELU / ReLU MLP), the
+    layer's own modules the rest."""
+    base = _prenorm_encoder_base(model)
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
+                                  f"cache, or cross-attention) is not supported; the encoder is")
+    position_type = getattr(config, "position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise NotImplementedError(f"revify: {name} with position_embedding_type={position_type!r} is not supported "
+                                  f"(absolute positions, added with the embeddings, are)")
+    encoder = base.encoder
+    try:
+        source = inspect.getsource(type(encoder).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "self.layer" not in source:
+        raise NotImplementedError(f"revify: {type(encoder).__name__}.forward does not loop over self.layer, where a "
+                                  f"reversible stack stands in for its layers: not supported")
+    layers = encoder.layer
+    s = layers[0].attention.self
+    heads, head_dim = s.num_attention_heads, s.attention_head_size
+    biases = [p.bias is not None for p in (s.query, s.key, s.value)]
+    activation = _HF_ACTIVATIONS.get(getattr(config, "hidden_act", None))
+    spec = dict(heads=heads, head_dim=head_dim, activation=activation, fused_mlp=activation is not None,
+                fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
+                                 and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
+    for block in layers:
+        block._revtriton_attention = dict(spec)
+    try:
+        no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
+        _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
+                      "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
+    except BaseException:
+        for block in layers:
+            del block._revtriton_attention
+        raise
+    layer_class = type(layers[0])
+    _convert_blocks(encoder, "layer", config.hidden_size, conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    encoder.layer.layers_view = _host_layer_calls
+    _swap_class(base, _HostEncoderModel, type(base).__module__, type(base).__name__)
+    if model is not base:  # the heads (masked LM, classifiers): gradient-checkpointing requests warn there too
+        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
 
 
 # -- block by block ------------------------------------------------------------------------------
@@ -1908,6 +2261,17 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
         return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), **extra))
 
 
+class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
+    def _attention_module(self):
+        return self.block.attention.self
+
+    def _standalone(self, cond) -> bool:  # alone, the layer's own modules compute it (no mask, no RoPE)
+        return cond is None
+
+    def _library_call(self, x, host, extra):
+        return self._branch(x, host.mask_for(self.block), extra)
+
+
 class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
     takes_cond = True  # the library's mask (an attention_mask given to ViTModel), no token layout
 
@@ -1920,10 +2284,37 @@ class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
         return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
 
 
+class _ParallelAttentionHalf(_HostAttention, _Half):
+    takes_cond = True
+
+    def _beyond_fused(self, x):
+        return True
+
+    def _attention_module(self):
+        return self.block.attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.ln_1.weight)
+        rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
+        return _first(b.attn(hidden_states=b.ln_1(x), attention_mask=host.mask_for(b), position_ids=host.position_ids,
+                             **rotary, **extra))
+
+    def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
+        return torch.zeros_like(x)
+
+
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
+_HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_ParallelAttentionHalf, _ParallelMlpHalf),
+                                                                    "RevifiedHostParallel")
+# Decoders admitted by GPT-2's layer conventions (GPTBigCode): their own names, found again on unpickling.
+_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf),
+                                                                      "RevifiedHostGPT2Style")
 _HostViTBlock, _HostViTOrdinaryBlock = _host_block_mixins((_HostViTAttentionHalf, _HFViTMlpHalf))
+_HostEncoderBlock, _HostEncoderOrdinaryBlock = _host_block_mixins((_HostEncoderAttentionHalf, _EncoderMlpHalf),
+                                                                  "RevifiedHostEncoder")
 
 
 class _HostDecoderModel(_NoCheckpointing):
@@ -1933,9 +2324,10 @@ class _HostDecoderModel(_NoCheckpointing):
     block's readout."""
 
     _class_prefix = "RevifiedHost"
-    _layers = "layers"  # the attribute of its layer list (the stack)
+    _layers = "layers"  # the attribute (path) of its layer list (the stack)
     _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
-    _tokens_input = True  # input_ids / inputs_embeds, padding masks and KV caches (not an image encoder)
+    _tokens_input = True  # input_ids / inputs_embeds and padding masks (not an image encoder)
+    _caches = True  # a KV cache while decoding (a decoder)
     _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
 
     def forward(self, *args, **kwargs):
@@ -1957,7 +2349,7 @@ class _HostDecoderModel(_NoCheckpointing):
         if tokens is not None:
             _check_layer_inputs(name, tokens, kwargs, cache)
         filled = cache is not None and bool(cache.get_seq_length())
-        if torch.is_grad_enabled() and self._tokens_input:
+        if torch.is_grad_enabled() and self._caches:
             if filled:
                 raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
                                           f"torch.no_grad() / torch.inference_mode()")
@@ -1983,13 +2375,13 @@ class _HostDecoderModel(_NoCheckpointing):
             return_dict = getattr(self.config, "return_dict", True)
         use_cache = kwargs.get("use_cache")
         use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
-        decoding = (self._tokens_input and not torch.is_grad_enabled()
+        decoding = (self._caches and not torch.is_grad_enabled()
                     and (cache is not None or bool(use_cache)))  # the library's path
         mask = kwargs.get("attention_mask")
         # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
         fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
         layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
-        call = _HostCall(getattr(self, self._layers), layout, fusable, bool(wanted))
+        call = _HostCall(operator.attrgetter(self._layers)(self), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
         try:
             out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
@@ -2008,16 +2400,39 @@ class _HostGPT2Model(_HostDecoderModel):
     _layers, _rope = "h", False
 
 
+class _HostGPT2StyleModel(_HostGPT2Model):
+    """A decoder admitted by GPT-2's layer conventions (GPTBigCodeModel)."""
+
+    _class_prefix = "RevifiedHostGPT2Style"
+
+
+class _HostParallelModel(_HostDecoderModel):
+    """A decoder with GPT-J's layers (GPTJModel, CodeGenModel): layers ``h``, RoPE from position ids."""
+
+    _class_prefix = "RevifiedHostParallel"
+    _layers = "h"
+
+
 class _HostViTModel(_HostDecoderModel):
     """ViTModel: patches in, no cache; its last hidden state is the last layer's (before layernorm)."""
 
-    _rope, _tokens_input, _tie_last = False, False, False
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+class _HostEncoderModel(_HostDecoderModel):
+    """A pre-norm BERT-style encoder (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL): its layers are
+    ``encoder.layer``, absolute positions enter with the embeddings, no KV cache."""
+
+    _class_prefix = "RevifiedHostEncoder"
+    _layers, _rope, _caches = "encoder.layer", False, False
 
 
 def _check_layer_inputs(name, tokens, kwargs, cache):
     """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask
     goes to the library's attention as it is)."""
     _position_ids(name, kwargs, tokens)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        _check_varlen(name, kwargs)
     mask = kwargs.get("attention_mask")
     if mask is None or mask.dim() == 4:
         return
@@ -2027,6 +2442,26 @@ def _check_layer_inputs(name, tokens, kwargs, cache):
         raise NotImplementedError(f"revified {name}: attention_mask must be a 2-D padding mask [batch, past + tokens] "
                                   f"= [{batch}, {past + count}] (1 = token, 0 = padding) or the library's 4-D mask, "
                                   f"got shape {tuple(mask.shape)}")
+
+
+def _check_varlen(name, kwargs):
+    """Flash-attention's varlen inputs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+    the sequences they mark must be those the ``position_ids`` restart at, which is what the masks
+    and the fused kernels separate; without position_ids they are refused (the library's own SDPA
+    and eager attention would join the sequences)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise NotImplementedError(f"revified {name}: cu_seq_lens_q / cu_seq_lens_k without position_ids are not "
+                                  f"supported: pass the position_ids that restart at each sequence (as "
+                                  f"DataCollatorWithFlattening does by default)")
+    segments = packed_segments(position_ids.reshape(1, -1))[0]
+    starts = torch.nonzero(segments.diff()).flatten() + 1
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), segments.numel())])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        given = kwargs.get(key)
+        if given is not None and not torch.equal(given.to(device=bounds.device, dtype=bounds.dtype), bounds):
+            raise ValueError(f"revified {name}: {key}={given.tolist()} does not mark the sequences the position_ids "
+                             f"restart at ({bounds.tolist()})")
 
 
 def _require_hosted_layer_loop(name: str):

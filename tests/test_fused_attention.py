@@ -128,8 +128,12 @@ def test_attention_with_very_negative_scores_stays_finite(seeded, tokens, causal
     assert lse.max().item() < -100
     # fp32 logits of ~150 carry ~1e-5 absolute error: a looser bar (2.1e-5 measured over 30 seeds).
     assert torch.isfinite(o).all() and rel_err(o, ref_o) <= 1e-4
-    for g, r in zip(grads, fa.attention_bwd_reference(q64, k64, v64, do.double(), causal=causal)):
-        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-4
+    # dq = sum_j dS_ij k_j with sum_j dS_ij = 0 and k ~ -5 on every key: its cancellation costs fp32
+    # digits (the fp32 reference's dq is 2e-4 to 6e-4 off float64, by machine and seed): each gradient
+    # is held to 1e-4 or twice the fp32 reference's own error, whichever is larger.
+    fp32 = fa.attention_bwd_reference(q, k, v, do, causal=causal)
+    for g, g32, r in zip(grads, fp32, fa.attention_bwd_reference(q64, k64, v64, do.double(), causal=causal)):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= max(1e-4, 2 * rel_err(g32, r))
 
 
 def test_attention_launches(seeded):

@@ -199,6 +199,156 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
 
 
+def _bigcode(seed, **overrides):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0, initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(**{**config, **overrides})).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_decoders_with_gpt2s_layer_conventions_compute_the_librarys_function(multi_query, seeded):
+    """GPTBigCode (StarCoder / SantaCoder), admitted by GPT-2's layer parts: a preserving conversion
+    keeps its logits (padded rows included) and cached greedy generation; its attention (one shared
+    key / value head, or q / k / v interleaved per head) runs its own module, its MLP (nn.Linear
+    where GPT-2 has Conv1D) the fused kernels, as the probe found."""
+    original = _bigcode(seeded, multi_query=multi_query)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    spec = model.transformer.h[0]._revtriton_attention
+    assert not spec["fused_attention"] and spec["fused_mlp"]
+    ids = torch.randint(1, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask)):
+            theirs = original(**inputs).logits
+            ours = model(**inputs, use_cache=False).logits
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    prompt = ids[:, :4]
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
+def test_a_gpt2_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
+    """GPTBigCode: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
+    revtriton.from_pretrained converts it again; a fresh process unpickles its swapped classes."""
+    from revtriton import from_pretrained
+    from revtriton.convert import _convention_class
+
+    model = revify(_bigcode(seeded), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    ids = torch.randint(1, 128, (2, 10))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    twin_loss = twin(input_ids=ids, labels=ids).loss
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
+    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    module = "transformers.models.gpt_bigcode.modeling_gpt_bigcode"
+    assert _convention_class("RevifiedHostGPT2StyleOrdinaryGPTBigCodeBlock")[:2] == (module, "GPTBigCodeBlock")
+    assert _convention_class("RevifiedHostGPT2StyleGPTBigCodeModel")[:2] == (module, "GPTBigCodeModel")
+
+
+class _HalvedBlock(transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock):
+    def forward(self, *args, **kwargs):
+        return 0.5 * super().forward(*args, **kwargs)
+
+
+def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seeded):
+    """GPT-Neo's layer loop reads outputs[0] (a stand-in returns the hidden states): named; a block
+    whose parts match but whose function does not (its output scaled, as a residual multiplier would)
+    fails the probe, unchanged; cross-attention is named."""
+    neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]]))
+    with pytest.raises(NotImplementedError, match="does not take each layer's output"):
+        revify(neo)
+    original = _bigcode(seeded)
+    for block in original.transformer.h:
+        block.__class__ = _HalvedBlock
+    model = copy.deepcopy(original)
+    with pytest.raises(NotImplementedError, match="does not compute GPT-2's pre-norm layer"):
+        revify(model)
+    assert type(model.transformer.h) is torch.nn.ModuleList
+    assert not any(hasattr(block, "_revtriton_attention") for block in model.transformer.h)
+    ids = torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+    with pytest.raises(NotImplementedError, match="ln_cross_attn"):
+        revify(_bigcode(seeded, add_cross_attention=True, multi_query=False))
+
+
+def _parallel_decoder(family, seed, **overrides):  # GPT-J's layers: one norm, attention and MLP in parallel
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=0)
+    config_class = getattr(transformers, f"{family}Config")
+    return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("family", ["GPTJ", "CodeGen"])
+@pytest.mark.parametrize("preserve", ["meft1", "meft2"])
+def test_decoders_with_gptjs_parallel_layers_compute_the_librarys_function(family, preserve, seeded):
+    """GPT-J and CodeGen (x + attn(ln_1(x)) + mlp(ln_1(x)), interleaved partial rotary): a preserving
+    conversion that keeps each layer whole computes their logits on whole, padded and packed rows,
+    and their cached greedy generation; meft3 (sublayer after sublayer) is refused."""
+    original = _parallel_decoder(family, seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, with the positions generate would use
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    packed = torch.cat([torch.arange(6), torch.arange(4)])[None].expand(2, 10)
+    with torch.no_grad():
+        for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask, position_ids=positions),
+                       dict(input_ids=ids, position_ids=packed)):
+            theirs = original(**inputs, use_cache=False).logits
+            ours = model(**inputs, use_cache=False).logits
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    prompt = ids[:, :4]
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+    with pytest.raises(NotImplementedError, match="meft3"):
+        revify(_parallel_decoder(family, seeded), preserve="meft3")
+
+
+def test_a_gptj_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
+    """GPT-J: an exact training step bitwise equals its stored-activation twin; save / load and a fresh
+    process's unpickling give the converted model back; a half called alone refuses (its RoPE is the
+    model's)."""
+    from revtriton import from_pretrained
+
+    model = revify(_parallel_decoder("GPTJ", seeded), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    ids = torch.randint(1, 128, (2, 10))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    twin_loss = twin(input_ids=ids, labels=ids).loss
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
+    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.transformer.h[0].coupling_halves()[0](torch.randn(1, 4, 64))
+
+
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     """HF ViT runs its own forward too: an attention_mask over the patches (the library builds its

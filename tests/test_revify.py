@@ -92,15 +92,40 @@ def hf_vit(seed=0, **overrides):  # the library's own ViT (pre-norm encoder), 32
     return transformers.ViTForImageClassification(transformers.ViTConfig(**{**config, **overrides}))
 
 
+def hf_encoder(prefix, seed=0, **overrides):
+    """A tiny ``<prefix>ForMaskedLM`` of a pre-norm encoder with BERT's layer parts (absolute positions)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=64, pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config_class = getattr(transformers, f"{prefix}Config")
+    model = getattr(transformers, f"{prefix}ForMaskedLM")(config_class(**{**config, **overrides}))
+    with torch.no_grad():  # LayerNorms off their init (ones, zeros), where normalising twice would be the identity
+        for norm in model.modules():
+            if isinstance(norm, torch.nn.LayerNorm):
+                norm.weight.normal_(1.0, 0.3)
+                norm.bias.normal_(0.0, 0.3)
+    return model
+
+
+def hf_roberta_pre(seed=0, **overrides):  # LayerNorms inside attention and intermediate, a final one in the model
+    return hf_encoder("RobertaPreLayerNorm", seed, **overrides)
+
+
+def hf_xlmr_xl(seed=0, **overrides):  # LayerNorms in attention and in the layer, a final one in the encoder
+    return hf_encoder("XLMRobertaXL", seed, **overrides)
+
+
 BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2,
             "qwen3": hf_qwen3, "gemma": hf_gemma, "phi3": hf_phi3, "neox": hf_neox, "neox_sequential": hf_neox_sequential,
-            "hf_vit": hf_vit}
+            "hf_vit": hf_vit, "roberta_pre": hf_roberta_pre, "xlmr_xl": hf_xlmr_xl}
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]  # LLaMA's layer conventions: model.model.layers
 # Float streams' twin bound: Gemma scales its embeddings by sqrt(width) (8 here), so its streams and the float
 # rounding of their rebuild are larger (5.9e-6 worst of 30 seeds against 1e-5).
 FLOAT_TWIN_BOUND = {"gemma": 1e-4}
 NEOX = ["neox", "neox_sequential"]  # GPT-NeoX's layers: model.gpt_neox.layers
-FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS, *NEOX, "hf_vit"]
+ENCODERS = ["roberta_pre", "xlmr_xl"]  # pre-norm encoders with BERT's layer parts: model.base_model.encoder.layer
+FAMILIES = [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2", *DECODERS, *NEOX, "hf_vit", *ENCODERS]
 IMAGES = ("timm_vit", "hf_vit")
 
 
@@ -127,6 +152,8 @@ def block_list(family, model):
         return model.gpt_neox.layers
     if family == "hf_vit":
         return model.vit.layers
+    if family in ENCODERS:
+        return model.base_model.encoder.layer
     return {"timm_vit": lambda: model.blocks, "gpt2": lambda: model.transformer.h}[family]()
 
 
@@ -533,7 +560,7 @@ def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox", "roberta_pre"])
 @pytest.mark.parametrize("options", [{}, dict(preserve="meft3", ordinary_top=1, scale_bits=4, exact=False)])
 def test_save_pretrained_then_revtriton_from_pretrained_gives_the_converted_model_back(family, options, seeded,
                                                                                         tmp_path):

@@ -240,6 +240,29 @@ def _pad_right(features):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def test_flash_attention_varlen_inputs_must_mark_the_packed_sequences(seeded):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds cu_seq_lens / max_length to the
+    restarting position_ids: the same logits as the position_ids alone; cu_seq_lens that disagree with
+    them, or come without them, raise instead of joining or splitting sequences silently."""
+    from transformers import DataCollatorWithFlattening
+
+    model = revify(hf_llama(seeded), exact=False).eval()  # float streams: alone within 1e-5
+    seqs = sequences()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in seqs])
+    batch.pop("labels")
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q"} <= set(batch)
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        assert torch.equal(model(**batch).logits, expected)
+        torch.testing.assert_close(expected[0], alone_logits(model, seqs), rtol=0, atol=1e-5)
+        wrong = dict(batch, cu_seq_lens_q=torch.tensor([0, 5, 21], dtype=torch.int32))
+        with pytest.raises(ValueError, match="does not mark the sequences"):
+            model(**wrong)
+        without = {key: value for key, value in batch.items() if key != "position_ids"}
+        with pytest.raises(NotImplementedError, match="without position_ids"):
+            model(**without)
+
+
 @pytest.mark.parametrize("collator", ["flattening", "padding"])
 def test_trainer_trains_with_the_library_collators(collator, seeded, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
