@@ -1020,13 +1020,8 @@ def _convert_gpt2(model, conversion, probe=False):
         block._revtriton_attention = dict(fused_attention=plain_scaling and gpt2_attention,
                                           fused_mlp=gpt2_mlp and activation is not None, activation=activation)
     if probe:
-        try:
-            _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs,
-                          "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
-        except BaseException:
-            for block in base.h:
-                del block._revtriton_attention
-            raise
+        _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs,
+                      "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
     mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
     if not probe:
         mixins, model_mixin = (_HostGPT2Block, _HostGPT2OrdinaryBlock), _HostGPT2Model
@@ -1313,13 +1308,8 @@ def _convert_llama(model, conversion, probe=False):
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
         block._revtriton_attention = dict(spec, window=window)
     if probe:
-        try:
-            _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _llama_layer_inputs(base),
-                          "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
-        except BaseException:
-            for block in base.layers:
-                del block._revtriton_attention
-            raise
+        _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
+                      "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
     layer_class = type(base.layers[0])
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
@@ -1372,13 +1362,23 @@ def _probe_layers(base: nn.Module, name: str, layers, halves: tuple, layer_input
     errors relative to the update (not to x, which dominates at small weights): a model admitted by
     its layer conventions must compute what its halves do (``x + F(x) + G(x)`` when ``parallel``).
     ``layer_inputs(x)`` gives the layer's keyword inputs and the halves' conditioning. Features that
-    depend on the values (clipping) may escape it."""
+    depend on the values (clipping) may escape it. A failed probe leaves the layers as they were
+    (their conversion specs removed)."""
+    try:
+        _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, parallel)
+    except BaseException:
+        for block in layers:
+            vars(block).pop("_revtriton_attention", None)
+        raise
+
+
+def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, parallel):
     weight = next(p for p in base.parameters() if p.is_floating_point())
     if weight.device.type == "meta" or "DTensor" in (type(weight).__name__, type(weight.data).__name__):
         import warnings
 
         warnings.warn(f"revtriton: {name}'s weights are not materialised: its layers were not probed against their "
-                      f"halves", stacklevel=4)
+                      f"halves", stacklevel=5)
         return
     tokens, device, dtype = 6, weight.device, weight.dtype
     x = torch.randn(2, tokens, base.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
@@ -1413,17 +1413,18 @@ def _probe_layers(base: nn.Module, name: str, layers, halves: tuple, layer_input
         base.train(training)
 
 
-def _llama_layer_inputs(base):
-    """:func:`_probe_layers`' inputs of a decoder with LLaMA's layers: a causal mask, positions 0..T-1
-    and the model's rotary embedding of them."""
+def _rotary_layer_inputs(base):
+    """:func:`_probe_layers`' inputs of a decoder with RoPE (LLaMA's layers, GPT-J's): a causal mask,
+    positions 0..T-1 and the model's rotary embedding of them (when it has one)."""
     def inputs(x):
+        kwargs, _ = _causal_layer_inputs(x)
         batch, tokens = x.shape[:2]
         positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
-        mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
-        mask = mask.expand(batch, 1, tokens, tokens)  # additive: sdpa and eager attention alike
-        rotary = base.rotary_emb(x, positions)
-        cond = _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
-        return dict(attention_mask=mask, position_ids=positions, position_embeddings=rotary), cond
+        kwargs["position_ids"] = positions
+        rotary = base.rotary_emb(x, positions) if getattr(base, "rotary_emb", None) is not None else None
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary
+        return kwargs, _pack_host_cond(None, rotary, positions, (kwargs["attention_mask"],) * 2, True, x)
 
     return inputs
 
@@ -1581,23 +1582,8 @@ def _convert_parallel(model, conversion):
                                   f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
     for block in base.h:
         block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False)
-
-    def layer_inputs(x):
-        kwargs, cond = _causal_layer_inputs(x)
-        batch, tokens = x.shape[:2]
-        positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
-        rotary = base.rotary_emb(x, position_ids=positions) if getattr(base, "rotary_emb", None) is not None else None
-        mask = kwargs["attention_mask"]
-        kwargs.update(position_ids=positions, **({} if rotary is None else {"position_embeddings": rotary}))
-        return kwargs, _pack_host_cond(None, rotary, positions, (mask, mask), True, x)
-
-    try:
-        _probe_layers(base, name, base.h, (_ParallelAttentionHalf, _ParallelMlpHalf), layer_inputs,
-                      "GPT-J's parallel layer x + attn(ln_1(x)) + mlp(ln_1(x))", parallel=True)
-    except BaseException:
-        for block in base.h:
-            del block._revtriton_attention
-        raise
+    _probe_layers(base, name, base.h, (_ParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
+                  "GPT-J's parallel layer x + attn(ln_1(x)) + mlp(ln_1(x))", parallel=True)
     layer_class = type(base.h[0])
     _convert_blocks(base, "h", config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
@@ -1745,14 +1731,9 @@ def _convert_prenorm_encoder(model, conversion):
                                  and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
     for block in layers:
         block._revtriton_attention = dict(spec)
-    try:
-        no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
-        _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
-                      "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
-    except BaseException:
-        for block in layers:
-            del block._revtriton_attention
-        raise
+    no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
+    _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
+                  "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
     layer_class = type(layers[0])
     _convert_blocks(encoder, "layer", config.hidden_size, conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
