@@ -6,8 +6,8 @@ Supported: timm ``VisionTransformer`` (standard ``Block``) and ``Eva``, Hugging 
 share LLaMA's layer conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; any
 decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
 on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...). Also found by their layer
-conventions and probed the same way: decoders with GPT-2's layers (GPTBigCode), with GPT-J's
-parallel layers (GPT-J, CodeGen), and pre-norm encoders with BERT's layer parts
+conventions and probed the same way: decoders with GPT-2's layers (GPTBigCode), with parallel
+layers of one norm (GPT-J, CodeGen, Phi, Cohere), and pre-norm encoders with BERT's layer parts
 (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL).
 
 How it works:
@@ -61,8 +61,8 @@ SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
              "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)",
              "transformers ViTForImageClassification / ViTModel",
-             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode) or GPT-J's (ln_1, attn, mlp in "
-             "parallel: GPT-J, CodeGen)",
+             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode) or parallel ones of one norm (ln_1, "
+             "attn, mlp: GPT-J, CodeGen; input_layernorm, self_attn, mlp: Phi, Cohere)",
              "pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL: any head)")
 
 
@@ -121,7 +121,7 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         _convert_llama(target, conversion, probe=True)
         _record_conversion(target, recorded)
         return model
-    if _parallel_convention_base(target) is not None:  # GPT-J's layers (GPT-J, CodeGen)
+    if _parallel_convention(target) is not None:  # parallel layers (GPT-J, CodeGen, Phi, Cohere)
         _convert_parallel(target, conversion)
         _record_conversion(target, recorded)
         return model
@@ -503,7 +503,7 @@ def _convention_class(name: str):
     a decoder with LLaMA's layers (``RevifiedHost[Ordinary]<Family>DecoderLayer``,
     ``RevifiedHost<Family>Model``, ``Revified<Family>ForCausalLM``), one with GPT-2's
     (``RevifiedHostGPT2Style[Ordinary]<Family>Block``, ``RevifiedHostGPT2Style<Family>Model``) or
-    GPT-J's (``RevifiedHostParallel...``), or a pre-norm BERT-style encoder
+    parallel ones (``RevifiedHostParallel...``: GPT-J, Phi), or a pre-norm BERT-style encoder
     (``RevifiedHostEncoder[Ordinary]<Family>Layer``, ``RevifiedHostEncoder<Family>Model``,
     ``Revified<Family>For<Head>``), its class found in the module of transformers' ``<Family>Model``."""
     match = re.fullmatch(r"Revified(HostEncoder|HostGPT2Style|HostParallel|Host)?(Ordinary)?"
@@ -523,6 +523,8 @@ def _convention_class(name: str):
               ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel,
               ("HostParallel", None, "Block"): _HostParallelBlock,
               ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
+              ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,
+              ("HostParallel", "Ordinary", "DecoderLayer"): _HostParallelOrdinaryBlock,
               ("HostParallel", None, "Model"): _HostParallelModel}
     mixin = mixins.get((host, ordinary, "For" if kind.startswith("For") else kind))
     if mixin is None:
@@ -1339,15 +1341,21 @@ def _llama_convention_base(model: nn.Module):
     if extra:
         raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides LLaMA's pre-norm "
                                   f"layer parts ({', '.join(_LLAMA_LAYER_PARTS)}): not supported")
-    name = type(base).__name__
+    _check_layer_slice(base)
+    return base
+
+
+def _check_layer_slice(base):
+    """The base model's forward must run its ``layers`` as one slice (``self.layers[: n]``), where the
+    stack stands in for them."""
     try:
         source = inspect.getsource(type(base).forward)
     except (OSError, TypeError):
         source = ""
     if "self.layers[" not in source:
-        raise NotImplementedError(f"revify: {name}.forward does not run its layers as one slice (self.layers[...]), "
-                                  f"which a reversible stack needs to stand in for them: not supported")
-    return base
+        raise NotImplementedError(f"revify: {type(base).__name__}.forward does not run its layers as one slice "
+                                  f"(self.layers[...]), which a reversible stack needs to stand in for them: not "
+                                  f"supported")
 
 
 def _relative_error(ours, theirs) -> float:
@@ -1536,13 +1544,18 @@ def _convert_neox(model, conversion):
     _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
 
 
-# -- Hugging Face decoders with GPT-J's layers (one norm, attention and MLP in parallel) -----------
+# -- Hugging Face decoders with parallel layers (one norm, attention and MLP side by side) ---------
 #
-# GPT-J and CodeGen: ``h`` of blocks with exactly ln_1, attn and mlp computing
-# ``x + attn(ln_1(x)) + mlp(ln_1(x))`` (GPT-NeoX's parallel residual with one norm shared by both
-# branches), interleaved rotary from the model's rotary embedding. Both branches run the layer's own
-# modules (the fused kernels rotate halves, not interleaved pairs, and norm per branch); the
-# attention half is ``_ParallelAttentionHalf`` (with the other halves that take the model's inputs).
+# ``x + attn(norm(x)) + mlp(norm(x))`` (GPT-NeoX's parallel residual with one norm shared by both
+# branches), RoPE from the model's rotary embedding: GPT-J and CodeGen (``h`` of blocks with exactly
+# ln_1, attn, mlp), Phi and Cohere (``layers`` of layers with exactly input_layernorm, self_attn, mlp;
+# Phi's resid_dropout on each branch). Both branches run the layer's own modules (interleaved or
+# partial rotary, one norm for both); the attention half is ``_ParallelAttentionHalf`` (with the
+# other halves that take the model's inputs).
+
+
+def _parallel_norm(block) -> nn.Module:
+    return getattr(block, block._revtriton_attention["norm"])
 
 
 class _ParallelMlpHalf(_Half):
@@ -1550,44 +1563,56 @@ class _ParallelMlpHalf(_Half):
         return True
 
     def _modules(self, x):
-        b = self.block
-        return b.mlp(b.ln_1(self._input(x, b.ln_1.weight)))
+        b, norm = self.block, _parallel_norm(self.block)
+        return _residual_dropout(b, "resid_dropout")(b.mlp(norm(self._input(x, getattr(norm, "weight", None)))))
 
 
-_PARALLEL_LAYER_PARTS = ("ln_1", "attn", "mlp")
+# Where the layers are, and their parts (norm, attention, mlp), besides a branch dropout.
+_PARALLEL_CONVENTIONS = (("transformer", "h", ("ln_1", "attn", "mlp")),  # GPT-J, CodeGen
+                         ("model", "layers", ("input_layernorm", "self_attn", "mlp")))  # Phi, Cohere
 
 
-def _parallel_convention_base(model: nn.Module):
-    """The base model of a Hugging Face decoder whose layers look like GPT-J's (``h`` of blocks with
-    exactly ln_1, attn and mlp), whatever its class, or None."""
-    base = getattr(model, "transformer", model)
-    layers = getattr(base, "h", None)
-    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
-        return None
-    if {name for name, _ in layers[0].named_children()} != set(_PARALLEL_LAYER_PARTS):
-        return None
-    _check_block_loop(base)
-    return base
+def _parallel_convention(model: nn.Module):
+    """``(base model, layers attribute, (norm, attention) part names)`` of a Hugging Face decoder whose
+    layers have exactly one norm, an attention and an MLP (see the section's comment), whatever its
+    class, or None."""
+    for owner, attribute, parts in _PARALLEL_CONVENTIONS:
+        base = getattr(model, owner, model)
+        layers = getattr(base, attribute, None)
+        if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList)
+                or not len(layers)):
+            continue
+        if {name for name, _ in layers[0].named_children()} - {"resid_dropout"} != set(parts):
+            continue
+        if attribute == "h":
+            _check_block_loop(base)
+        else:
+            _check_layer_slice(base)
+        return base, attribute, parts[:2]
+    return None
 
 
 def _convert_parallel(model, conversion):
-    """GPT-J / CodeGen (:func:`_parallel_convention_base`): each layer probed against its own forward;
-    a plain conversion couples attention (F) and MLP (G), a preserving one keeps the layer whole
-    (meft1 / meft2); meft3 splits a layer into sublayers, which a parallel residual does not compose."""
-    base = _parallel_convention_base(model)
+    """A decoder with parallel layers (:func:`_parallel_convention`): each layer probed against its own
+    forward; a plain conversion couples attention (F) and MLP (G), a preserving one keeps the layer
+    whole (meft1 / meft2); meft3 splits a layer into sublayers, which a parallel residual does not
+    compose."""
+    base, attribute, (norm, attention) = _parallel_convention(model)
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
     if conversion.preserve == "meft3":
         raise NotImplementedError(f"revify: {name}'s layers add attention and MLP in parallel: preserve='meft3' "
                                   f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
-    for block in base.h:
-        block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False)
-    _probe_layers(base, name, base.h, (_ParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
-                  "GPT-J's parallel layer x + attn(ln_1(x)) + mlp(ln_1(x))", parallel=True)
-    layer_class = type(base.h[0])
-    _convert_blocks(base, "h", config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
+    layers = getattr(base, attribute)
+    for block in layers:
+        block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
+                                          attention=attention)
+    _probe_layers(base, name, layers, (_ParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
+                  f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
+    layer_class = type(layers[0])
+    _convert_blocks(base, attribute, config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "h", _HostParallelModel)
+    _host_the_layer_loop(model, base, attribute, _HostParallelModel)
 
 
 # -- Hugging Face pre-norm encoders (BERT's layer parts, a LayerNorm before each branch) -----------
@@ -2272,14 +2297,16 @@ class _ParallelAttentionHalf(_HostAttention, _Half):
         return True
 
     def _attention_module(self):
-        return self.block.attn
+        return getattr(self.block, self.block._revtriton_attention["attention"])
 
     def _library_call(self, x, host, extra):
         b = self.block
-        x = self._input(x, b.ln_1.weight)
+        norm = _parallel_norm(b)
+        x = self._input(x, getattr(norm, "weight", None))
         rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
-        return _first(b.attn(hidden_states=b.ln_1(x), attention_mask=host.mask_for(b), position_ids=host.position_ids,
-                             **rotary, **extra))
+        out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(b),
+                                       position_ids=host.position_ids, **rotary, **extra)
+        return _residual_dropout(b, "resid_dropout")(_first(out))
 
     def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
         return torch.zeros_like(x)
@@ -2305,7 +2332,7 @@ class _HostDecoderModel(_NoCheckpointing):
     block's readout."""
 
     _class_prefix = "RevifiedHost"
-    _layers = "layers"  # the attribute (path) of its layer list (the stack)
+    _layers = "layers"  # the attribute (path) of its layer list (the stack), or candidates (a tuple)
     _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
     _tokens_input = True  # input_ids / inputs_embeds and padding masks (not an image encoder)
     _caches = True  # a KV cache while decoding (a decoder)
@@ -2362,7 +2389,7 @@ class _HostDecoderModel(_NoCheckpointing):
         # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
         fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
         layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
-        call = _HostCall(operator.attrgetter(self._layers)(self), layout, fusable, bool(wanted))
+        call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
         try:
             out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
@@ -2373,6 +2400,19 @@ class _HostDecoderModel(_NoCheckpointing):
             out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
                                                     self._tie_last if tie_last is None else tie_last)
         return out if return_dict else out.to_tuple()
+
+    def _layer_stack(self) -> ReversibleStack:
+        paths = self._layers if isinstance(self._layers, tuple) else (self._layers,)
+        stacks = [operator.attrgetter(path)(self) for path in paths if _has_path(self, path)]
+        return next(stack for stack in stacks if isinstance(stack, ReversibleStack))
+
+
+def _has_path(module, path: str) -> bool:
+    try:
+        operator.attrgetter(path)(module)
+    except AttributeError:
+        return False
+    return True
 
 
 class _HostGPT2Model(_HostDecoderModel):
@@ -2388,10 +2428,11 @@ class _HostGPT2StyleModel(_HostGPT2Model):
 
 
 class _HostParallelModel(_HostDecoderModel):
-    """A decoder with GPT-J's layers (GPTJModel, CodeGenModel): layers ``h``, RoPE from position ids."""
+    """A decoder with parallel layers (GPTJModel, CodeGenModel: layers ``h``; PhiModel, CohereModel:
+    ``layers``), RoPE from position ids."""
 
     _class_prefix = "RevifiedHostParallel"
-    _layers = "h"
+    _layers = ("h", "layers")
 
 
 class _HostViTModel(_HostDecoderModel):

@@ -286,20 +286,25 @@ def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seede
         revify(_bigcode(seeded, add_cross_attention=True, multi_query=False))
 
 
-def _parallel_decoder(family, seed, **overrides):  # GPT-J's layers: one norm, attention and MLP in parallel
+def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP in parallel
     torch.manual_seed(seed)
-    config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, resid_pdrop=0.0,
-                  embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=0)
+    common = dict(vocab_size=128, initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if family in ("GPTJ", "CodeGen"):  # layers h: ln_1, attn, mlp; interleaved partial rotary
+        config = dict(n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0)
+    else:  # Phi (partial rotary, resid_dropout on both branches), Cohere (interleaved rotary, logit scale)
+        config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                      max_position_embeddings=64)
+    config = dict(common, **config)
     config_class = getattr(transformers, f"{family}Config")
     return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("family", ["GPTJ", "CodeGen"])
+@pytest.mark.parametrize("family", ["GPTJ", "CodeGen", "Phi", "Cohere"])
 @pytest.mark.parametrize("preserve", ["meft1", "meft2"])
-def test_decoders_with_gptjs_parallel_layers_compute_the_librarys_function(family, preserve, seeded):
-    """GPT-J and CodeGen (x + attn(ln_1(x)) + mlp(ln_1(x)), interleaved partial rotary): a preserving
+def test_decoders_with_parallel_layers_compute_the_librarys_function(family, preserve, seeded):
+    """GPT-J, CodeGen, Phi and Cohere (x + attn(norm(x)) + mlp(norm(x)), their own rotary): a preserving
     conversion that keeps each layer whole computes their logits on whole, padded and packed rows,
     and their cached greedy generation; meft3 (sublayer after sublayer) is refused."""
     original = _parallel_decoder(family, seeded)
@@ -322,17 +327,21 @@ def test_decoders_with_gptjs_parallel_layers_compute_the_librarys_function(famil
         revify(_parallel_decoder(family, seeded), preserve="meft3")
 
 
-def test_a_gptj_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
-    """GPT-J: an exact training step bitwise equals its stored-activation twin; save / load and a fresh
-    process's unpickling give the converted model back; a half called alone refuses (its RoPE is the
-    model's)."""
+@pytest.mark.parametrize("family", ["GPTJ", "Phi"])
+def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded, tmp_path):
+    """An exact training step (Phi: with its branch dropout) bitwise equals its stored-activation twin;
+    save / load and a fresh process's unpickling give the converted model back; a half called alone
+    refuses (its RoPE is the model's)."""
     from revtriton import from_pretrained
 
-    model = revify(_parallel_decoder("GPTJ", seeded), exact=True).train()
+    dropout = dict(resid_pdrop=0.1) if family == "Phi" else {}
+    model = revify(_parallel_decoder(family, seeded, **dropout), exact=True).train()
     twin = to_stored_activations(copy.deepcopy(model))
     ids = torch.randint(1, 128, (2, 10))
+    torch.manual_seed(seeded)  # the same dropout draws in both runs
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    torch.manual_seed(seeded)
     twin_loss = twin(input_ids=ids, labels=ids).loss
     twin_loss.backward()
     check_against_twin(model, twin, loss, twin_loss, exact=True)
@@ -346,7 +355,8 @@ def test_a_gptj_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
              "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
     subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
     with pytest.raises(RuntimeError, match="call the model"):
-        model.transformer.h[0].coupling_halves()[0](torch.randn(1, 4, 64))
+        model.base_model.get_submodule("h" if family == "GPTJ" else "layers")[0].coupling_halves()[0](
+            torch.randn(1, 4, 64))
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
