@@ -1059,14 +1059,20 @@ def _gpt2_convention_base(model: nn.Module):
 def _check_block_loop(base):
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
     stand-in returns them; GPT-Neo's and ImageGPT's loops read ``outputs[0]``)."""
+    _require_layer_loop(base, "hidden_states = block(",
+                        "take each layer's output as the next hidden states (hidden_states = block(...))")
+
+
+def _require_layer_loop(module: nn.Module, needle: str, what: str):
+    """NotImplementedError unless ``module``'s forward source has ``needle``: its layer loop is one
+    the stack's stand-ins can answer (``what`` it must do, for the message)."""
     try:
-        source = inspect.getsource(type(base).forward)
+        source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         source = ""
-    if "hidden_states = block(" not in source:
-        raise NotImplementedError(f"revify: {type(base).__name__}.forward does not take each layer's output as the "
-                                  f"next hidden states (hidden_states = block(...)), where a reversible stack stands "
-                                  f"in for its layers: not supported")
+    if needle not in source:
+        raise NotImplementedError(f"revify: {type(module).__name__}.forward does not {what}, where a reversible "
+                                  f"stack stands in for its layers: not supported")
 
 
 def _causal_layer_inputs(x):
@@ -1346,16 +1352,8 @@ def _llama_convention_base(model: nn.Module):
 
 
 def _check_layer_slice(base):
-    """The base model's forward must run its ``layers`` as one slice (``self.layers[: n]``), where the
-    stack stands in for them."""
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        source = ""
-    if "self.layers[" not in source:
-        raise NotImplementedError(f"revify: {type(base).__name__}.forward does not run its layers as one slice "
-                                  f"(self.layers[...]), which a reversible stack needs to stand in for them: not "
-                                  f"supported")
+    """The base model's forward must run its ``layers`` as one slice (``self.layers[: n]``)."""
+    _require_layer_loop(base, "self.layers[", "run its layers as one slice (self.layers[...])")
 
 
 def _relative_error(ours, theirs) -> float:
@@ -1739,13 +1737,7 @@ def _convert_prenorm_encoder(model, conversion):
         raise NotImplementedError(f"revify: {name} with position_embedding_type={position_type!r} is not supported "
                                   f"(absolute positions, added with the embeddings, are)")
     encoder = base.encoder
-    try:
-        source = inspect.getsource(type(encoder).forward)
-    except (OSError, TypeError):
-        source = ""
-    if "self.layer" not in source:
-        raise NotImplementedError(f"revify: {type(encoder).__name__}.forward does not loop over self.layer, where a "
-                                  f"reversible stack stands in for its layers: not supported")
+    _require_layer_loop(encoder, "self.layer", "loop over self.layer")
     layers = encoder.layer
     s = layers[0].attention.self
     heads, head_dim = s.num_attention_heads, s.attention_head_size

@@ -282,6 +282,17 @@ def test_encoders_that_are_not_pre_norm_layers_raise_and_leave_the_model_as_it_w
     relative.config.position_embedding_type = "relative_key"
     with pytest.raises(NotImplementedError, match="position_embedding_type='relative_key'"):
         revify(relative)
+    wrapped = hf_roberta_pre(seeded)
+    wrapped.base_model.encoder.__class__ = _WrappedEncoder
+    with pytest.raises(NotImplementedError, match="does not loop over self.layer"):
+        revify(wrapped)
+
+
+class _WrappedEncoder(transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm.RobertaPreLayerNormEncoder):
+    """An encoder whose own forward does not show its layer loop (a stand-in could not be sure to answer it)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
 
 
 @pytest.mark.parametrize("collator", ["flattening", "padding"])

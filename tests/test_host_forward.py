@@ -183,11 +183,25 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     assert _convention_class("RevifiedHostNoSuchDecoderLayer") is None
 
 
+class _WrappedGraniteModel(transformers.GraniteModel):
+    """A base model whose own forward does not show its layer loop (a library class: revify admits
+    only transformers' own models by their conventions)."""
+
+    __module__ = "transformers.models.granite.modeling_granite"
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
 def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
     """A layer with other parts (Gemma 2's sandwich norms) is named; a layer whose parts match but
     whose function does not (Granite's residual multiplier) fails the probe; the model is unchanged."""
     with pytest.raises(NotImplementedError, match="pre_feedforward_layernorm"):
         revify(_decoder("Gemma2", seeded))
+    wrapped = _decoder("Granite", seeded)
+    wrapped.model.__class__ = _WrappedGraniteModel
+    with pytest.raises(NotImplementedError, match=r"does not run its layers as one slice"):
+        revify(wrapped)
     original = _decoder("Granite", seeded, residual_multiplier=0.5)
     model = copy.deepcopy(original)
     with pytest.raises(NotImplementedError, match="does not compute LLaMA's pre-norm layer"):
