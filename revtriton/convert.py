@@ -1019,10 +1019,10 @@ def _convert_gpt2(model, conversion, probe=False):
         gpt2_attention = (all(isinstance(getattr(a, part, None), Conv1D) for part in ("c_attn", "c_proj"))
                           and tuple(a.c_attn.weight.shape) == (hidden, 3 * hidden))
         gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
-        block._revtriton_attention = dict(fused_attention=plain_scaling and gpt2_attention,
+        block._revtriton_attention = dict(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
                                           fused_mlp=gpt2_mlp and activation is not None, activation=activation)
     if probe:
-        _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs,
+        _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs(base),
                       "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
     mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
     if not probe:
@@ -1059,29 +1059,36 @@ def _gpt2_convention_base(model: nn.Module):
 def _check_block_loop(base):
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
     stand-in returns them; GPT-Neo's and ImageGPT's loops read ``outputs[0]``)."""
-    _require_layer_loop(base, "hidden_states = block(",
+    _require_layer_loop(base, r"hidden_states = block\(",
                         "take each layer's output as the next hidden states (hidden_states = block(...))")
 
 
-def _require_layer_loop(module: nn.Module, needle: str, what: str):
-    """NotImplementedError unless ``module``'s forward source has ``needle``: its layer loop is one
-    the stack's stand-ins can answer (``what`` it must do, for the message)."""
+def _require_layer_loop(module: nn.Module, pattern: str, what: str):
+    """NotImplementedError unless ``module``'s forward source matches ``pattern`` (a regular
+    expression): its layer loop is one the stack's stand-ins can answer (``what`` it must do, for the
+    message). A source check: the stand-ins still refuse a loop that skips or reorders layers."""
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         source = ""
-    if needle not in source:
+    if re.search(pattern, source) is None:
         raise NotImplementedError(f"revify: {type(module).__name__}.forward does not {what}, where a reversible "
                                   f"stack stands in for its layers: not supported")
 
 
-def _causal_layer_inputs(x):
-    """:func:`_probe_layers`' inputs of a decoder without RoPE: an additive causal mask (sdpa and eager
-    attention alike)."""
-    batch, tokens = x.shape[:2]
-    mask = torch.full((tokens, tokens), torch.finfo(x.dtype).min, device=x.device, dtype=x.dtype).triu(1)
-    mask = mask.expand(batch, 1, tokens, tokens)
-    return dict(attention_mask=mask), _pack_host_cond(None, None, None, (mask, mask), True, x)
+def _causal_layer_inputs(base):
+    """:func:`_probe_layers`' inputs of a decoder without RoPE: the causal mask the library builds for
+    its attention implementation (a 4-D mask for eager attention, None where the kernel masks itself:
+    sdpa's causal flag, flash attention)."""
+    from transformers.masking_utils import create_causal_mask
+
+    def inputs(x):
+        batch, tokens = x.shape[:2]
+        positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
+        mask = create_causal_mask(base.config, x, None, None, positions)
+        return dict(attention_mask=mask), _pack_host_cond(None, None, None, (mask, mask), True, x)
+
+    return inputs
 
 
 # -- Hugging Face LLaMA ----------------------------------------------------------------------
@@ -1124,7 +1131,8 @@ def _layer_norms_are_plain(block):
 
 
 def _residual_dropout(block, name):
-    """Phi-3's dropout on a branch's output before the residual add (Identity elsewhere)."""
+    """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
+    dropout), or Identity where the block has none."""
     return getattr(block, name, None) or nn.Identity()
 
 
@@ -1353,7 +1361,7 @@ def _llama_convention_base(model: nn.Module):
 
 def _check_layer_slice(base):
     """The base model's forward must run its ``layers`` as one slice (``self.layers[: n]``)."""
-    _require_layer_loop(base, "self.layers[", "run its layers as one slice (self.layers[...])")
+    _require_layer_loop(base, r"self\.layers\[", "run its layers as one slice (self.layers[...])")
 
 
 def _relative_error(ours, theirs) -> float:
@@ -1422,8 +1430,10 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
 def _rotary_layer_inputs(base):
     """:func:`_probe_layers`' inputs of a decoder with RoPE (LLaMA's layers, GPT-J's): a causal mask,
     positions 0..T-1 and the model's rotary embedding of them (when it has one)."""
+    causal = _causal_layer_inputs(base)
+
     def inputs(x):
-        kwargs, _ = _causal_layer_inputs(x)
+        kwargs, _ = causal(x)
         batch, tokens = x.shape[:2]
         positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
         kwargs["position_ids"] = positions
@@ -1548,7 +1558,7 @@ def _convert_neox(model, conversion):
 # branches), RoPE from the model's rotary embedding: GPT-J and CodeGen (``h`` of blocks with exactly
 # ln_1, attn, mlp), Phi and Cohere (``layers`` of layers with exactly input_layernorm, self_attn, mlp;
 # Phi's resid_dropout on each branch). Both branches run the layer's own modules (interleaved or
-# partial rotary, one norm for both); the attention half is ``_ParallelAttentionHalf`` (with the
+# partial rotary, one norm for both); the attention half is ``_HostParallelAttentionHalf`` (with the
 # other halves that take the model's inputs).
 
 
@@ -1605,7 +1615,7 @@ def _convert_parallel(model, conversion):
     for block in layers:
         block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
                                           attention=attention)
-    _probe_layers(base, name, layers, (_ParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
+    _probe_layers(base, name, layers, (_HostParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
                   f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
     layer_class = type(layers[0])
     _convert_blocks(base, attribute, config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
@@ -1735,9 +1745,10 @@ def _convert_prenorm_encoder(model, conversion):
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type != "absolute":
         raise NotImplementedError(f"revify: {name} with position_embedding_type={position_type!r} is not supported "
-                                  f"(absolute positions, added with the embeddings, are)")
+                                  f"(absolute positions, added with the embeddings, are; ESM's rotary or BERT's "
+                                  f"relative keys are computed inside attention)")
     encoder = base.encoder
-    _require_layer_loop(encoder, "self.layer", "loop over self.layer")
+    _require_layer_loop(encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     layers = encoder.layer
     s = layers[0].attention.self
     heads, head_dim = s.num_attention_heads, s.attention_head_size
@@ -2182,6 +2193,15 @@ class _HostAttention:
                 call.keep_cache_layer(cache, self._attention_module().layer_idx)
         return self._library_call(x, host, extra)
 
+    @staticmethod
+    def _position_ids(host: "_HostCond"):
+        """The position ids the library's attention sees: the layer's, else the packed / padded rows'
+        (flash attention finds packed sequences from them when there is no mask; GPTBigCode's loop
+        passes none to its layers)."""
+        if host.position_ids is not None or host.layout is None:
+            return host.position_ids
+        return host.layout[0]
+
     def _fuses(self, x, host: "_HostCond") -> bool:
         call = _HOST_CALL.get()
         decoding = (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
@@ -2256,7 +2276,13 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
     def _library_call(self, x, host, extra):
         b = self.block
         x = self._input(x, b.ln_1.weight)
-        return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), **extra))
+        return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), position_ids=self._position_ids(host),
+                             **extra))
+
+    def _modules(self, x):  # an empty batch of a GPT-2-style model (GPTBigCode's q/k/v are not GPT-2's)
+        if not self.block._revtriton_attention["gpt2_layout"]:
+            return torch.zeros_like(x)
+        return super()._modules(x)
 
 
 class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
@@ -2267,7 +2293,7 @@ class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
         return cond is None
 
     def _library_call(self, x, host, extra):
-        return self._branch(x, host.mask_for(self.block), extra)
+        return self._branch(x, host.mask_for(self.block), dict(extra, position_ids=self._position_ids(host)))
 
 
 class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
@@ -2282,7 +2308,7 @@ class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
         return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
 
 
-class _ParallelAttentionHalf(_HostAttention, _Half):
+class _HostParallelAttentionHalf(_HostAttention, _Half):
     takes_cond = True
 
     def _beyond_fused(self, x):
@@ -2307,7 +2333,7 @@ class _ParallelAttentionHalf(_HostAttention, _Half):
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
-_HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_ParallelAttentionHalf, _ParallelMlpHalf),
+_HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_HostParallelAttentionHalf, _ParallelMlpHalf),
                                                                     "RevifiedHostParallel")
 # Decoders admitted by GPT-2's layer conventions (GPTBigCode): their own names, found again on unpickling.
 _HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf),

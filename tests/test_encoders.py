@@ -8,8 +8,6 @@ padding in input_ids), builds its bidirectional mask (padding, packed rows) and 
 save / load and pickling are tested here; test_revify.py runs them through every family's tests too.
 """
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 from revtriton.ops import dispatch
 
+from test_host_forward import assert_loads_in_a_fresh_process
 from test_models import check_against_twin
 from test_revify import DEPTH, hf_roberta_pre, hf_xlmr_xl
 
@@ -153,10 +152,11 @@ def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
             for a, b in zip(ours.hidden_states, theirs.hidden_states):
                 torch.testing.assert_close(a, b, **close)
         ids, positions = packed(seqs)
-        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits,
-                                   original(input_ids=ids, position_ids=positions).logits, **close)
-        unmasked = model(input_ids=ids).logits  # the packing matters: one sequence sees the others
-        assert (unmasked - original(input_ids=ids, position_ids=positions).logits).abs().max() > 1e-2
+        theirs = original(input_ids=ids, position_ids=positions).logits
+        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits, theirs, **close)
+        # The packing matters: the same positions with a mask of ones (no packing) let sequences see each other.
+        joined = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids)).logits
+        assert (joined - theirs).abs().max() > 1e-2
 
 
 @pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
@@ -210,10 +210,7 @@ def test_an_encoder_found_by_its_conventions_saves_and_pickles(seeded, tmp_path)
         expected = model(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, expected)
         assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
-    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
-             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
     module = "transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm"
     assert _convention_class("RevifiedHostEncoderOrdinaryRobertaPreLayerNormLayer")[:2] == (
         module, "RobertaPreLayerNormLayer")
@@ -250,6 +247,29 @@ def test_heads_and_the_base_model_convert(seeded, monkeypatch):
         torch.testing.assert_close(attention(x), own, rtol=0, atol=1e-5)
 
 
+def _esm(seed, **overrides):  # ESM-2's layers: attention.LayerNorm and the layer's LayerNorm before the MLP
+    torch.manual_seed(seed)
+    config = dict(vocab_size=33, hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=64, pad_token_id=1, mask_token_id=32, position_embedding_type="absolute",
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.3)
+    return transformers.EsmForMaskedLM(transformers.EsmConfig(**{**config, **overrides})).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_esm_with_absolute_positions_converts_by_its_layer_parts(seeded):
+    """ESM (protein language model) has the same layer parts: a preserving conversion computes its
+    logits on right-padded rows (its own padding id)."""
+    original = _esm(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    ids = torch.randint(4, 30, (2, 9))
+    ids[1, 6:] = 1
+    mask = (ids != 1).long()
+    with torch.no_grad():
+        theirs = original(input_ids=ids, attention_mask=mask).logits
+        ours = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
 class _ScaledOutput(torch.nn.Module):
     """An MLP output that scales its branch: BERT's parts, another function."""
 
@@ -263,8 +283,8 @@ class _ScaledOutput(torch.nn.Module):
 
 def test_encoders_that_are_not_pre_norm_layers_raise_and_leave_the_model_as_it_was(seeded):
     """A layer whose parts match but whose function does not fails the probe (model unchanged); a
-    decoder configuration and relative positions are named; BERT (post-norm) is named elsewhere
-    (test_revify.py)."""
+    decoder configuration, positions computed inside attention (ESM's rotary) and a forward that
+    hides its layer loop are named; BERT (post-norm) is named elsewhere (test_revify.py)."""
     original = hf_roberta_pre(seeded, initializer_range=0.3).eval()
     for layer in original.base_model.encoder.layer:
         layer.output = _ScaledOutput(layer.output)
@@ -278,10 +298,8 @@ def test_encoders_that_are_not_pre_norm_layers_raise_and_leave_the_model_as_it_w
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
     with pytest.raises(NotImplementedError, match="as a decoder"):
         revify(hf_roberta_pre(seeded, is_decoder=True))
-    relative = hf_xlmr_xl(seeded)
-    relative.config.position_embedding_type = "relative_key"
-    with pytest.raises(NotImplementedError, match="position_embedding_type='relative_key'"):
-        revify(relative)
+    with pytest.raises(NotImplementedError, match="position_embedding_type='rotary'"):
+        revify(_esm(seeded, position_embedding_type="rotary"))
     wrapped = hf_roberta_pre(seeded)
     wrapped.base_model.encoder.__class__ = _WrappedEncoder
     with pytest.raises(NotImplementedError, match="does not loop over self.layer"):

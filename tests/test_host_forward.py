@@ -23,6 +23,15 @@ from test_revify import DEPTH, hf_llama, hf_qwen2, hf_vit
 transformers = pytest.importorskip("transformers")
 
 
+def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
+    """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
+    by name, and gives the same logits."""
+    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+
+
 def _count_calls(module, counts, key, pre=True):
     def hook(*_):
         counts[key] = counts.get(key, 0) + 1
@@ -170,10 +179,7 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
         expected = model(input_ids=ids).logits
         assert torch.equal(loaded(input_ids=ids).logits, expected)
         assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
-    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
-             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
     with pytest.raises(RuntimeError, match="call the model"):  # Granite's score scaling: its own module only
         model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
     path, name, _ = _convention_class("RevifiedHostGraniteDecoderLayer")
@@ -244,6 +250,24 @@ def test_decoders_with_gpt2s_layer_conventions_compute_the_librarys_function(mul
     assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
 
 
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_gpt2s_other_heads_take_the_convention_path_with_the_fused_halves(seeded):
+    """GPT2ForSequenceClassification (not a named family): GPT-2's layers found by their parts, probed,
+    and the fused halves kept (GPT-2's own projections); its logits under a preserving conversion."""
+    torch.manual_seed(seeded)
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, num_labels=3, pad_token_id=0,
+                                     initializer_range=0.3)
+    original = transformers.GPT2ForSequenceClassification(config).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    spec = model.transformer.h[0]._revtriton_attention
+    assert spec["fused_attention"] and spec["fused_mlp"]
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs = original(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
 def test_a_gpt2_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
     """GPTBigCode: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
     revtriton.from_pretrained converts it again; a fresh process unpickles its swapped classes."""
@@ -263,10 +287,7 @@ def test_a_gpt2_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
-    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
-             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
     module = "transformers.models.gpt_bigcode.modeling_gpt_bigcode"
     assert _convention_class("RevifiedHostGPT2StyleOrdinaryGPTBigCodeBlock")[:2] == (module, "GPTBigCodeBlock")
     assert _convention_class("RevifiedHostGPT2StyleGPTBigCodeModel")[:2] == (module, "GPTBigCodeModel")
@@ -364,10 +385,7 @@ def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded,
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
-    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
-             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
     with pytest.raises(RuntimeError, match="call the model"):
         model.base_model.get_submodule("h" if family == "GPTJ" else "layers")[0].coupling_halves()[0](
             torch.randn(1, 4, 64))

@@ -263,6 +263,70 @@ def test_flash_attention_varlen_inputs_must_mark_the_packed_sequences(seeded):
             model(**without)
 
 
+def _packing_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """A CPU stand-in for flash attention's packing rules: no 4-D mask; without a mask, packed sequences
+    from ``cu_seq_lens_q`` or from restarting ``position_ids`` in the call's keyword inputs (as
+    transformers' ``_flash_attention_forward`` finds them); SDPA inside."""
+    batch, heads, tokens, _ = query.shape
+    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    allowed = torch.ones(batch, 1, tokens, key.shape[2], dtype=torch.bool)
+    segments = None
+    if attention_mask is not None:
+        allowed &= attention_mask.bool()[:, None, None, :]
+    elif kwargs.get("cu_seq_lens_q") is not None:
+        bounds = kwargs["cu_seq_lens_q"]
+        segments = torch.bucketize(torch.arange(tokens), bounds[1:], right=True)[None]
+    elif kwargs.get("position_ids") is not None:
+        segments = packed_segments(kwargs["position_ids"])
+    if segments is not None:
+        _PACKING_SEEN.append(True)
+        allowed &= segments[:, None, :, None] == segments[:, None, None, :]
+    if module.is_causal if is_causal is None else is_causal:
+        allowed &= torch.ones(tokens, key.shape[2], dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_PACKING_SEEN = []
+
+
+@pytest.fixture(scope="module")
+def packing_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register("revtriton_packing_test", _packing_attention)
+    AttentionMaskInterface.register("revtriton_packing_test", flash_attention_mask)
+    return "revtriton_packing_test"
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "roberta_pre_lora"])
+def test_packed_rows_reach_a_flash_style_attention_on_the_library_path(family, packing_attention, seeded):
+    """With a flash-style attention (no 4-D mask: packed sequences found from the call's position ids),
+    halves that run the library's attention modules (GPTBigCode's, whose loop passes no position ids to
+    its layers; an encoder whose projections carry LoRA) pass the packed rows' position ids on: each
+    sequence of a packed row gets the logits it gets alone."""
+    import test_host_forward
+    from test_revify import hf_roberta_pre
+
+    seqs = sequences()
+    if family == "gpt_bigcode":
+        model = test_host_forward._bigcode(seeded)
+    else:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(hf_roberta_pre(seeded), peft.LoraConfig(r=4, target_modules=["query", "value"]))
+    model.base_model.config._attn_implementation = packing_attention
+    model = revify(model, exact=False).eval()
+    ids, positions = packed(seqs)
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=s[None], position_ids=torch.arange(len(s))[None]).logits[0] for s in seqs])
+        _PACKING_SEEN.clear()
+        together = model(input_ids=ids, position_ids=positions).logits[0]
+    assert _PACKING_SEEN  # the library's attention found the packed sequences
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("collator", ["flattening", "padding"])
 def test_trainer_trains_with_the_library_collators(collator, seeded, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
