@@ -297,7 +297,7 @@ def _host_block_mixins(halves: tuple, prefix: str = "RevifiedHost") -> tuple:
 
 def _parallel_residual(block) -> bool:
     """A parallel residual, ``x + A(x) + M(x)``: GPT-NeoX's (an attribute of its layers), GPT-J's."""
-    return bool(getattr(block, "use_parallel_residual", False) or _attention_spec(block).get("parallel"))
+    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))
 
 
 # -- function-preserving conversion (MEFT) ------------------------------------------------------
@@ -942,7 +942,7 @@ class _GPT2AttentionHalf(_Half):
         return self.block.attn.c_attn, self.block.attn.c_proj
 
     def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
-        return not _attention_spec(self.block).get("fused_attention", True)
+        return not _spec_of(self.block).get("fused_attention", True)
 
     def _dropouts(self):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
@@ -975,7 +975,7 @@ class _GPT2MlpHalf(_Half):
         return self.block.mlp.c_fc, self.block.mlp.c_proj
 
     def _beyond_fused(self, x):  # an activation the fused kernels do not have, other projections
-        return not self.block._revtriton_attention["fused_mlp"]
+        return not self.block._revtriton_spec["fused_mlp"]
 
     def _dropouts(self):
         return (_p(self.block.mlp.dropout),)
@@ -985,7 +985,7 @@ class _GPT2MlpHalf(_Half):
         x = self._input(x, b.ln_2.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
                                _out_in(m.c_proj), m.c_proj.bias, norm="layer",
-                               activation=b._revtriton_attention["activation"],
+                               activation=b._revtriton_spec["activation"],
                                eps=b.ln_2.eps)
 
     def _modules(self, x):
@@ -1019,7 +1019,7 @@ def _convert_gpt2(model, conversion, probe=False):
         gpt2_attention = (all(isinstance(getattr(a, part, None), Conv1D) for part in ("c_attn", "c_proj"))
                           and tuple(a.c_attn.weight.shape) == (hidden, 3 * hidden))
         gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
-        block._revtriton_attention = dict(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
+        block._revtriton_spec = dict(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
                                           fused_mlp=gpt2_mlp and activation is not None, activation=activation)
     if probe:
         _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs(base),
@@ -1118,7 +1118,7 @@ def _is_plain_rms_norm(norm) -> bool | None:
 def _layer_spec(block) -> dict:
     """The block's conversion spec (``_convert_llama``); ``fused_norm`` left undecided at conversion
     (weights on the meta device) is probed now."""
-    spec = block._revtriton_attention
+    spec = block._revtriton_spec
     if spec["fused_norm"] is None:
         spec["fused_norm"] = _layer_norms_are_plain(block)
     return spec
@@ -1322,7 +1322,7 @@ def _convert_llama(model, conversion, probe=False):
                 fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not getattr(config, "mlp_bias", False),
                 **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
-        block._revtriton_attention = dict(spec, window=window)
+        block._revtriton_spec = dict(spec, window=window)
     if probe:
         _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
                       "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
@@ -1382,7 +1382,7 @@ def _probe_layers(base: nn.Module, name: str, layers, halves: tuple, layer_input
         _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, parallel)
     except BaseException:
         for block in layers:
-            vars(block).pop("_revtriton_attention", None)
+            vars(block).pop("_revtriton_spec", None)
         raise
 
 
@@ -1405,7 +1405,7 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
             for i, block in enumerate(layers):
                 out = type(block).forward(block, x, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
-                spec = block._revtriton_attention
+                spec = block._revtriton_spec
                 fused = dict(fused_attention=spec["fused_attention"], fused_mlp=spec["fused_mlp"])
                 spec.update(fused_attention=False, fused_mlp=False)  # the layer's own modules first
                 attention, mlp = (half(block) for half in halves)
@@ -1462,16 +1462,16 @@ class _NeoXAttentionHalf(_Half):
                 _p(self.block.post_attention_dropout))
 
     def _beyond_fused(self, x):  # partial rotary or scaled RoPE: the kernels rotate whole heads by theta
-        spec = self.block._revtriton_attention
+        spec = self.block._revtriton_spec
         return spec["rope_dims"] != spec["head_dim"] or spec["rope_module"] is not None
 
     def _grouped_rows(self, t):
         """The interleaved q/k/v rows (or bias) regrouped as [q; k; v] (what the fused kernels read)."""
-        heads = self.block._revtriton_attention["heads"]
+        heads = self.block._revtriton_spec["heads"]
         return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
         norm, qkv = b.input_layernorm, a.query_key_value
         x = self._input(x, norm.weight)
         b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
@@ -1481,7 +1481,7 @@ class _NeoXAttentionHalf(_Half):
                                      **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
-        b, a, spec = self.block, self.block.attention, self.block._revtriton_attention
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
         x = self._input(x, b.input_layernorm.weight)
         batch, tokens, _ = x.shape
         qkv = a.query_key_value(b.input_layernorm(x)).view(batch, tokens, spec["heads"], 3 * spec["head_dim"])
@@ -1544,7 +1544,7 @@ def _convert_neox(model, conversion):
     spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, **_rope_spec(config, name, base, rope_dims))
     activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
     for block in base.layers:
-        block._revtriton_attention = dict(spec)
+        block._revtriton_spec = dict(spec)
         block._revtriton_activation = activation
     layer_class = type(base.layers[0])
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
@@ -1563,7 +1563,7 @@ def _convert_neox(model, conversion):
 
 
 def _parallel_norm(block) -> nn.Module:
-    return getattr(block, block._revtriton_attention["norm"])
+    return getattr(block, block._revtriton_spec["norm"])
 
 
 class _ParallelMlpHalf(_Half):
@@ -1613,7 +1613,7 @@ def _convert_parallel(model, conversion):
                                   f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
     layers = getattr(base, attribute)
     for block in layers:
-        block._revtriton_attention = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
+        block._revtriton_spec = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
                                           attention=attention)
     _probe_layers(base, name, layers, (_HostParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
                   f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
@@ -1665,7 +1665,7 @@ class _EncoderAttentionHalf(_Half):
         return _p(getattr(a.self, "dropout", None)), _p(getattr(a.output, "dropout", None))
 
     def _beyond_fused(self, x):
-        return not self.block._revtriton_attention["fused_attention"]
+        return not self.block._revtriton_spec["fused_attention"]
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
         a, norm = self.block.attention, _attention_norm(self.block)
@@ -1697,14 +1697,14 @@ class _EncoderMlpHalf(_Half):
         return (_p(getattr(self.block.output, "dropout", None)),)
 
     def _beyond_fused(self, x):
-        return not self.block._revtriton_attention["fused_mlp"]
+        return not self.block._revtriton_spec["fused_mlp"]
 
     def _fused(self, res, x, sign, frac_bits):
         b, (norm, _) = self.block, _mlp_norm(self.block)
         x = self._input(x, norm.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, b.intermediate.dense.weight,
                                b.intermediate.dense.bias, b.output.dense.weight, b.output.dense.bias, norm="layer",
-                               activation=b._revtriton_attention["activation"], eps=norm.eps)
+                               activation=b._revtriton_spec["activation"], eps=norm.eps)
 
     def _modules(self, x):
         b, (norm, inside) = self.block, _mlp_norm(self.block)
@@ -1758,7 +1758,7 @@ def _convert_prenorm_encoder(model, conversion):
                 fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
                                  and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
     for block in layers:
-        block._revtriton_attention = dict(spec)
+        block._revtriton_spec = dict(spec)
     no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
     _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
                   "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
@@ -2023,11 +2023,13 @@ class _HostCond:
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
-        return self.masks[_attention_spec(block).get("window") is not None]
+        return self.masks[_spec_of(block).get("window") is not None]
 
 
-def _attention_spec(block) -> dict:
-    return getattr(block, "_revtriton_attention", None) or {}
+def _spec_of(block) -> dict:
+    """A converted layer's spec (``_revtriton_spec``: what its halves compute fused, its attention kind,
+    its parts' names), set at conversion; empty for families that keep none."""
+    return getattr(block, "_revtriton_spec", None) or {}
 
 
 def _none_if_empty(t):
@@ -2131,7 +2133,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
                 raise NotImplementedError(f"revified model: layers got different {key} (per-layer rotary "
                                           f"embeddings are not supported)")
         block = stack[i]
-        kind = int(_attention_spec(block).get("window") is not None)
+        kind = int(_spec_of(block).get("window") is not None)
         mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
         if seen[kind] and mask is not masks[kind]:
             raise NotImplementedError("revified model: layers of one attention kind got different masks")
@@ -2177,7 +2179,7 @@ class _HostAttention:
         raise NotImplementedError
 
     def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
-        return bool(_attention_spec(self.block).get("library_rope"))
+        return bool(_spec_of(self.block).get("library_rope"))
 
     def _library_attention(self, x, host: "_HostCond"):
         if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
@@ -2214,7 +2216,7 @@ class _HostAttention:
         (RoPE only the model's rotary embedding computes, other score scalings or softcapping)."""
         if cond is not None:
             return False
-        if self._needs_model_rope() or not _attention_spec(self.block).get("fused_attention", True):
+        if self._needs_model_rope() or not _spec_of(self.block).get("fused_attention", True):
             raise RuntimeError("revtriton: this attention half computes what only its layer's own attention module "
                                "does (its model's RoPE, score scaling or softcapping): call the model, not the half "
                                "or the stack alone")
@@ -2280,7 +2282,7 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
                              **extra))
 
     def _modules(self, x):  # an empty batch of a GPT-2-style model (GPTBigCode's q/k/v are not GPT-2's)
-        if not self.block._revtriton_attention["gpt2_layout"]:
+        if not self.block._revtriton_spec["gpt2_layout"]:
             return torch.zeros_like(x)
         return super()._modules(x)
 
@@ -2315,7 +2317,7 @@ class _HostParallelAttentionHalf(_HostAttention, _Half):
         return True
 
     def _attention_module(self):
-        return getattr(self.block, self.block._revtriton_attention["attention"])
+        return getattr(self.block, self.block._revtriton_spec["attention"])
 
     def _library_call(self, x, host, extra):
         b = self.block

@@ -292,7 +292,7 @@ def test_encoders_that_are_not_pre_norm_layers_raise_and_leave_the_model_as_it_w
     with pytest.raises(NotImplementedError, match="does not compute a pre-norm encoder layer"):
         revify(model)
     layers = model.base_model.encoder.layer
-    assert type(layers) is torch.nn.ModuleList and not any(hasattr(layer, "_revtriton_attention") for layer in layers)
+    assert type(layers) is torch.nn.ModuleList and not any(hasattr(layer, "_revtriton_spec") for layer in layers)
     ids = torch.randint(1, 128, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)

@@ -212,7 +212,7 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
     model = copy.deepcopy(original)
     with pytest.raises(NotImplementedError, match="does not compute LLaMA's pre-norm layer"):
         revify(model)
-    assert not any(hasattr(layer, "_revtriton_attention") for layer in model.model.layers)
+    assert not any(hasattr(layer, "_revtriton_spec") for layer in model.model.layers)
     assert type(model.model.layers) is torch.nn.ModuleList and type(model) is type(original)
     ids = torch.randint(1, 128, (1, 6))
     with torch.no_grad():
@@ -235,7 +235,7 @@ def test_decoders_with_gpt2s_layer_conventions_compute_the_librarys_function(mul
     where GPT-2 has Conv1D) the fused kernels, as the probe found."""
     original = _bigcode(seeded, multi_query=multi_query)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    spec = model.transformer.h[0]._revtriton_attention
+    spec = model.transformer.h[0]._revtriton_spec
     assert not spec["fused_attention"] and spec["fused_mlp"]
     ids = torch.randint(1, 128, (2, 10))
     mask = torch.ones_like(ids)
@@ -260,7 +260,7 @@ def test_gpt2s_other_heads_take_the_convention_path_with_the_fused_halves(seeded
                                      initializer_range=0.3)
     original = transformers.GPT2ForSequenceClassification(config).eval()
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    spec = model.transformer.h[0]._revtriton_attention
+    spec = model.transformer.h[0]._revtriton_spec
     assert spec["fused_attention"] and spec["fused_mlp"]
     ids = torch.randint(1, 128, (2, 10))
     with torch.no_grad():
@@ -313,7 +313,7 @@ def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seede
     with pytest.raises(NotImplementedError, match="does not compute GPT-2's pre-norm layer"):
         revify(model)
     assert type(model.transformer.h) is torch.nn.ModuleList
-    assert not any(hasattr(block, "_revtriton_attention") for block in model.transformer.h)
+    assert not any(hasattr(block, "_revtriton_spec") for block in model.transformer.h)
     ids = torch.randint(1, 128, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)

@@ -324,7 +324,9 @@ def test_packed_rows_reach_a_flash_style_attention_on_the_library_path(family, p
         _PACKING_SEEN.clear()
         together = model(input_ids=ids, position_ids=positions).logits[0]
     assert _PACKING_SEEN  # the library's attention found the packed sequences
-    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+    # float rounding between a row and its sequence alone, at logits of ~10 (GPTBigCode's 0.3 init); joined
+    # sequences: ~1
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5 * max(1.0, alone.abs().max().item()))
 
 
 @pytest.mark.parametrize("collator", ["flattening", "padding"])

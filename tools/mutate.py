@@ -449,8 +449,8 @@ MUTANTS = [
            ("tests/test_revify.py", "-k", "interleaved_qkv"),
            "the fused path reads GPT-NeoX's per-head interleaved q/k/v rows as [q; k; v]"),
     Mutant("neox-parallel-residual-ignored", "revtriton/convert.py",
-           '    return bool(getattr(block, "use_parallel_residual", False) or _attention_spec(block).get("parallel"))',
-           '    return bool(_attention_spec(block).get("parallel"))',
+           '    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))',
+           '    return bool(_spec_of(block).get("parallel"))',
            ("tests/test_revify.py", "-k", "neox_preserving or halves_compute_the_original"),
            "a preserving conversion of a parallel-residual layer composes its sublayers one after the other"),
     Mutant("neox-partial-rotary-whole-head", "revtriton/ops/attention.py",
@@ -477,7 +477,7 @@ MUTANTS = [
            "reset_classifier keeps the old head"),
     # ---- decoders through the library's own forward (issue 15)
     Mutant("host-mask-ignores-the-layer-kind", "revtriton/convert.py",
-           '        return self.masks[_attention_spec(block).get("window") is not None]', "        return self.masks[0]",
+           '        return self.masks[_spec_of(block).get("window") is not None]', "        return self.masks[0]",
            ("tests/test_host_forward.py", "-k", "attention_kind"),
            "every layer gets the full-attention mask: sliding-window layers see past their window"),
     Mutant("host-4d-mask-fused", "revtriton/convert.py",
@@ -539,7 +539,7 @@ MUTANTS = [
            "an encoder without grad takes the library's modules (the decoding path) instead of the fused halves"),
     # ---- decoders with GPT-2's and GPT-J's layers, found by their conventions (issue 15)
     Mutant("parallel-residual-read-as-sequential", "revtriton/convert.py",
-           '    return bool(getattr(block, "use_parallel_residual", False) or _attention_spec(block).get("parallel"))',
+           '    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))',
            '    return bool(getattr(block, "use_parallel_residual", False))',
            ("tests/test_host_forward.py", "-k", "parallel_layers_compute"),
            "GPT-J's whole-layer half computes mlp(h) after attention instead of beside it"),
