@@ -501,40 +501,31 @@ def __getattr__(name):  # module attribute hook: rebuild a swapped class on unpi
 def _convention_class(name: str):
     """``_BLOCK_BASES``' entry of a swapped class of a model admitted by its layer conventions, or None:
     a decoder with LLaMA's layers (``RevifiedHost[Ordinary]<Family>DecoderLayer``,
-    ``RevifiedHost<Family>Model``, ``Revified<Family>ForCausalLM``), one with GPT-2's
-    (``RevifiedHostGPT2Style[Ordinary]<Family>Block``, ``RevifiedHostGPT2Style<Family>Model``) or
-    parallel ones (``RevifiedHostParallel...``: GPT-J, Phi), or a pre-norm BERT-style encoder
-    (``RevifiedHostEncoder[Ordinary]<Family>Layer``, ``RevifiedHostEncoder<Family>Model``,
-    ``Revified<Family>For<Head>``), its class found in the module of transformers' ``<Family>Model``."""
+    ``RevifiedHost<Family>Model``), one with GPT-2's (``RevifiedHostGPT2Style[Ordinary]<Family>Block``,
+    ``RevifiedHostGPT2Style<Family>Model``) or parallel ones (``RevifiedHostParallel...``: GPT-J,
+    Phi), or a pre-norm BERT-style encoder (``RevifiedHostEncoder[Ordinary]<Family>Layer``,
+    ``RevifiedHostEncoder<Family>Model``), its class found in the module of transformers'
+    ``<Family>Model``; or the head class around any of them (``Revified<Head class>``: an LM, a
+    classifier), which transformers exports by its name."""
     match = re.fullmatch(r"Revified(HostEncoder|HostGPT2Style|HostParallel|Host)?(Ordinary)?"
                          r"((\w+?)(DecoderLayer|Layer|Block|Model|For[A-Z]\w*))", name)
     if match is None:
         return None
     host, ordinary, class_name, family, kind = match.groups()
-    mixins = {(None, None, "For"): _RevifiedLM,
-              ("Host", None, "DecoderLayer"): _HostLlamaBlock,
-              ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
-              ("Host", None, "Model"): _HostDecoderModel,
-              ("HostEncoder", None, "Layer"): _HostEncoderBlock,
-              ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
-              ("HostEncoder", None, "Model"): _HostEncoderModel,
-              ("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
-              ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
-              ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel,
-              ("HostParallel", None, "Block"): _HostParallelBlock,
-              ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
-              ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,
-              ("HostParallel", "Ordinary", "DecoderLayer"): _HostParallelOrdinaryBlock,
-              ("HostParallel", None, "Model"): _HostParallelModel}
-    mixin = mixins.get((host, ordinary, "For" if kind.startswith("For") else kind))
+    if host is None:  # a head class (an LM, a classifier): transformers exports each by its name
+        holder, mixin = class_name, None if ordinary else _RevifiedLM
+    else:
+        holder, mixin = f"{family}Model", _CONVENTION_MIXINS.get((host, ordinary, kind))
     if mixin is None:
         return None
     try:
         transformers = importlib.import_module("transformers")
-        module = importlib.import_module(getattr(transformers, f"{family}Model").__module__)
+        module = importlib.import_module(getattr(transformers, holder).__module__)
     except (ImportError, AttributeError):
         return None
     return (module.__name__, class_name, mixin) if hasattr(module, class_name) else None
+
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -925,10 +916,7 @@ def _convert_hf_vit(model, conversion):
     layer_class = type(layers[0])
     _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HostViTBlock, _HostViTOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    base.layers.layers_view = _host_layer_calls
-    _swap_class(base, _HostViTModel, type(base).__module__, type(base).__name__)
-    if model is not base:  # the classifier: gradient-checkpointing requests warn there too
-        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
+    _host_the_layer_loop(model, base, "layers", _HostViTModel)
 
 
 # -- Hugging Face GPT-2 ----------------------------------------------------------------------
@@ -1765,10 +1753,7 @@ def _convert_prenorm_encoder(model, conversion):
     layer_class = type(layers[0])
     _convert_blocks(encoder, "layer", config.hidden_size, conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
-    encoder.layer.layers_view = _host_layer_calls
-    _swap_class(base, _HostEncoderModel, type(base).__module__, type(base).__name__)
-    if model is not base:  # the heads (masked LM, classifiers): gradient-checkpointing requests warn there too
-        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
+    _host_the_layer_loop(model, base, "encoder.layer", _HostEncoderModel)
 
 
 # -- block by block ------------------------------------------------------------------------------
@@ -1835,15 +1820,6 @@ class _BlockSteps(nn.Module):
         return out
 
 
-
-
-def _set_up_generation(model):
-    """The LM class swap: gradient-checkpointing requests warn (:class:`_NoCheckpointing`); generate
-    is the library's, with its own KV cache (the attention modules run with it while decoding)."""
-    if not callable(getattr(model, "prepare_inputs_for_generation", None)):
-        return
-    cls = type(model)
-    _swap_class(model, _RevifiedLM, cls.__module__, cls.__name__)
 
 
 _warned_grad_cache = []
@@ -2516,11 +2492,14 @@ def _require_hosted_layer_loop(name: str):
 
 
 def _host_the_layer_loop(model, base, layers: str, model_mixin: type):
-    """The converted stack answers the base model's layer loop (``layers_view``), the base model's
-    forward sets up each call (``model_mixin``), generate keeps the library's cache."""
-    getattr(base, layers).layers_view = _host_layer_calls
+    """The converted stack (at path ``layers`` of ``base``) answers the base model's layer loop
+    (``layers_view``), the base model's forward sets up each call (``model_mixin``), and the head
+    class around it (an LM: generate keeps the library's cache; a classifier) warns on
+    gradient-checkpointing requests (:class:`_RevifiedLM`)."""
+    operator.attrgetter(layers)(base).layers_view = _host_layer_calls
     _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
-    _set_up_generation(model)
+    if model is not base:
+        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
 
 
 _FAMILIES = {
@@ -2547,12 +2526,9 @@ _BLOCK_BASES.update({
     "RevifiedEva": ("timm.models.eva", "Eva", _EvaRevifiedModel),
     "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
     "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
-    "RevifiedGPT2LMHeadModel": ("transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", _RevifiedLM),
     "RevifiedHostViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTBlock),
     "RevifiedHostOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTOrdinaryBlock),
     "RevifiedHostViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _HostViTModel),
-    "RevifiedViTForImageClassification": ("transformers.models.vit.modeling_vit", "ViTForImageClassification",
-                                          _RevifiedLM),
 })
 _BLOCK_BASES.update({
     "RevifiedHostGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _HostGPT2Block),
@@ -2564,7 +2540,6 @@ _BLOCK_BASES.update({
     "RevifiedHostGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXBlock),
     "RevifiedHostOrdinaryGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXOrdinaryBlock),
     "RevifiedHostGPTNeoXModel": (_NEOX_PATH, "GPTNeoXModel", _HostDecoderModel),
-    "RevifiedGPTNeoXForCausalLM": (_NEOX_PATH, "GPTNeoXForCausalLM", _RevifiedLM),
 })
 for _module, _prefix in _LLAMA_LIKE.items():
     _path = f"transformers.models.{_module}.modeling_{_module}"
@@ -2572,5 +2547,22 @@ for _module, _prefix in _LLAMA_LIKE.items():
         f"RevifiedHost{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaBlock),
         f"RevifiedHostOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
         f"RevifiedHost{_prefix}Model": (_path, f"{_prefix}Model", _HostDecoderModel),
-        f"Revified{_prefix}ForCausalLM": (_path, f"{_prefix}ForCausalLM", _RevifiedLM),
     })
+
+# (prefix, "Ordinary" or None, layer / model kind) of a swapped class -> its mixin (see _convention_class)
+_CONVENTION_MIXINS = {
+    ("Host", None, "DecoderLayer"): _HostLlamaBlock,
+    ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
+    ("Host", None, "Model"): _HostDecoderModel,
+    ("HostEncoder", None, "Layer"): _HostEncoderBlock,
+    ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
+    ("HostEncoder", None, "Model"): _HostEncoderModel,
+    ("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
+    ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
+    ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel,
+    ("HostParallel", None, "Block"): _HostParallelBlock,  # GPT-J's blocks
+    ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
+    ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,  # Phi's and Cohere's layers
+    ("HostParallel", "Ordinary", "DecoderLayer"): _HostParallelOrdinaryBlock,
+    ("HostParallel", None, "Model"): _HostParallelModel,
+}

@@ -17,8 +17,9 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 from revtriton.ops import dispatch
 
-from test_host_forward import assert_loads_in_a_fresh_process
+from test_host_forward import assert_trains_saves_and_pickles
 from test_models import check_against_twin
+from test_token_layouts import assert_fused_kernels_match_the_reference
 from test_revify import DEPTH, hf_roberta_pre, hf_xlmr_xl
 
 transformers = pytest.importorskip("transformers")
@@ -165,8 +166,6 @@ def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
 def test_padded_and_packed_rows_run_the_fused_kernels(rows, exact, seeded):
     """The encoder's attention halves hand the padding / packing to the fused op: its Triton kernels
     (interpreter, bidirectional attention with segments) give the reference path's loss and gradients."""
-    from revtriton.ops.dispatch import count_launches, force_triton
-
     model = revify(hf_roberta_pre(seeded), exact=exact).train()
     seqs = sequences()
     if rows == "packed":
@@ -175,42 +174,18 @@ def test_padded_and_packed_rows_run_the_fused_kernels(rows, exact, seeded):
     else:
         ids, mask = padded(seqs, "right")
         batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    results = []
-    for fused in (True, False):
-        model.zero_grad(set_to_none=True)
-        with force_triton(fused), count_launches() as launches:
-            loss = model(**batch).loss
-            loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], launches.total()))
-    (loss, grads, launched), (ref_loss, ref_grads, ref_launched) = results
-    assert launched > 0 and ref_launched == 0
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-4 if exact else 1e-5, atol=0)  # as test_token_layouts.py
-    bound = 2e-3 if exact else 1e-4
-    # A key bias's gradient is zero (softmax ignores a shift of a query's scores): rounding there (1e-12) is
-    # measured against the model's gradient scale.
-    scale = max(b.abs().max() for b in ref_grads)
-    assert max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6 * scale)).item()
-               for a, b in zip(grads, ref_grads)) <= bound
+    assert_fused_kernels_match_the_reference(model, batch, exact)
 
 
-def test_an_encoder_found_by_its_conventions_saves_and_pickles(seeded, tmp_path):
-    """save_pretrained -> revtriton.from_pretrained converts it again; the swapped classes pickle, and
-    a fresh process finds them in transformers' module for the family."""
-    import pickle
-
-    from revtriton import from_pretrained
+def test_an_encoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step bitwise equals the stored-activation twin; save_pretrained ->
+    revtriton.from_pretrained converts it again; the swapped classes pickle, and a fresh process finds
+    them in transformers' module for the family."""
     from revtriton.convert import _convention_class
 
-    model = revify(hf_xlmr_xl(seeded)).eval()
+    model = revify(hf_xlmr_xl(seeded), exact=True).train()
     assert type(model).__name__ == "XLMRobertaXLForMaskedLM"  # config.architectures stays the library's
-    ids = torch.randint(1, 128, (2, 10))
-    model.save_pretrained(tmp_path)
-    loaded = from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert torch.equal(loaded(input_ids=ids).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path)
     module = "transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm"
     assert _convention_class("RevifiedHostEncoderOrdinaryRobertaPreLayerNormLayer")[:2] == (
         module, "RobertaPreLayerNormLayer")

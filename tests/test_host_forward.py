@@ -23,6 +23,33 @@ from test_revify import DEPTH, hf_llama, hf_qwen2, hf_vit
 transformers = pytest.importorskip("transformers")
 
 
+def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
+    """A revified model's exact training step (labels = the ids) bitwise equals its stored-activation
+    twin's (``seed``: the same dropout draws in both); then, in eval mode, save_pretrained ->
+    revtriton.from_pretrained, a pickle and a fresh process's unpickling give its logits. Returns
+    them."""
+    import pickle
+
+    from revtriton import from_pretrained
+
+    twin = to_stored_activations(copy.deepcopy(model))
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.manual_seed(seed)
+    twin_loss = twin(input_ids=ids, labels=ids).loss
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    return expected
+
+
 def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
     """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
     by name, and gives the same logits."""
@@ -91,9 +118,9 @@ def test_the_library_masks_each_layer_by_its_attention_kind(seeded):
 
 
 def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
-    model = revify(hf_llama(seeded), exact=False).eval()
-    ids = torch.randint(0, 128, (1, 6))
     from revtriton.convert import _HOST_CALL, _HostCall
+
+    model = revify(hf_llama(seeded), exact=False).eval()
 
     other = revify(hf_llama(seeded + 1), exact=False).eval()
     token = _HOST_CALL.set(_HostCall(model.model.layers, None, True, False))
@@ -159,27 +186,10 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     revtriton.from_pretrained converts it again (equal logits); the swapped classes pickle, and a
     fresh process finds them in transformers' module for the family; a half called alone refuses
     (what it computes differently, Granite's score scaling, only the layer's module does)."""
-    import pickle
-
-    from revtriton import from_pretrained
     from revtriton.convert import _convention_class
 
     model = revify(_decoder("Granite", seeded), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
-    ids = torch.randint(1, 128, (2, 10))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    twin_loss = twin(input_ids=ids, labels=ids).loss
-    twin_loss.backward()
-    check_against_twin(model, twin, loss, twin_loss, exact=True)
-    model.eval()
-    model.save_pretrained(tmp_path)
-    loaded = from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert torch.equal(loaded(input_ids=ids).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path)
     with pytest.raises(RuntimeError, match="call the model"):  # Granite's score scaling: its own module only
         model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
     path, name, _ = _convention_class("RevifiedHostGraniteDecoderLayer")
@@ -271,23 +281,10 @@ def test_gpt2s_other_heads_take_the_convention_path_with_the_fused_halves(seeded
 def test_a_gpt2_style_decoder_trains_saves_and_pickles(seeded, tmp_path):
     """GPTBigCode: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
     revtriton.from_pretrained converts it again; a fresh process unpickles its swapped classes."""
-    from revtriton import from_pretrained
     from revtriton.convert import _convention_class
 
     model = revify(_bigcode(seeded), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
-    ids = torch.randint(1, 128, (2, 10))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    twin_loss = twin(input_ids=ids, labels=ids).loss
-    twin_loss.backward()
-    check_against_twin(model, twin, loss, twin_loss, exact=True)
-    model.eval()
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path)
     module = "transformers.models.gpt_bigcode.modeling_gpt_bigcode"
     assert _convention_class("RevifiedHostGPT2StyleOrdinaryGPTBigCodeBlock")[:2] == (module, "GPTBigCodeBlock")
     assert _convention_class("RevifiedHostGPT2StyleGPTBigCodeModel")[:2] == (module, "GPTBigCodeModel")
@@ -367,28 +364,34 @@ def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded,
     """An exact training step (Phi: with its branch dropout) bitwise equals its stored-activation twin;
     save / load and a fresh process's unpickling give the converted model back; a half called alone
     refuses (its RoPE is the model's)."""
-    from revtriton import from_pretrained
-
     dropout = dict(resid_pdrop=0.1) if family == "Phi" else {}
     model = revify(_parallel_decoder(family, seeded, **dropout), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
-    ids = torch.randint(1, 128, (2, 10))
-    torch.manual_seed(seeded)  # the same dropout draws in both runs
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    torch.manual_seed(seeded)
-    twin_loss = twin(input_ids=ids, labels=ids).loss
-    twin_loss.backward()
-    check_against_twin(model, twin, loss, twin_loss, exact=True)
-    model.eval()
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
         model.base_model.get_submodule("h" if family == "GPTJ" else "layers")[0].coupling_halves()[0](
             torch.randn(1, 4, 64))
+
+
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "GPT2DoubleHeadsModel"])
+def test_head_classes_warn_on_checkpointing_and_unpickle_in_a_fresh_process(head, seeded, tmp_path):
+    """Any head around a converted base model (a classifier, GPT-2's double heads): a gradient-
+    checkpointing request warns (it would be ignored: the stand-ins never call the layers one by one),
+    and a fresh process finds the swapped head class by its name in transformers."""
+    torch.manual_seed(seeded)
+    if head.startswith("Llama"):
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                          num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=2,
+                                          num_labels=3, pad_token_id=0)
+    else:
+        config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4)
+    model = revify(getattr(transformers, head)(config)).eval()
+    assert type(model).__name__ == head  # config.architectures stays the library's
+    with pytest.warns(UserWarning, match="gradient checkpointing is not needed"):
+        model.gradient_checkpointing_enable()
+    ids = torch.randint(1, 128, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits  # the classifier's, the double heads' LM logits
+    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only

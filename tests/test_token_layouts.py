@@ -401,8 +401,6 @@ def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, exact, seede
     mask padded or packed rows and rotate at each row's positions, with the reference path's loss
     and gradients (the same model both ways). Exact streams: the engine's checksums compare every
     rebuilt block input with the forward's (a rebuild off by one bit raises)."""
-    from revtriton.ops.dispatch import count_launches, force_triton
-
     model = revify(BUILDERS[family](seeded), exact=exact).train()
     seqs = sequences()
     if rows == "packed":
@@ -412,6 +410,14 @@ def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, exact, seede
         ids, mask, positions = padded(seqs, "left")
         batch = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
                      labels=ids.masked_fill(mask == 0, -100))
+    assert_fused_kernels_match_the_reference(model, batch, exact)
+
+
+def assert_fused_kernels_match_the_reference(model, batch, exact):
+    """One training step of ``model`` on ``batch`` with the fused Triton kernels (interpreter) and with
+    the reference path: the same loss and gradients, and kernels launched only in the first."""
+    from revtriton.ops.dispatch import count_launches, force_triton
+
     results = []
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
@@ -425,7 +431,11 @@ def test_padded_and_packed_rows_run_the_fused_kernels(family, rows, exact, seede
     # (1e-4 of a gradient's size measured; a mask or RoPE bug moves them by > 1e-1)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4 if exact else 1e-5, atol=0)
     bound = 2e-3 if exact else 1e-4
-    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref_grads)) <= bound
+    # A key bias's gradient is zero (softmax ignores a shift of a query's scores): its rounding (1e-12)
+    # is measured against the model's gradient scale.
+    scale = max(b.abs().max() for b in ref_grads)
+    assert max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6 * scale)).item()
+               for a, b in zip(grads, ref_grads)) <= bound
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
