@@ -52,11 +52,15 @@ def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
 
 def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
     """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
-    by name, and gives the same logits."""
+    by name, and gives the same logits. ``expected`` comes from under torch.no_grad(): so does the fresh
+    process's (with grad a decoder runs the fused halves, without it and a cache the library's modules:
+    equal up to float rounding, not bitwise), on as many threads (a GEMM's sums split by thread)."""
     torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
              "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt"), str(torch.get_num_threads())],
+                   check=True, timeout=300)
 
 
 def _count_calls(module, counts, key, pre=True):
