@@ -41,6 +41,7 @@ import importlib
 import inspect
 import operator
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -582,7 +583,7 @@ class _Half:
     def _use_modules(self, x) -> bool:
         if self.block.training and any(p > 0 for p in self._dropouts()):
             return True
-        return self._beyond_fused(x) or any(type(m) not in _PLAIN_PROJECTIONS for m in self._projections())
+        return self._beyond_fused(x) or not all(_is_plain_projection(m) for m in self._projections())
 
     def _beyond_fused(self, x) -> bool:  # a feature of the block the fused kernels do not have
         return False
@@ -610,7 +611,14 @@ class _Half:
         return self._fused(torch.zeros_like(x), x, +1, None)[0]
 
 
-_PLAIN_PROJECTIONS = {nn.Linear}  # + transformers' Conv1D, added when GPT-2 is converted
+def _is_plain_projection(module) -> bool:
+    """A projection the fused kernels compute: nn.Linear, or transformers' Conv1D (GPT-2's; its class
+    is found where it lives, so an unpickled model in a fresh process, which converted nothing, runs
+    the fused halves as the one that converted it did)."""
+    if type(module) is nn.Linear:
+        return True
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")  # imported wherever a Conv1D exists
+    return pytorch_utils is not None and type(module) is getattr(pytorch_utils, "Conv1D", None)
 
 
 def _layout_options(layout) -> dict:
@@ -989,7 +997,6 @@ def _convert_gpt2(model, conversion, probe=False):
     each layer checked against its own forward (:func:`_probe_layers`)."""
     from transformers.pytorch_utils import Conv1D
 
-    _PLAIN_PROJECTIONS.add(Conv1D)
     base = model.transformer if hasattr(model, "transformer") else model
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)

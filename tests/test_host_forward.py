@@ -398,6 +398,22 @@ def test_head_classes_warn_on_checkpointing_and_unpickle_in_a_fresh_process(head
     assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
 
 
+def test_an_unpickled_gpt2_runs_the_fused_halves_in_a_fresh_process(seeded, tmp_path):
+    """GPT-2's projections are transformers' Conv1D: a process that converted nothing (it only
+    unpickles a converted model) still takes them for the fused kernels, as the converting process
+    did (it ran the layers' modules, other rounding, before: a saved model's logits changed on load)."""
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4)
+    model = revify(transformers.GPT2LMHeadModel(config)).eval()
+    halves = [half for block in model.transformer.h for half in block.coupling_halves()]
+    x = torch.randn(1, 4, 64)
+    assert not any(half._use_modules(x) for half in halves)
+    torch.save(model, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; model = torch.load(sys.argv[1], weights_only=False); "
+             "halves = [half for block in model.transformer.h for half in block.coupling_halves()]; "
+             "x = torch.randn(1, 4, 64); sys.exit(1 if any(half._use_modules(x) for half in halves) else 0)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+
+
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     """HF ViT runs its own forward too: an attention_mask over the patches (the library builds its
