@@ -25,11 +25,14 @@ dq and dk are rotated back before they are stored (the RoPE backward, fused).
 Padded and packed rows (``SEGMENTS``): each token's sequence number (SEG [B, T] int32, 0 for
 padding) masks the scores as ``ops.attention.sequence_mask`` does (a real key of the query's own
 sequence; a padding query sees every real key, or itself when none comes before it: SELF_UNTIL
-[B]), with no [T, T] mask in memory; every block then takes the masked path, and the online
-softmax guards rows that have seen no key yet. Only the blocks a program's rows can reach run
-(SPANS [B, 4, T]: per token, the keys it may see and the queries that may see it), so packed
-sequences cost about their own blocks, not the whole row's. The RoPE backward reads tables [T, D/2] shared by
-the batch, or one per batch row (``stride_ropeb``: packed rows' positions).
+[B]), with no [T, T] mask in memory; the online softmax guards rows that have seen no key yet.
+Only the blocks a program's rows can reach run (SPANS [B, 6, T]: per token, the keys it may see
+and the queries that may see it), so packed sequences cost about their own blocks, not the whole
+row's. In the backward passes the blocks inside the run of one sequence that all of a program's
+rows (dq) or keys (dk/dv) share take the unmasked loop (SPANS rows 4, 5: each token's run), the
+rest the masked one; the forward masks every block (an unmasked loop there cost it its register
+budget at head dim 128). The RoPE backward reads tables [T, D/2] shared by the batch, or one per
+batch row (``stride_ropeb``: packed rows' positions).
 
 Every loop runs the blocks that need no mask first and the masked ones (the causal diagonal, or
 the ragged end of the sequence) last, so the common case pays for no mask. Batch and head offsets
@@ -315,41 +318,65 @@ def query_bounds(SEG, SELF_UNTIL, b, offs, ok, stride_segb):
 
 @triton.jit
 def block_span(SPANS, b, offs, ok, seq_len, WHICH: tl.constexpr):
-    """[first, end) over the tokens ``offs`` of batch ``b`` of SPANS [B, 4, T]: WHICH 0, the keys
+    """[first, end) over the tokens ``offs`` of batch ``b`` of SPANS [B, 6, T]: WHICH 0, the keys
     these queries may see; WHICH 2, the queries that may see these keys (the launcher's superset
     of the mask, ops.fused_attention.segment_spans). Blocks outside it are masked for every row:
     skipping them changes no bit (their p is 0 everywhere)."""
-    base = SPANS + b * 4 * seq_len + WHICH * seq_len
+    base = SPANS + b * 6 * seq_len + WHICH * seq_len
     first = tl.min(tl.load(base + offs, mask=ok, other=seq_len), 0)
     end = tl.max(tl.load(base + seq_len + offs, mask=ok, other=0), 0)
     return first, end
 
 
 @triton.jit
+def unmasked_span(SPANS, b, offs, ok, seq_len, lo, hi, BLOCK: tl.constexpr):
+    """[free_lo, free_hi) with lo <= free_lo <= free_hi <= max(lo, hi): the whole blocks (of BLOCK
+    tokens, inside [lo, hi)) of the run that all tokens ``offs`` of batch ``b`` share (SPANS rows 4,
+    5), or an empty range. Every score between those tokens and that run is unmasked (one code on
+    both sides), so these blocks take the unmasked loop; tokens past the sequence end do not narrow it."""
+    base = SPANS + b * 6 * seq_len + 4 * seq_len
+    run_first = tl.max(tl.load(base + offs, mask=ok, other=0), 0)
+    run_end = tl.min(tl.load(base + seq_len + offs, mask=ok, other=seq_len), 0)
+    hi = tl.maximum(hi, lo)
+    free_lo = tl.minimum(tl.maximum(tl.cdiv(run_first, BLOCK) * BLOCK, lo), hi)
+    free_hi = tl.minimum(tl.maximum((run_end // BLOCK) * BLOCK, free_lo), hi)
+    return free_lo, free_hi
+
+
+@triton.jit
 def key_blocks(pid_m, offs_m, row_ok, b, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb, CAUSAL: tl.constexpr,
-               SEGMENTS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
-    """The key loop of a program owning query rows (forward, dq pass): (start, split, hi, lo_q, hi_q).
-    Blocks [start, split) need no mask (entirely below the diagonal / inside the sequence), blocks
-    [split, hi) do (the diagonal, or the ragged tail); causal blocks above are skipped. With SEGMENTS
-    every block is masked and only the blocks these rows' sequences span run (another sequence may
-    share one); lo_q / hi_q are the key codes each row sees (its own index without SEGMENTS)."""
+               SEGMENTS: tl.constexpr, RUNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+    """The key loops of a program owning query rows (forward, dq pass): (free_lo, free_hi, start, hi,
+    lo_q, hi_q). Blocks [free_lo, free_hi) need no mask (entirely below the diagonal / inside the
+    sequence) and run first; the others in [start, hi) do (the diagonal, or the ragged tail) and run
+    after them in one masked loop; causal blocks above are skipped. Without SEGMENTS free_lo = 0 and
+    start = free_hi. With SEGMENTS only the blocks these rows' sequences span run (another sequence
+    may share one); with RUNS too the unmasked ones are those inside the run all the rows share (none
+    when the rows straddle two sequences or padding), which the masked loop skips, else there are
+    none; lo_q / hi_q are the key codes each row sees (its own index without SEGMENTS)."""
     if CAUSAL:
         split = (pid_m * BLOCK_ROWS // BLOCK_KEYS) * BLOCK_KEYS  # (BLOCK_KEYS may exceed BLOCK_ROWS)
         hi = tl.minimum((pid_m + 1) * BLOCK_ROWS, seq_len)
     else:
         split = (seq_len // BLOCK_KEYS) * BLOCK_KEYS
         hi = seq_len
-    start = 0
+    start = split
+    free_lo = 0
+    free_hi = split
     if SEGMENTS:
         first, end = block_span(SPANS, b, offs_m, row_ok, seq_len, 0)
         start = (first // BLOCK_KEYS) * BLOCK_KEYS
-        split = start
         hi = tl.minimum(hi, end)
+        free_lo = start
+        free_hi = start
+        if RUNS:
+            free_lo, free_hi = unmasked_span(SPANS, b, offs_m, row_ok, seq_len, start, tl.minimum(split, hi),
+                                             BLOCK_KEYS)
         lo_q, hi_q = query_bounds(SEG, SELF_UNTIL, b, offs_m, row_ok, stride_segb)
     else:
         lo_q = offs_m
         hi_q = offs_m
-    return start, split, hi, lo_q, hi_q
+    return free_lo, free_hi, start, hi, lo_q, hi_q
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,13 +465,15 @@ def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    start, split, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b64, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb,
-                                              CAUSAL, SEGMENTS, BLOCK_M, BLOCK_N)
+    # (SEGMENTS: every block masked. An unmasked loop over the run the rows share, as the dq pass has,
+    # took the head dim 128 kernel past 232 registers with spills whichever way its loops were laid out.)
+    free_lo, free_hi, start, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b64, seq_len, SEG, SELF_UNTIL, SPANS,
+                                                         stride_segb, CAUSAL, SEGMENTS, False, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               start, split, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
-                               hi_q, False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
+                               free_lo, free_hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb,
+                               lo_q, hi_q, False, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_kt, stride_vt,
-                               split, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
+                               start, hi, offs_m, offs_n, lanes, lane_ok, seq_len, qk_scale, SEG, stride_segb, lo_q,
                                hi_q, True, CAUSAL, SEGMENTS, USE_TMA, EVEN_D, DOT_PRECISION, BLOCK_N, HEAD_PAD)
 
     acc = acc / l_i[:, None]
@@ -520,12 +549,18 @@ def _dkdv_steps(dk, dv, k, v, q_base, do_base, q_desc, do_desc, b, h, lse_base, 
 
 @triton.jit
 def _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, lo, hi, offs_m,
-              offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """dq contributions of the key blocks [lo, hi); MASKED: apply the causal and sequence masks."""
+              offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, skip_lo, skip_hi,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, EVEN_D: tl.constexpr,
+              USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_STREAM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """dq contributions of the key blocks [lo, hi); MASKED: apply the causal and sequence masks (with
+    SEGMENTS skipping the blocks [skip_lo, skip_hi) the unmasked loop ran)."""
     lse2 = lse * 1.4426950408889634
-    for start_n in range(lo, hi, BLOCK_STREAM):
+    gap = 0
+    if SEGMENTS and MASKED:
+        gap = skip_hi - skip_lo
+    for start_n in range(lo, hi - gap, BLOCK_STREAM):
+        if SEGMENTS and MASKED:
+            start_n += (start_n >= skip_lo).to(tl.int32) * gap
         start_n = tl.multiple_of(start_n, BLOCK_STREAM)
         offs_n = start_n + offs_s
         col_ok = offs_n < seq_len
@@ -591,8 +626,8 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
     lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
-    start, split, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b, seq_len, SEG, SELF_UNTIL, SPANS, stride_segb,
-                                              CAUSAL, SEGMENTS, BLOCK_FIXED, BLOCK_STREAM)
+    free_lo, free_hi, start, hi, lo_q, hi_q = key_blocks(pid_m, offs_m, row_ok, b, seq_len, SEG, SELF_UNTIL, SPANS,
+                                                         stride_segb, CAUSAL, SEGMENTS, True, BLOCK_FIXED, BLOCK_STREAM)
     STREAM_TMA: tl.constexpr = USE_TMA and EVEN_D
     k_desc = None
     v_desc = None
@@ -602,12 +637,12 @@ def attention_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, COS, SIN, SEG, SELF_
         v_desc = head_tiles(V, batch, seq_len, kv_heads, stride_vb, stride_vt, stride_vh, HEAD_DIM, BLOCK_STREAM,
                             HEAD_PAD)
     dq = tl.zeros([BLOCK_FIXED, HEAD_PAD], dtype=tl.float32)
-    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, start, split,
-                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, False, CAUSAL,
-                   SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
-    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, split, hi,
-                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, True, CAUSAL,
-                   SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, free_lo,
+                   free_hi, offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, free_lo,
+                   free_hi, False, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
+    dq = _dq_steps(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, b, kvh, stride_kt, stride_vt, start, hi,
+                   offs_m, offs_s, columns, column_ok, seq_len, qk_scale, SEG, stride_segb, lo_q, hi_q, free_lo,
+                   free_hi, True, CAUSAL, SEGMENTS, EVEN_D, STREAM_TMA, DOT_PRECISION, BLOCK_STREAM, HEAD_PAD)
     dq = dq * sm_scale
     if ROPE:  # tables [T, D/2] shared by the batch (stride_ropeb 0) or one per batch row (positions)
         cos, sin = load_rope_tables(COS + b * stride_ropeb, SIN + b * stride_ropeb, offs_m, row_ok, HEAD_DIM, HEAD_PAD)
@@ -637,7 +672,10 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
     full blocks unmasked, the sequence's last block masked), three copies of the loop body. At
     head dim 128 two 128 x 128 fp32 accumulators take half the registers and the three copies
     need 255 (with stack on triton 3.6), the one loop 213-231 (sm_90); at head dim 64 the
-    unmasked loop issues fewer instructions, so it keeps three."""
+    unmasked loop issues fewer instructions, so it keeps three. With SEGMENTS the three-loop form
+    runs the query blocks inside the keys' shared run unmasked; the one-loop form masks every block
+    (split into three folded loops, or an unmasked one and a masked one skipping its blocks, it
+    spilled on triton 3.6: 255 registers and a stack, sm_90)."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_PAD
     pid = tl.program_id(0)
     tiles = tl.cdiv(seq_len, BLOCK_FIXED)
@@ -670,12 +708,15 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
         diagonal_end = 0
     full_end = tl.maximum(full_end, diagonal_end)
     stream_end = seq_len
-    if SEGMENTS:  # only the query blocks that may see these keys, each masked
+    if SEGMENTS:  # only the query blocks that may see these keys; unmasked: those inside the keys' shared run
         first, end = block_span(SPANS, b, offs_n, key_ok, seq_len, 2)
         lo = tl.maximum((first // BLOCK_STREAM) * BLOCK_STREAM, lo)
-        diagonal_end = lo
-        full_end = lo
         stream_end = tl.minimum(end, seq_len)
+        if not ONE_LOOP:  # (past the diagonal; whole query blocks inside the sequence; none past the span's end)
+            free_from = tl.minimum(tl.maximum(diagonal_end, lo), stream_end)
+            free_until = tl.minimum((seq_len // BLOCK_STREAM) * BLOCK_STREAM, stream_end)
+            diagonal_end, full_end = unmasked_span(SPANS, b, offs_n, key_ok, seq_len, free_from, free_until,
+                                                   BLOCK_STREAM)
         code_k = key_codes(SEG, b, offs_n, key_ok, stride_segb)
     else:
         code_k = offs_n

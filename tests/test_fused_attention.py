@@ -660,6 +660,16 @@ LAYOUTS = {  # segments of a [2, 33] batch (0: padding, k: the row's k-th sequen
 }
 
 
+def use_dkdv_loop_form(monkeypatch, one_loop: bool, tma: bool = False):
+    """The dk/dv kernel's first config with its ONE_LOOP switch set (one masked loop, or three), its
+    Q / dO tiles by TMA or not (the interpreter runs tensor descriptors too)."""
+    ka = fa._attention_kernels()
+    config = ka.dkdv_configs()[0]
+    monkeypatch.setattr(ka.attention_bwd_dkdv_kernel, "configs",
+                        [type(config)({**config.kwargs, "ONE_LOOP": one_loop, "USE_TMA": tma},
+                                      num_warps=config.num_warps, num_stages=config.num_stages)])
+
+
 def masked_attention_reference(q, k, v, do, causal, segments, rope):
     """(o, (dq, dk, dv)) in float64 through SDPA with the library path's [B, 1, T, T] mask."""
     from revtriton.ops.attention import sequence_mask
@@ -679,11 +689,7 @@ def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, c
     """segments [B, T] masked in the forward, dq and dk/dv kernels (no T x T mask), with the RoPE
     backward at each row's own positions (tables [B, T, D/2]); the dk/dv pass in both loop forms
     (its masks applied to P, or folded into the dot's accumulator)."""
-    ka = fa._attention_kernels()
-    config = ka.dkdv_configs()[0]
-    monkeypatch.setattr(ka.attention_bwd_dkdv_kernel, "configs",
-                        [type(config)({**config.kwargs, "ONE_LOOP": one_loop}, num_warps=config.num_warps,
-                                      num_stages=config.num_stages)])
+    use_dkdv_loop_form(monkeypatch, one_loop)
     segments = torch.tensor(LAYOUTS[layout])
     batch, tokens = segments.shape
     q, k, v = packed_qkv(batch, tokens, 4, 2, 32, torch.float32)
@@ -698,12 +704,15 @@ def test_attention_masks_padded_and_packed_rows_in_the_kernels(seeded, layout, c
         assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-5, f"d{name}: {rel_err(g, r)}"
 
 
-# Rows long enough for the interpreter's 32 / 16-row tiles to skip blocks: three packed sequences
-# and padding; left padding; a row of sequences one token long; codes past T (one shared bucket).
+# Rows long enough for the interpreter's 32 / 16-row tiles to skip blocks and to run unmasked ones
+# inside a run: three packed sequences and padding; left padding; a row of sequences one token
+# long; codes past T (one shared bucket); holes.
 SPAN_LAYOUTS = {
     "packed": [[1] * 40 + [2] * 45 + [3] * 35, [1] * 70 + [0] * 50],
     "left-padding": [[0] * 50 + [1] * 70, [1] * 30 + [2] * 30 + [3] * 30 + [4] * 30],
     "ones-and-big-codes": [list(range(1, 121)), [500] * 60 + [700] * 60],
+    # a padding hole inside a sequence; one code in two stretches (two runs of one sequence mask)
+    "holes": [[1] * 30 + [0] * 10 + [1] * 80, [2] * 50 + [1] * 20 + [2] * 50],
 }
 
 
@@ -726,14 +735,28 @@ def test_segment_spans_cover_the_mask_and_packed_rows_tightly(layout, causal):
     if layout == "packed":
         first, end = spans[0, 0, 40:85], spans[0, 1, 40:85]  # the second sequence
         assert (first == 40).all() and (end == 85).all()
+        assert (spans[0, 4, 40:85] == 40).all() and (spans[0, 5, 40:85] == 85).all()  # its run too
+    # Runs: exact (no mask inside one, between any of its tokens) and maximal; padding has none.
+    in_run = (pos[None, None, :] >= spans[:, 4, :, None]) & (pos[None, None, :] < spans[:, 5, :, None])
+    same_code = segments[:, :, None] == segments[:, None, :]
+    assert in_run.any(2).eq(segments != 0).all()  # a real token's run holds it, padding has none
+    assert not (in_run & ~same_code).any()
+    before, after = spans[:, 4] - 1, spans[:, 5]  # the tokens just outside a run carry another code
+    for edge in (before, after):
+        inside = (edge >= 0) & (edge < tokens) & (segments != 0)
+        neighbour = segments.gather(1, edge.clamp(0, tokens - 1).long())
+        assert not (inside & (neighbour == segments)).any()
 
 
 @pytest.mark.parametrize("layout", sorted(SPAN_LAYOUTS))
 @pytest.mark.parametrize("causal", [True, False])
-def test_skipped_blocks_change_no_bit(seeded, layout, causal, monkeypatch):
+@pytest.mark.parametrize("form", [(False, False), (True, True)], ids=["dkdv-three-loops", "dkdv-one-loop-tma"])
+def test_skipped_blocks_change_no_bit(seeded, layout, causal, form, monkeypatch):
     """The kernels with the spans (skipping blocks) against the same kernels told that every token
-    spans the whole row (every block masked, as before skipping): the forward, lse and all three
-    gradients bitwise equal; and against the float64 reference."""
+    spans the whole row (every block runs): the forward, lse and all three gradients bitwise equal.
+    Both, and the kernels told that no token has a run (no unmasked loop inside a run the rows or
+    keys share: every block masked), against the float64 reference and each other."""
+    use_dkdv_loop_form(monkeypatch, *form)
     segments = torch.tensor(SPAN_LAYOUTS[layout])
     batch, tokens = segments.shape
     q, k, v = packed_qkv(batch, tokens, 4, 2, 32, torch.float32)
@@ -745,14 +768,27 @@ def test_skipped_blocks_change_no_bit(seeded, layout, causal, monkeypatch):
         return (o, lse, *fa.attention_bwd(q, k, v, o, lse, do, causal=causal, rope=rope, segments=layout))
 
     skipping = run(segments)
-    whole = torch.tensor([0, tokens, 0, tokens], dtype=torch.int32)[None, :, None].expand(batch, 4, tokens)
-    monkeypatch.setattr(fa, "segment_spans", lambda seg, self_until: whole.contiguous())
+    real = fa.segment_spans
+
+    def whole_spans(runs: bool):  # every token spans the row; its run as it is, or none
+        def spans(seg, self_until):
+            out = real(seg, self_until).clone()
+            out[:, 0], out[:, 1], out[:, 2], out[:, 3] = 0, tokens, 0, tokens
+            if not runs:
+                out[:, 4], out[:, 5] = tokens, 0
+            return out
+        return spans
+
+    monkeypatch.setattr(fa, "segment_spans", whole_spans(runs=True))
     everything = run(segments.clone())  # (a new layout tensor: the launchers' cache keys on the tensor)
     for a, b in zip(skipping, everything):
         assert torch.equal(a, b)
+    monkeypatch.setattr(fa, "segment_spans", whole_spans(runs=False))
+    all_masked = run(segments.clone())  # every block through the masked loops (another order of sums)
     ref_o, ref_grads = masked_attention_reference(q, k, v, do, causal, segments, rope)
-    for got, ref in zip((skipping[0], *skipping[2:]), (ref_o, *ref_grads)):
-        assert rel_err(got, ref) <= 1e-5
+    for got, masked, ref in zip((skipping[0], *skipping[2:]), (all_masked[0], *all_masked[2:]), (ref_o, *ref_grads)):
+        assert rel_err(got, ref) <= 1e-5 and rel_err(masked, ref) <= 1e-5
+        assert rel_err(got, masked) <= 1e-6
 
 
 def test_the_layout_arguments_are_made_once_per_layout_tensor(monkeypatch):

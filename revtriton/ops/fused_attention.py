@@ -176,13 +176,19 @@ def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.T
 
 
 def segment_spans(seg: torch.Tensor, self_until: torch.Tensor) -> torch.Tensor:
-    """int32 [B, 4, T]: per token, [first, end) of the keys it may see as a query (rows 0, 1) and of
+    """int32 [B, 6, T]: per token, [first, end) of the keys it may see as a query (rows 0, 1) and of
     the queries that may see it as a key (rows 2, 3), under the kernels' mask (see kernels/attention.py
-    key_codes / query_bounds). Supersets are fine (the mask still applies inside); the kernels skip
-    the blocks outside a program's union. A real token's sequence spans its first to last token; a
-    padding query that sees every real key spans the row's real tokens; one that sees only itself,
-    itself. Codes above T share one bucket and rows with a negative code span the whole row (both
-    only widen spans). No host sync."""
+    key_codes / query_bounds), and [first, end) of its run (rows 4, 5).
+
+    Spans: supersets are fine (the mask still applies inside); the kernels skip the blocks outside a
+    program's union. A real token's sequence spans its first to last token; a padding query that sees
+    every real key spans the row's real tokens; one that sees only itself, itself. Codes above T share
+    one bucket and rows with a negative code span the whole row (both only widen spans).
+
+    Runs: exact, never wider. A real token's run is the stretch of consecutive tokens with its code
+    around it (every query of it sees every key of it, causality aside); a padding token has none,
+    [T, 0). Where a program's rows all share one run, the blocks inside it need no mask (the kernels'
+    unmasked loop). No host sync."""
     batch, tokens = seg.shape
     pos = torch.arange(tokens, device=seg.device).expand(batch, tokens)
     real = seg != 0
@@ -208,7 +214,22 @@ def segment_spans(seg: torch.Tensor, self_until: torch.Tensor) -> torch.Tensor:
     spans = torch.stack([key_first, key_end, query_first, query_end], 1)
     whole = torch.tensor([0, tokens, 0, tokens], device=seg.device)[None, :, None]
     spans = torch.where((seg < 0).any(1)[:, None, None], whole, spans)
-    return spans.to(torch.int32).contiguous()
+    return torch.cat([spans, torch.stack(segment_runs(seg), 1)], 1).to(torch.int32).contiguous()
+
+
+def segment_runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T], [B, T]): per token, the first token and the end of the stretch of consecutive tokens
+    with its code (padding tokens: T and 0, no run)."""
+    batch, tokens = seg.shape
+    pos = torch.arange(tokens, device=seg.device).expand(batch, tokens)
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    ends = torch.ones_like(seg, dtype=torch.bool)
+    ends[:, :-1] = starts[:, 1:]
+    run_first = torch.where(starts, pos, 0).cummax(1).values
+    run_end = torch.where(ends, pos + 1, tokens).flip(1).cummin(1).values.flip(1)
+    real = seg != 0
+    return torch.where(real, run_first, tokens), torch.where(real, run_end, 0)
 
 
 def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
