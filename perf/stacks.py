@@ -147,17 +147,18 @@ class StoredActivationStack(nn.Module):
     ReversibleStack's: ``"duplicate"`` (both start as x, the output is their mean) or ``"split"`` (x's
     halves, the output their concatenation)."""
 
-    def __init__(self, blocks, checkpoint_blocks: bool = False, streams: str = "duplicate"):
+    def __init__(self, blocks, checkpoint_blocks: bool = False, streams: str = "duplicate", early_stop: bool = True):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.checkpoint_blocks = checkpoint_blocks
         self.streams = streams
+        self.early_stop = early_stop  # False: checkpoint recomputes each block whole (torch stops at its last saved tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1) if self.streams == "split" else (x, x)
         for block in self.blocks:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x1, x2 = checkpoint(block, x1, x2, use_reentrant=False)
+                x1, x2 = checkpoint(block, x1, x2, use_reentrant=False, early_stop=self.early_stop)
             else:
                 x1, x2 = block(x1, x2)
         return torch.cat([x1, x2], dim=-1) if self.streams == "split" else (x1 + x2) * 0.5

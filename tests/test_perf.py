@@ -463,6 +463,33 @@ def test_engine_bench_runs_and_reports_ratios(tmp_path, capsys):
     assert results["4"]["revtriton-float"]["saved_bytes"] == results["2"]["revtriton-float"]["saved_bytes"]
 
 
+def test_checkpoint_without_early_stop_recomputes_each_block_whole():
+    """The engine benchmark's explanation of checkpointing's lead: torch's checkpoint (early stop)
+    recomputes each block up to the last tensor its backward saved, which leaves out the MLP's second
+    GEMM (3 of a block's 4 Linear forwards in backward); without early stop it recomputes all 4, as a
+    reversible rebuild must (G's whole output gives x2 = y2 - G(y1))."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountAddmm(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountAddmm.count += func is torch.ops.aten.addmm.default
+            return func(*args, **(kwargs or {}))
+
+    args = engine_bench.parse_args(["--dim", "32", "--heads", "2", "--seq", "8", "--batch", "2"])
+    counts = {}
+    for label in ("checkpoint", "checkpoint-whole"):
+        model = engine_bench.build(label, engine_bench.preset_of(args), 3)
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        out = model(x)
+        CountAddmm.count = 0
+        with CountAddmm():
+            out.backward(torch.randn_like(out))
+        counts[label] = CountAddmm.count
+    assert counts == {"checkpoint": 3 * 3, "checkpoint-whole": 3 * 4}
+
+
 def test_autotune_on_cpu_says_it_needs_cuda(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert autotune.main([]) == 0

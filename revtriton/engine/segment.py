@@ -415,13 +415,14 @@ class _SegmentBackward:
         return y1_value
 
     def _rebuild_f(self, rb: _BlockRebuild, f):
-        """x1 = y1 - F(x2), keeping F's graph (its input joined to the post-backward token); drops y1."""
+        """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1."""
         run, fmt = self.run, self.run.fmt
         run.rng.set(rb.state_f)
         rb.input_f = _HalfInput()
         x2_value = rb.input_f.attach(fmt.value(rb.x2), fmt.exact)
-        x1, rb.port_f = couple_half(f, rb.y1, _AfterToken.apply(x2_value, rb.token), -1, fmt.frac_bits, self.cond,
-                                    rb.scale1)
+        if _is_fsdp_module(rb.layer):  # (only FSDP2's post-backward hook waits on the token)
+            x2_value = _AfterToken.apply(x2_value, rb.token)
+        x1, rb.port_f = couple_half(f, rb.y1, x2_value, -1, fmt.frac_bits, self.cond, rb.scale1)
         rb.x1, rb.y1 = x1.detach(), None
         # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
         self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, rb.token_leaf)
