@@ -181,11 +181,28 @@ def fused_gemm_kernel(
         bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
         alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux, M_BUCKET, K_BUCKET,
         DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        TMA_READY: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+        TMA_READY: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, ALIGNED_8: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         USE_TMA: tl.constexpr):
+    if ALIGNED_8 and not USE_TMA:
+        # The sizes and the operands' row strides are multiples of 8 elements, some not of 16 (the
+        # launcher sets ALIGNED_8 only then, with descriptor-ready operands: 16-byte aligned rows).
+        # Said to the compiler (x // 8 * 8 is x here, and visibly a multiple of 8), the pointer path
+        # (sm_80) copies tiles asynchronously in 16-byte vectors, masks at the edges included; the
+        # JIT specialises only multiples of 16 (e.g. width 1000 would load element by element).
+        M = M // 8 * 8
+        N = N // 8 * 8
+        K = K // 8 * 8
+        if A_K_MAJOR:
+            stride_am = stride_am // 8 * 8
+        else:
+            stride_ak = stride_ak // 8 * 8
+        if B_K_MAJOR:
+            stride_bn = stride_bn // 8 * 8
+        else:
+            stride_bk = stride_bk // 8 * 8
     # The K range of this program (a split-K program's own slice), and the TMA descriptors (sm_90
     # configs, when the launcher found every operand descriptor-ready: the copy engine brings the
     # tiles, no address math or masks in the loop; masked pointer loads otherwise, as on sm_80).

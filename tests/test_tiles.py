@@ -256,6 +256,44 @@ def test_gemm_tma_and_pointer_loads_give_the_same_bits(seeded, pin, load_paths, 
         assert rel_err(got, want) <= 1e-2
 
 
+def test_gemm_pointer_loads_of_aligned_operands_take_the_hints_and_give_the_tma_bits(seeded, pin, monkeypatch):
+    """Descriptor-ready fp16 operands whose sizes are multiples of 8, not all of 16 (136 rows, widths
+    200 and 136): a config without TMA (sm_80's pointer loads) is told their alignment (ALIGNED_8:
+    sizes and strides multiples of 8, which the JIT's specialisation cannot see) and gives bitwise
+    what the TMA config gives, and the reference's values."""
+    hinted = []
+    launch = gemm.dispatch.launch
+
+    def recording(kernel, grid, *args, **meta):
+        if "ALIGNED_8" in meta:
+            hinted.append(meta["TMA_READY"] and meta["ALIGNED_8"])
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(gemm.dispatch, "launch", recording)
+    rows, dim, hidden, dt = 136, 200, 136, torch.float16
+    n = torch.randn(rows, dim).to(dt)
+    w, b = (torch.randn(hidden, dim) / dim**0.5).to(dt), torch.randn(hidden).to(dt)
+    dz = torch.randn(rows, hidden).to(dt)
+    g = torch.randn(rows, hidden).to(dt)
+
+    def run(use_tma):
+        config = kc.GEMM_CONFIG_INTERPRETER
+        config = type(config)({**config.kwargs, "USE_TMA": use_tma}, num_warps=config.num_warps,
+                              num_stages=config.num_stages)
+        pin(kg.fused_gemm_kernel, config)
+        return (gemm.linear(n, w, b, activation="gelu_tanh")[0], gemm.linear_weight_grad(dz, n),
+                gemm.linear_input_grad(g, w))
+
+    by_pointers, by_tma = run(False), run(True)
+    assert hinted and all(hinted)
+    for got, want in zip(by_pointers, by_tma):
+        assert torch.equal(got, want)
+    refs = (gemm.linear_reference(n, w, b, activation="gelu_tanh")[0], gemm.linear_weight_grad_reference(dz, n),
+            gemm.linear_input_grad_reference(g, w))
+    for got, want in zip(by_pointers, refs):
+        assert rel_err(got, want) <= 1e-2
+
+
 def test_gemm_loads_by_pointers_where_no_descriptor_fits(seeded, load_paths):
     """fp32 operands (the correctness path), and an input gradient whose second K segment starts
     off a 16-byte boundary (K = 100 fp16 columns: 200 bytes), take the pointer path."""

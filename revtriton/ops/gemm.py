@@ -226,12 +226,21 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
         int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K),
         DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
-        TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1, HAS_BIAS=bias is not None,
+        TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1,
+        ALIGNED_8=tma and _aligned_8_only(M, N, K, stride_am * stride_ak, stride_bk * stride_bn),
+        HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
         HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
         INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return c
+
+
+def _aligned_8_only(*sizes) -> bool:
+    """Every size a multiple of 8 and one not of 16: only then does the kernel's ALIGNED_8 hint tell the
+    compiler what the JIT's own specialisation (multiples of 16) does not (no extra compiled variant
+    otherwise). The strides are passed as their products with the unit one."""
+    return all(n % 8 == 0 for n in sizes) and any(n % 16 for n in sizes)
 
 
 def _weight_as_b(weight):
