@@ -712,7 +712,8 @@ def attention_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, COS, SIN, SEG, SE
         first, end = block_span(SPANS, b, offs_n, key_ok, seq_len, 2)
         lo = tl.maximum((first // BLOCK_STREAM) * BLOCK_STREAM, lo)
         stream_end = tl.minimum(end, seq_len)
-        if not ONE_LOOP:  # (past the diagonal; whole query blocks inside the sequence; none past the span's end)
+        if not ONE_LOOP:  # (the one-loop form masks every block.) Past the diagonal, whole query
+            # blocks inside the sequence, none past the span's end:
             free_from = tl.minimum(tl.maximum(diagonal_end, lo), stream_end)
             free_until = tl.minimum((seq_len // BLOCK_STREAM) * BLOCK_STREAM, stream_end)
             diagonal_end, full_end = unmasked_span(SPANS, b, offs_n, key_ok, seq_len, free_from, free_until,

@@ -152,7 +152,7 @@ class StoredActivationStack(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.checkpoint_blocks = checkpoint_blocks
         self.streams = streams
-        self.early_stop = early_stop  # False: checkpoint recomputes each block whole (torch stops at its last saved tensor)
+        self.early_stop = early_stop  # False: checkpoint recomputes whole blocks (torch's default stops early)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1) if self.streams == "split" else (x, x)

@@ -1498,7 +1498,7 @@ class _NeoXMlpHalf(_Half):
         return (_p(self.block.post_mlp_dropout),)
 
     def _beyond_fused(self, x):
-        return self.block._revtriton_activation is None
+        return _spec_of(self.block)["activation"] is None
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
@@ -1506,7 +1506,7 @@ class _NeoXMlpHalf(_Half):
         x = self._input(x, norm.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
                                m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
-                               activation=b._revtriton_activation, eps=norm.eps)
+                               activation=_spec_of(b)["activation"], eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
@@ -1536,11 +1536,11 @@ def _convert_neox(model, conversion):
                                   f"is not supported")
     _require_hosted_layer_loop(name)
     rope_dims = int(attention.rotary_ndims)
-    spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, **_rope_spec(config, name, base, rope_dims))
     activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
+    spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, activation=activation,
+                **_rope_spec(config, name, base, rope_dims))
     for block in base.layers:
         block._revtriton_spec = dict(spec)
-        block._revtriton_activation = activation
     layer_class = type(base.layers[0])
     _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
                     (layer_class.__module__, layer_class.__name__))
@@ -1749,7 +1749,7 @@ def _convert_prenorm_encoder(model, conversion):
     heads, head_dim = s.num_attention_heads, s.attention_head_size
     biases = [p.bias is not None for p in (s.query, s.key, s.value)]
     activation = _HF_ACTIVATIONS.get(getattr(config, "hidden_act", None))
-    spec = dict(heads=heads, head_dim=head_dim, activation=activation, fused_mlp=activation is not None,
+    spec = dict(activation=activation, fused_mlp=activation is not None,
                 fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
                                  and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
     for block in layers:
@@ -2238,7 +2238,7 @@ class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
         b = self.block
         x = self._input(x, getattr(b.input_layernorm, "weight", None))
         out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(b),
-                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **extra)
+                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
         return _residual_dropout(b, "resid_attn_dropout")(_first(out))
 
 
@@ -2250,7 +2250,7 @@ class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
         b = self.block
         x = self._input(x, b.input_layernorm.weight)
         out = b.attention(b.input_layernorm(x), attention_mask=host.mask_for(b),
-                          position_ids=host.position_ids, position_embeddings=host.position_embeddings, **extra)
+                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
         return b.post_attention_dropout(_first(out))
 
 
@@ -2308,7 +2308,7 @@ class _HostParallelAttentionHalf(_HostAttention, _Half):
         x = self._input(x, getattr(norm, "weight", None))
         rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
         out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(b),
-                                       position_ids=host.position_ids, **rotary, **extra)
+                                       position_ids=self._position_ids(host), **rotary, **extra)
         return _residual_dropout(b, "resid_dropout")(_first(out))
 
     def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)

@@ -19,14 +19,14 @@ from revtriton.ops import dispatch
 
 from test_host_forward import assert_trains_saves_and_pickles
 from test_models import check_against_twin
-from test_token_layouts import assert_fused_kernels_match_the_reference
+from test_token_layouts import _pad_right, assert_fused_kernels_match_the_reference, packed, real_tokens
+from test_token_layouts import padded as padded_with_positions
 from test_revify import DEPTH, hf_roberta_pre, hf_xlmr_xl
 
 transformers = pytest.importorskip("transformers")
 
 ENCODERS = {"roberta_pre": hf_roberta_pre, "xlmr_xl": hf_xlmr_xl}
 LENGTHS = (10, 7, 4)
-PAD = 0  # the builders' pad_token_id: padding ids, and the padding the position ids skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -36,24 +36,10 @@ def sequences(lengths=LENGTHS):
 
 
 def padded(seqs, side):
-    """(input_ids, attention_mask) padded to the longest; the library derives positions from the ids."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        where = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
-        ids[i, where], mask[i, where] = s, 1
+    """(input_ids, attention_mask) padded with 0 (the builders' pad_token_id) to the longest; the library
+    derives the positions from the ids, skipping the padding."""
+    ids, mask, _ = padded_with_positions(seqs, side)
     return ids, mask
-
-
-def real_tokens(rows, seqs, side):
-    width = rows.shape[1]
-    return torch.cat([row[: len(s)] if side == "right" else row[width - len(s):] for row, s in zip(rows, seqs)])
-
-
-def packed(seqs):
-    """One row, position_ids restarting at 0 (DataCollatorWithFlattening)."""
-    return torch.cat(seqs)[None], torch.cat([torch.arange(len(s)) for s in seqs])[None]
 
 
 def alone(model, seqs, packed_positions=False, **kwargs):
@@ -292,22 +278,13 @@ class _WrappedEncoder(transformers.models.roberta_prelayernorm.modeling_roberta_
 def test_trainer_trains_a_masked_lm_with_the_library_collators(collator, seeded, tmp_path):
     """Hugging Face Trainer, 5 steps: DataCollatorWithFlattening (packed rows) or a padding collator
     with masked-LM labels; the loss is finite and the weights move."""
+    pytest.importorskip("accelerate")  # (Trainer needs it)
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     model = revify(hf_roberta_pre(seeded))
+    # labels = the ids, as _pad_right (a padding collator) makes them
     examples = [{"input_ids": s.tolist(), "labels": s.tolist()} for s in sequences((9, 5, 7, 3, 8, 6))]
-
-    def pad_right(features):
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.full((len(features), width), PAD)
-        labels = torch.full((len(features), width), -100)
-        mask = torch.zeros_like(ids)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
-        return dict(input_ids=ids, labels=labels, attention_mask=mask)
-
-    collate = DataCollatorWithFlattening() if collator == "flattening" else pad_right
+    collate = DataCollatorWithFlattening() if collator == "flattening" else _pad_right
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=5, learning_rate=1e-3,
                              report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True)
     before = [p.detach().clone() for p in model.parameters()]

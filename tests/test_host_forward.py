@@ -26,8 +26,7 @@ transformers = pytest.importorskip("transformers")
 def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
     """A revified model's exact training step (labels = the ids) bitwise equals its stored-activation
     twin's (``seed``: the same dropout draws in both); then, in eval mode, save_pretrained ->
-    revtriton.from_pretrained, a pickle and a fresh process's unpickling give its logits. Returns
-    them."""
+    revtriton.from_pretrained, a pickle and a fresh process's unpickling give its logits."""
     import pickle
 
     from revtriton import from_pretrained
@@ -47,7 +46,6 @@ def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
         assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
         assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
     assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
-    return expected
 
 
 def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
@@ -342,7 +340,7 @@ def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP
 def test_decoders_with_parallel_layers_compute_the_librarys_function(family, preserve, seeded):
     """GPT-J, CodeGen, Phi and Cohere (x + attn(norm(x)) + mlp(norm(x)), their own rotary): a preserving
     conversion that keeps each layer whole computes their logits on whole, padded and packed rows,
-    and their cached greedy generation; meft3 (sublayer after sublayer) is refused."""
+    and their cached greedy generation."""
     original = _parallel_decoder(family, seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     ids = torch.randint(1, 128, (2, 10))
@@ -359,6 +357,11 @@ def test_decoders_with_parallel_layers_compute_the_librarys_function(family, pre
     prompt = ids[:, :4]
     ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
+@pytest.mark.parametrize("family", ["GPTJ", "CodeGen", "Phi", "Cohere"])
+def test_decoders_with_parallel_layers_refuse_meft3(family, seeded):
+    """meft3 (sublayer after sublayer) cannot compose a parallel layer's two branches: refused."""
     with pytest.raises(NotImplementedError, match="meft3"):
         revify(_parallel_decoder(family, seeded), preserve="meft3")
 

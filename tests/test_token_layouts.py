@@ -265,19 +265,15 @@ def test_flash_attention_varlen_inputs_must_mark_the_packed_sequences(seeded):
 
 def _packing_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                        **kwargs):
-    """A CPU stand-in for flash attention's packing rules: no 4-D mask; without a mask, packed sequences
-    from ``cu_seq_lens_q`` or from restarting ``position_ids`` in the call's keyword inputs (as
-    transformers' ``_flash_attention_forward`` finds them); SDPA inside."""
+    """A CPU stand-in for flash attention's packing rule: no mask (the tests using it pass none), packed
+    sequences found from restarting ``position_ids`` in the call's keyword inputs (as transformers'
+    ``_flash_attention_forward`` finds them without ``cu_seq_lens``); SDPA inside."""
+    assert attention_mask is None, "the stand-in covers packed rows without a padding mask only"
     batch, heads, tokens, _ = query.shape
     key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     allowed = torch.ones(batch, 1, tokens, key.shape[2], dtype=torch.bool)
     segments = None
-    if attention_mask is not None:
-        allowed &= attention_mask.bool()[:, None, None, :]
-    elif kwargs.get("cu_seq_lens_q") is not None:
-        bounds = kwargs["cu_seq_lens_q"]
-        segments = torch.bucketize(torch.arange(tokens), bounds[1:], right=True)[None]
-    elif kwargs.get("position_ids") is not None:
+    if kwargs.get("position_ids") is not None:
         segments = packed_segments(kwargs["position_ids"])
     if segments is not None:
         _PACKING_SEEN.append(True)
