@@ -78,6 +78,19 @@ def _dkdv(fixed, stream, warps, stages, tma=False, one_loop=False):
     return config
 
 
+# The static gates' register bound (perf/static.py, aot.MAX_REGISTERS). A config whose
+# compilations landed just past it is capped (ptxas's maxnreg): ptxas then schedules within the
+# cap. Capping is not free in general (a cap can also make ptxas spill: seen with 2 stages
+# below), so each capped config is one the static model compiles with no stack on triton 3.6 and
+# 3.9 for every variant it serves.
+MAX_REGISTERS = 232
+
+
+def _capped(config):
+    config.maxnreg = MAX_REGISTERS
+    return config
+
+
 # Per (arch, head-dim bucket 64 / 128 / 256). On sm_90 the streamed tiles (K / V in the forward and
 # the dq pass, Q / dO in the dk/dv pass) arrive by TMA (``USE_TMA``; power-of-two head dims, other
 # head dims fall back to pointer loads); sm_80 uses cp.async pointer loads. 128-row fixed blocks on
@@ -86,28 +99,40 @@ def _dkdv(fixed, stream, warps, stages, tma=False, one_loop=False):
 #   forward 128 x 128 and 64 x 128: the tutorial-06 anchor's ratio at head dim 64 and 128 (1.03 /
 #     0.52), <= 194 registers;
 #   dq pass 128 x 64: 0.68 (64) / 0.41 (128), <= 182 registers;
-#   dk/dv pass, 64: 128 x 64, ratio 0.68-0.72; registers depend on the compiler: 204-226 with
-#     triton 3.9 (3 stages; 237 with 2 under a causal mask), 234-255 with 3.6 (2 stages: 234);
+#   dk/dv pass, 64: 128 x 64 on 3 stages, ratio 0.69-0.77; registers depend on the compiler:
+#     204-237 with triton 3.9, 234-255 with 3.6 uncapped; capped at 232, 206-225 (3.9) and 232
+#     (3.6) with no stack. 2 stages capped spilled 8 bytes under a causal mask on 3.9: dropped;
 #   dk/dv pass, 128: two 128 x 128 fp32 accumulators are 128 registers a thread on 8 warps
 #     (FlashAttention-3 gives these warps 240 with setmaxnreg, which Triton cannot). In the
 #     three-loop form 128 x 32 tiles used all 255 registers (64 bytes of stack with triton 3.6)
 #     and 128 x 16 tiles issued too much (ratio 0.93); the one-loop form (ONE_LOOP) runs 128 x 32
-#     in 213-219 registers (3.9) / 229-231 (3.6), ratio 0.65 / 0.57, no stack; sm_80's 32 x 32
-#     255 -> 187 registers;
+#     in 213-219 registers (3.9) / 229-231 (3.6), ratio 0.65 / 0.57, no stack (capped: its packed-
+#     rows variant 237 -> 221 on 3.6); sm_80's 32 x 32 255 -> 187 registers;
+#   packed rows (SEGMENTS) at head dim 128 hold more per score tile: capped, the forward's sm_90
+#     tiles 234-254 -> 210-232 and the dq pass's sm_80 64 x 32 236 -> 228-232; the sm_80
+#     forward's 64 x 32 spilled under the cap (8-16 bytes, 2 or 3 stages by compiler), so packed
+#     rows take FWD_PACKED_ROWS_CONFIGS there;
 #   head dim 256 (Gemma): correct, not tuned (the dk/dv pass spills).
 FWD_CONFIGS = {
     (90, 64): [_fwd(128, 128, 8, 3, True), _fwd(128, 128, 8, 2, True), _fwd(64, 128, 4, 3, True)],
-    (90, 128): [_fwd(128, 128, 8, 3, True), _fwd(128, 128, 8, 2, True), _fwd(64, 128, 4, 3, True)],
+    (90, 128): [_capped(_fwd(128, 128, 8, 3, True)), _capped(_fwd(128, 128, 8, 2, True)),
+                _capped(_fwd(64, 128, 4, 3, True))],
     (90, 256): [_fwd(64, 64, 4, 2, True), _fwd(64, 32, 4, 2, True)],
     (80, 64): [_fwd(64, 64, 4, 3, False), _fwd(64, 32, 4, 3, False)],
-    (80, 128): [_fwd(64, 32, 4, 3, False), _fwd(64, 32, 4, 2, False)],
+    (80, 128): [_capped(_fwd(64, 32, 4, 3, False)), _capped(_fwd(64, 32, 4, 2, False))],
     (80, 256): [_fwd(64, 32, 4, 2, False)],
+}
+# The forward's tiles for packed rows where the table's cannot hold them (see above): 220-223
+# registers capped on both compilers.
+FWD_PACKED_ROWS_CONFIGS = {
+    (80, 128): [_capped(_fwd(64, 16, 4, 3, False)), _capped(_fwd(32, 64, 4, 3, False))],
 }
 # dk/dv pass: BLOCK_FIXED keys a program, BLOCK_STREAM queries a step; dq pass: BLOCK_FIXED queries,
 # BLOCK_STREAM keys (the tutorial's BLOCK_N1 / BLOCK_M1 and BLOCK_M2 / BLOCK_N2).
 DKDV_CONFIGS = {
-    (90, 64): [_dkdv(128, 64, 8, 3, True), _dkdv(128, 64, 8, 2, True)],
-    (90, 128): [_dkdv(128, 32, 8, 2, True, one_loop=True), _dkdv(128, 32, 8, 3, True, one_loop=True)],
+    (90, 64): [_capped(_dkdv(128, 64, 8, 3, True))],
+    (90, 128): [_capped(_dkdv(128, 32, 8, 2, True, one_loop=True)),
+                _capped(_dkdv(128, 32, 8, 3, True, one_loop=True))],
     (90, 256): [_dkdv(64, 32, 4, 2, True)],
     (80, 64): [_dkdv(32, 32, 4, 2)],
     (80, 128): [_dkdv(32, 32, 4, 2, one_loop=True)],
@@ -118,7 +143,7 @@ DQ_CONFIGS = {
     (90, 128): [_bwd(128, 64, 8, 2, True), _bwd(128, 32, 8, 2, True)],
     (90, 256): [_bwd(64, 32, 4, 2, True)],
     (80, 64): [_bwd(64, 32, 4, 2), _bwd(32, 32, 4, 2)],
-    (80, 128): [_bwd(64, 32, 4, 2), _bwd(32, 32, 4, 2)],
+    (80, 128): [_capped(_bwd(64, 32, 4, 2)), _bwd(32, 32, 4, 2)],
     (80, 256): [_bwd(32, 16, 4, 1)],
 }
 # fp32 operands (a model run without autocast; tl.dot takes them as tf32): the tiles above hold
@@ -146,9 +171,9 @@ def _table_key(head_dim, arch, element_size=2):
     return ("fp32", bucket) if element_size == 4 else (90 if arch >= 90 else 80, bucket)
 
 
-def _union(table):
+def _union(*tables):
     seen, out = set(), []
-    for configs in table.values():
+    for configs in (configs for table in tables for configs in table.values()):
         for c in configs:
             if config_key(c) not in seen:
                 seen.add(config_key(c))
@@ -161,7 +186,7 @@ def fwd_configs(head_dim: int | None = None, arch: int | None = None, element_si
     dim, arch); both None: the union the kernel is decorated with."""
     if INTERPRET:
         return [FWD_CONFIG_INTERPRETER]
-    return _union(FWD_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch, element_size)]
+    return _union(FWD_CONFIGS, FWD_PACKED_ROWS_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
 def dkdv_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
@@ -184,15 +209,20 @@ def device_arch() -> int:
     return torch.cuda.get_device_capability()[0] * 10
 
 
-def prune_by_table(lister):
+def prune_by_table(lister, packed_rows=None):
     """early_config_prune: keep the configs listed for the running device, the HEAD_DIM and the
-    operands' element size (the kernel's first argument is its first operand)."""
+    operands' element size (the kernel's first argument is its first operand); with packed rows
+    (SEGMENTS) those of ``packed_rows`` ({table key: configs}) where it lists the key."""
 
     def prune(configs, named_args, **kwargs):
         if len(configs) <= 1:
             return configs
         element_size = next(iter(named_args.values())).element_size()
-        wanted = {config_key(c) for c in lister(kwargs["HEAD_DIM"], device_arch(), element_size)}
+        head_dim, arch = kwargs["HEAD_DIM"], device_arch()
+        listed = lister(head_dim, arch, element_size)
+        if packed_rows and kwargs.get("SEGMENTS"):
+            listed = packed_rows.get(_table_key(head_dim, arch, element_size), listed)
+        wanted = {config_key(c) for c in listed}
         return [c for c in configs if config_key(c) in wanted] or configs[:1]
 
     return prune
@@ -423,7 +453,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
 
 
 @triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "SEGMENTS", "seq_bucket"],
-                 prune_configs_by={"early_config_prune": prune_by_table(fwd_configs)}, cache_results=True)
+                 prune_configs_by={"early_config_prune": prune_by_table(fwd_configs, FWD_PACKED_ROWS_CONFIGS)}, cache_results=True)
 @triton.jit
 def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,

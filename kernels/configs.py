@@ -30,8 +30,8 @@ def next_power_of_2(n: int) -> int:
 
 
 def config_key(config) -> tuple:
-    """What tells two configs apart: their meta-parameters, warps and stages."""
-    return tuple(sorted(config.kwargs.items())) + (config.num_warps, config.num_stages)
+    """What tells two configs apart: their meta-parameters, warps, stages and register cap."""
+    return tuple(sorted(config.kwargs.items())) + (config.num_warps, config.num_stages, config.maxnreg)
 
 
 def _gemm(bm, bn, bk, warps, stages, group_m=8, tma=False):

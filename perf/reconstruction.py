@@ -11,7 +11,7 @@ halves (``LayerNormMLP``), at depths 1 .. 48:
   output), the largest error over the chunks (``--anchors``, default 1, 2 and 4). An unscaled
   float32 stack is the baseline. Exact streams have no such error: their stack refuses
   ``inverse()`` for scaled couplings (the bits the shift drops live only in the autograd graph),
-  and the backward's rebuild is bitwise (an int64 checksum of every rebuilt input is compared
+  and the backward's rebuild is bitwise (a position-weighted checksum of every rebuilt input is compared
   with the forward's, or the backward raises).
 * **Gradient error**: the input's and every parameter's gradient of ``sum(w * stack(x))``
   against plain autograd in float64 (the stored-activation twin of a float64 copy), as the

@@ -28,7 +28,7 @@ Common setting (both paths; it is revtriton's, and the sweep's on a GPU)
       4 bytes an element either way. The half sees the stream's value in fp32 (the engine's
       ``from_fixed`` pass in exact mode); the stream gradients are fp32.
     * engine passes around a half (``engine=True``, same on both paths, named ``engine.*``): exact
-      mode adds the value conversion, the range guard (forward) and the int64 checksum (one of the
+      mode adds the value conversion, the range guard (forward) and the int32 checksum (one of the
       block's two sums per half); the backward negates the incoming gradient (``-dy``) and adds the
       half's input gradient into the other stream's gradient.
     * no drop-path (row_scale), no layer scale; parameter gradients land in ``p.grad`` that is None

@@ -73,7 +73,7 @@ _NON_FLAGS = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "BLOCK_FIXED", "BLOCK_
 
 def variant_label(job: aot.CompileJob, fn) -> str:
     """kernel[switches]<pointer dtypes>(unit strides){integer args not divisible by 16}/tile w warps
-    s stages@sm arch: what tells two compiled specialisations apart, readably."""
+    s stages (r register cap)@sm arch: what tells two compiled specialisations apart, readably."""
     flags = []
     for name in fn.arg_names:
         if job.signature.get(name) != "constexpr" or name in _NON_FLAGS or name.startswith("stride"):
@@ -90,7 +90,8 @@ def variant_label(job: aot.CompileJob, fn) -> str:
     tile = "x".join(str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_FIXED", "BLOCK_STREAM") if k in cfg)
     return (f"{fn.__name__}[{','.join(flags)}]<{','.join(operands)}>({','.join(unit)})" +
             (f"{{{','.join(odd)}}}" if odd else "") +
-            f"/{tile}w{cfg['num_warps']}s{cfg['num_stages']}@sm{job.arch}")
+            f"/{tile}w{cfg['num_warps']}s{cfg['num_stages']}" + (f"r{cfg['maxnreg']}" if "maxnreg" in cfg else "")
+            + f"@sm{job.arch}")
 
 
 def library_jobs(models=None):

@@ -176,6 +176,8 @@ def compile_job(launch: Launch, config, arch: int) -> CompileJob:
     _, backend = _backend(arch)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = {**launch.meta, **config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg is not None:  # a register cap (kernels/attention.py): a compile option, as at launch
+        kwargs["maxnreg"] = config.maxnreg
     bound_args, specialization, options = binder(*launch.args, **kwargs)
     option_kwargs = {k: v for k, v in kwargs.items() if k not in fn.arg_names}
     options, signature, constexprs, attrs = fn._pack_args(backend, option_kwargs, bound_args, specialization, options)
@@ -188,7 +190,8 @@ def compile_job(launch: Launch, config, arch: int) -> CompileJob:
                      sorted((str(k), str(v)) for k, v in constexprs.items()),
                      sorted((str(k), str(v)) for k, v in attrs.items()),
                      sorted((k, str(v)) for k, v in portable.items()), arch))
-    config_desc = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    config_desc = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+                   **({"maxnreg": config.maxnreg} if config.maxnreg is not None else {})}
     return CompileJob(fn.__name__, arch, signature, constexprs, attrs, options, config_desc,
                       hashlib.sha256(key_text.encode()).hexdigest()[:20])
 

@@ -24,7 +24,7 @@ def random_streams(*shape):
 def test_triton_checksum_is_bitwise_the_reference(seeded, shape):
     s1, s2 = random_streams(*shape)
     got, want = stream_checksum_triton(s1, s2), stream_checksum_reference(s1, s2)
-    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
 def test_triton_checksum_sees_moved_values_and_empty_streams(seeded):
@@ -33,7 +33,21 @@ def test_triton_checksum_sees_moved_values_and_empty_streams(seeded):
     rolled = stream_checksum_triton(s1.roll(1, dims=1), s2)  # token rows moved, same values
     assert rolled[0] != base[0] and rolled[1] == base[1]
     empty = torch.zeros(0, 3, dtype=torch.int32)
-    assert torch.equal(stream_checksum_triton(empty, empty), torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(stream_checksum_triton(empty, empty), torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("checksum", [stream_checksum_reference, stream_checksum_triton], ids=["torch", "triton"])
+def test_checksum_sees_any_one_changed_element(seeded, checksum):
+    """Every weight is odd, so a change of one element changes the sum mod 2**32, even a flip of its
+    top bit alone (2**31 times an even weight would vanish), at even and odd positions."""
+    s1, s2 = random_streams(2, 3, 5)
+    base = checksum(s1, s2)
+    for position in torch.randperm(s1.numel())[:6].tolist() + [0, 1]:
+        for stream in (0, 1):
+            changed = [s1.clone(), s2.clone()]
+            changed[stream].view(-1)[position] ^= INT32.min  # the top bit flipped
+            moved = checksum(*changed)
+            assert moved[stream] != base[stream] and moved[1 - stream] == base[1 - stream], (position, stream)
 
 
 def test_checksum_refuses_what_it_cannot_sum():

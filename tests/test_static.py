@@ -208,6 +208,29 @@ def test_attention_tables_follow_the_operand_width(monkeypatch):
     assert ka._table_key(256, 80, 4) == ("fp32", 256) and ka._table_key(40, 80, 2) == (80, 64)
 
 
+def test_packed_rows_take_their_own_forward_tiles_where_listed(monkeypatch):
+    """The forward's prune (the GPU tables; the interpreter lists one config): packed rows (SEGMENTS)
+    on sm_80 at head dim 128 get FWD_PACKED_ROWS_CONFIGS (the table's tiles spill there), everything
+    else the table's; the register cap is part of the config key. The static model compiles the
+    kernel's own prune (tests above)."""
+    import torch
+
+    from revtriton.ops import fused_attention as fa
+
+    ka = fa._attention_kernels()
+    prune = ka.prune_by_table(lambda head_dim, arch, size: ka.FWD_CONFIGS[ka._table_key(head_dim, arch, size)],
+                              ka.FWD_PACKED_ROWS_CONFIGS)
+    decorated = ka._union(ka.FWD_CONFIGS, ka.FWD_PACKED_ROWS_CONFIGS)
+    keys = lambda configs: [ka.config_key(c) for c in configs]  # noqa: E731
+    named = {"Q": torch.empty(1, dtype=torch.bfloat16)}
+    for arch, segments, table in ((80, True, ka.FWD_PACKED_ROWS_CONFIGS[(80, 128)]), (80, False, ka.FWD_CONFIGS[(80, 128)]),
+                                  (90, True, ka.FWD_CONFIGS[(90, 128)])):
+        monkeypatch.setattr(ka, "device_arch", lambda arch=arch: arch)
+        kept = prune(decorated, named, HEAD_DIM=128, SEGMENTS=segments)
+        assert keys(kept) == keys(table), (arch, segments)
+    assert all(c.maxnreg == ka.MAX_REGISTERS for c in ka.FWD_CONFIGS[(90, 128)])
+
+
 def test_gemm_prune_follows_the_operand_width_and_the_epilogue(monkeypatch):
     """The GEMM's early prune on sm_90: 128 x 256 output tiles go to light epilogues only (a forward
     GEMM with bias and GELU-tanh into bf16; not the couple's residual, a weight gradient or exact

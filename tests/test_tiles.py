@@ -34,7 +34,8 @@ def shapes(table, names):
     return found
 
 
-FWD = shapes(ka.FWD_CONFIGS, ("BLOCK_M", "BLOCK_N", "USE_TMA"))  # both load paths (TMA on sm_90)
+FWD = shapes([*ka.FWD_CONFIGS.values(), *ka.FWD_PACKED_ROWS_CONFIGS.values()],
+             ("BLOCK_M", "BLOCK_N", "USE_TMA"))  # both load paths (TMA on sm_90)
 DKDV = shapes(ka.DKDV_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA", "ONE_LOOP"))  # both loop forms
 DQ = shapes(ka.DQ_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
 QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K", "HEADS_PER_TILE"))
@@ -292,6 +293,40 @@ def test_gemm_pointer_loads_of_aligned_operands_take_the_hints_and_give_the_tma_
             gemm.linear_input_grad_reference(g, w))
     for got, want in zip(by_pointers, refs):
         assert rel_err(got, want) <= 1e-2
+
+
+def test_gemm_takes_no_alignment_hint_where_the_jit_sees_multiples_of_16(seeded, monkeypatch):
+    """Every size and stride a multiple of 16 (128 x 256 x 128, fp16): the JIT's own specialisation
+    says it all, so no launch sets ALIGNED_8 (it would compile a second variant of the same kernel),
+    with or without the epilogue's tiles (the couple's residual, the saved pre-activation)."""
+    flags = []
+    launch = gemm.dispatch.launch
+
+    def recording(kernel, grid, *args, **meta):
+        if "ALIGNED_8" in meta:
+            flags.append(meta["ALIGNED_8"])
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(gemm.dispatch, "launch", recording)
+    rows, dim, hidden, dt = 128, 256, 128, torch.float16
+    n, w = torch.randn(rows, dim).to(dt), (torch.randn(hidden, dim) / dim**0.5).to(dt)
+    gemm.linear(n, w, None, activation="gelu_tanh", save_preact=True)
+    gemm.linear_couple(n, w, None, torch.randn(rows, hidden), +1)
+    gemm.linear_weight_grad(torch.randn(rows, hidden).to(dt), n)
+    gemm.linear_input_grad(torch.randn(rows, hidden).to(dt), w)
+    assert len(flags) >= 4 and not any(flags), flags
+
+
+def test_gemm_writes_an_output_through_its_strides(seeded):
+    """The launch writes C where its strides say: a transposed buffer (row stride 1, column stride
+    M) at sizes where the alignment hint would otherwise be taken (multiples of 8, not all of 16):
+    the hint rewrites the output's row stride as a multiple of 8, so it must not be taken here."""
+    rows, dim, hidden = 136, 136, 200
+    a = torch.randn(rows, dim).half()
+    w = (torch.randn(hidden, dim) / dim**0.5).half()
+    c = torch.empty(hidden, rows).t()
+    gemm._launch_gemm(a, a.stride(), w, (w.stride(1), w.stride(0)), c, rows, hidden, dim)
+    assert rel_err(c, a.float() @ w.float().t()) <= 1e-3
 
 
 def test_gemm_loads_by_pointers_where_no_descriptor_fits(seeded, load_paths):

@@ -184,13 +184,13 @@ class BackwardChecks:
                 position -= len(segment_flags)
             raise RuntimeError(
                 f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
-                f"(int64 checksum differs). F or G of that block is not deterministic: the recompute must run "
+                f"(position-weighted checksum differs). F or G of that block is not deterministic: the recompute must run "
                 f"the same kernels with the same configs, autocast state and RNG stream as the forward "
                 f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
             )
 
 
 def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """Position-sensitive int64 checksum of two int32 streams (ops.streams.stream_checksum): one
+    """Position-sensitive int32 checksum of two int32 streams (ops.streams.stream_checksum): one
     reduction a stream, no host sync; moved values change it, not only changed ones."""
     return stream_checksum(s1, s2)

@@ -227,7 +227,9 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K),
         DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
         TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1,
-        ALIGNED_8=tma and _aligned_8_only(M, N, K, stride_am * stride_ak, stride_bk * stride_bn),
+        ALIGNED_8=tma and _aligned_8_only(
+            M, N, K, stride_am * stride_ak, stride_bk * stride_bn, stride_cm,
+            16 if aux is None else aux.stride(0), 16 if res is None else res.stride(0)),
         HAS_BIAS=bias is not None,
         ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
         HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
@@ -239,7 +241,9 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
 def _aligned_8_only(*sizes) -> bool:
     """Every size a multiple of 8 and one not of 16: only then does the kernel's ALIGNED_8 hint tell the
     compiler what the JIT's own specialisation (multiples of 16) does not (no extra compiled variant
-    otherwise). The strides are passed as their products with the unit one."""
+    otherwise). The operands' strides are passed as their products with the unit one; the output's,
+    the aux and the residual tiles' as their row strides (their columns are unit-stride; 16, which
+    changes nothing, when absent)."""
     return all(n % 8 == 0 for n in sizes) and any(n % 16 for n in sizes)
 
 
