@@ -8,7 +8,8 @@ is the packed [M, (H + 2 KV) * D] buffer the attention kernel reads through stri
 tile holds HEADS_PER_TILE whole heads, each HEAD_PAD = next_power_of_2(D) lanes wide with its two
 halves HEAD_PAD / 2 lanes apart (kernels/attention.py ``split_half_lanes``; the identity for a
 power-of-two D), so the RoPE epilogue rotates the q and k heads of a tile in registers (token
-index = row % tokens) and leaves the v heads alone.
+index = row % tokens) and leaves the v heads alone. On sm_90, with descriptor-ready 16-bit operands
+and a power-of-two D (a tile's columns are then W's rows side by side), the tiles arrive by TMA.
 """
 from __future__ import annotations
 
@@ -22,17 +23,17 @@ from .attention import _table_key, _union, prune_by_table, rope_rotate, split_ha
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _qkv(bm, bk, heads_per_tile, warps, stages):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "HEADS_PER_TILE": heads_per_tile, "GROUP_M": 8},
-                         num_warps=warps, num_stages=stages)
+def _qkv(bm, bk, heads_per_tile, warps, stages, tma=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "HEADS_PER_TILE": heads_per_tile, "GROUP_M": 8,
+                          "USE_TMA": tma}, num_warps=warps, num_stages=stages)
 
 
 # Per (arch, head-dim bucket): tiles BLOCK_M x (HEADS_PER_TILE * HEAD_PAD) x BLOCK_K, 128 or more
 # columns wide at every head dim. No config uses local memory or stack (revtriton.aot).
 QKV_CONFIGS = {
-    (90, 64): [_qkv(128, 64, 2, 8, 4), _qkv(128, 64, 2, 8, 3), _qkv(64, 64, 2, 4, 4)],
-    (90, 128): [_qkv(128, 64, 1, 8, 4), _qkv(64, 64, 1, 4, 4)],
-    (90, 256): [_qkv(128, 64, 1, 8, 3), _qkv(64, 64, 1, 4, 3)],
+    (90, 64): [_qkv(128, 64, 2, 8, 4, True), _qkv(128, 64, 2, 8, 3, True), _qkv(64, 64, 2, 4, 4, True)],
+    (90, 128): [_qkv(128, 64, 1, 8, 4, True), _qkv(64, 64, 1, 4, 4, True)],
+    (90, 256): [_qkv(128, 64, 1, 8, 3, True), _qkv(64, 64, 1, 4, 3, True)],
     # (128 rows x 2 heads on 4 warps held 249 registers with triton 3.9: dropped)
     (80, 64): [_qkv(128, 32, 2, 8, 4), _qkv(64, 32, 2, 4, 4)],
     (80, 128): [_qkv(128, 32, 1, 8, 3), _qkv(64, 32, 1, 4, 4)],
@@ -41,8 +42,8 @@ QKV_CONFIGS = {
 # fp32 operands (see kernels/attention.py's fp32 tables): narrower K steps, fewer stages.
 QKV_CONFIGS.update({("fp32", 64): [_qkv(64, 32, 2, 4, 3)], ("fp32", 128): [_qkv(64, 32, 1, 4, 3)],
                     ("fp32", 256): [_qkv(64, 32, 1, 4, 2)]})
-QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "HEADS_PER_TILE": 2, "GROUP_M": 4},
-                                       num_warps=4, num_stages=1)
+QKV_CONFIG_INTERPRETER = triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "HEADS_PER_TILE": 2, "GROUP_M": 4,
+                                        "USE_TMA": True}, num_warps=4, num_stages=1)
 
 
 def qkv_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
@@ -58,9 +59,13 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
                          M, N, K, tokens, total_heads, rope_heads, M_BUCKET,
                          stride_xm, stride_wn, stride_wk, stride_om,
                          HAS_BIAS: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HEADS_PER_TILE: tl.constexpr, GROUP_M: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, TMA_READY: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HEADS_PER_TILE: tl.constexpr, GROUP_M: tl.constexpr,
+                         USE_TMA: tl.constexpr):
     BLOCK_N: tl.constexpr = HEADS_PER_TILE * HEAD_PAD
+    # By TMA (an sm_90 config, operands the launcher found descriptor-ready: 16-bit, W K-major) when
+    # the tile's columns are W's rows side by side (power-of-two heads); pointer loads otherwise.
+    TMA: tl.constexpr = USE_TMA and TMA_READY and HEAD_DIM == HEAD_PAD
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(total_heads, HEADS_PER_TILE)
@@ -96,13 +101,21 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
     w_ptrs = W + col0 * stride_wn + (load_n[None, :] * stride_wn + offs_k[:, None] * stride_wk)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if TMA:  # the copy engine brings the tiles; rows, columns and K past the edges arrive as zeros
+        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(W, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
 
     if HAS_BIAS:
         acc += tl.load(BIAS + col0 + tile_cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

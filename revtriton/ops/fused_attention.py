@@ -17,7 +17,7 @@ from .launches import cdiv
 from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
-from .tma import ensure_descriptor_allocator, tma_ready
+from .tma import ensure_descriptor_allocator, matrix_tma_ready, tma_ready
 
 from revtriton.kernels.configs import next_power_of_2  # kernels/ (revtriton/__init__.py maps it in a checkout)
 
@@ -456,13 +456,20 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     kernels = _qkv_kernels()
     cos, sin = rope if rope is not None else (out, out)
     total_heads = heads + 2 * kv_heads
+    # sm_90 configs load by TMA where both operands can be described: 16-bit, W read K-major ([N, K]
+    # rows of an nn.Linear weight), 16-byte aligned rows (the kernel also needs a power-of-two head dim).
+    tma = (n.element_size() == 2 and w_qkv.stride(1) == 1 and matrix_tma_ready(n, n.stride(0), 1)
+           and matrix_tma_ready(w_qkv, w_qkv.stride(0), 1))
+    if tma:
+        ensure_descriptor_allocator(n.device)
     column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
     dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
                     M, N, dim, table_rows, total_heads, heads + kv_heads, next_power_of_2(M),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
                     HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
-                    HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype))
+                    HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype),
+                    TMA_READY=tma)
     return out
 
 
