@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -195,13 +196,20 @@ def memory_verdicts(by_label: dict) -> list[tuple[str, bool]]:
     return out
 
 
+def malloc_settings() -> dict:
+    """The glibc heap settings in the environment (``MALLOC_*_``): they change CPU timings (a heap
+    trimmed back to the kernel faults its pages in again next step), so a result names them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") and k.endswith("_")}
+
+
 def report(results: dict, args, bound: int) -> tuple[str, bool]:
     """The table and the bars' verdicts. ``ok``: every bar holds on wall-clock medians (the issue's
     measure); the CPU-time verdicts (process time, which a busy shared machine disturbs less) are
     printed beside them."""
     lines = [f"engine benchmark (CPU, {torch.get_num_threads()} threads): width {args.dim} per stream (input "
              f"{2 * args.dim}, split), {args.heads} heads, causal, seq {args.seq}, batch {args.batch}, MLP "
-             f"{4 * args.dim} GELU; medians of {args.repeats} interleaved steps (wall clock and process CPU time)",
+             f"{4 * args.dim} GELU; medians of {args.repeats} interleaved steps (wall clock and process CPU time); "
+             f"glibc heap: {' '.join(f'{k}={v}' for k, v in malloc_settings().items()) or 'defaults'}",
              "",
              "| depth | variant | step ms | time / plain | fastest / plain's | CPU ms | CPU / plain "
              "| saved for backward MiB | peak minus param grads MiB |",
@@ -242,6 +250,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in vars(args).items()},
                                          "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                                         "malloc": malloc_settings(),
                                          "one_block_bound_bytes": bound,
                                          "results": {str(d): r for d, r in results.items()}}, indent=1) + "\n")
     return 0 if ok or not args.check else 1
