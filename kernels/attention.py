@@ -186,7 +186,9 @@ def fwd_configs(head_dim: int | None = None, arch: int | None = None, element_si
     dim, arch); both None: the union the kernel is decorated with."""
     if INTERPRET:
         return [FWD_CONFIG_INTERPRETER]
-    return _union(FWD_CONFIGS, FWD_PACKED_ROWS_CONFIGS) if arch is None else FWD_CONFIGS[_table_key(head_dim, arch, element_size)]
+    if arch is None:
+        return _union(FWD_CONFIGS, FWD_PACKED_ROWS_CONFIGS)
+    return FWD_CONFIGS[_table_key(head_dim, arch, element_size)]
 
 
 def dkdv_configs(head_dim: int | None = None, arch: int | None = None, element_size: int = 2) -> list:
@@ -453,7 +455,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, b, kvh, stride_
 
 
 @triton.autotune(configs=fwd_configs(), key=["HEAD_DIM", "CAUSAL", "SEGMENTS", "seq_bucket"],
-                 prune_configs_by={"early_config_prune": prune_by_table(fwd_configs, FWD_PACKED_ROWS_CONFIGS)}, cache_results=True)
+                 prune_configs_by={"early_config_prune": prune_by_table(fwd_configs, FWD_PACKED_ROWS_CONFIGS)},
+                 cache_results=True)
 @triton.jit
 def attention_fwd_kernel(Q, K, V, O, LSE, SEG, SELF_UNTIL, SPANS,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,

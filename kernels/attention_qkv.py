@@ -91,15 +91,9 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
         col_ok = (head_of_lane < total_heads) & tl.reshape(
             tl.broadcast_to(lane_ok[None, :], (HEADS_PER_TILE, HEAD_PAD)), (BLOCK_N,))
     # Raw operands (the rows were normalized once, in the GEMM operand dtype): the main loop only
-    # loads and multiplies. 64-bit scalar bases, 32-bit tile offsets; rows / columns past the edge
-    # are clamped to valid addresses (never stored), so only K is masked.
+    # loads and multiplies. 64-bit scalar bases, 32-bit tile offsets.
     row0 = (pid_m * BLOCK_M).to(tl.int64)
     col0 = (pid_n * HEADS_PER_TILE * HEAD_DIM).to(tl.int64)
-    load_m = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
-    load_n = tl.where(col_ok, tile_cols, 0)
-    x_ptrs = X + row0 * stride_xm + (load_m[:, None] * stride_xm + offs_k[None, :])
-    w_ptrs = W + col0 * stride_wn + (load_n[None, :] * stride_wn + offs_k[:, None] * stride_wk)
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if TMA:  # the copy engine brings the tiles; rows, columns and K past the edges arrive as zeros
         x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -108,7 +102,11 @@ def qkv_rope_gemm_kernel(X, W, BIAS, OUT, COS, SIN,
             a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             w = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    else:
+    else:  # rows / columns past the edge are clamped to valid addresses (never stored): only K is masked
+        load_m = tl.minimum(offs_m, M - 1) - pid_m * BLOCK_M
+        load_n = tl.where(col_ok, tile_cols, 0)
+        x_ptrs = X + row0 * stride_xm + (load_m[:, None] * stride_xm + offs_k[None, :])
+        w_ptrs = W + col0 * stride_wn + (load_n[None, :] * stride_wn + offs_k[:, None] * stride_wk)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             k_left = K - k * BLOCK_K
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
