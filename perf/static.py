@@ -404,7 +404,8 @@ def failures(report: dict, rule: str) -> dict:
 
 
 # Which issue rebuilds which kernels (named in the tables and the tests' xfail reasons).
-OWNERS = ((r"^attention_.*SEGMENTS", "packed rows (a coverage layout: the forward and the one-loop dk/dv pass mask every block; perf/README)"),
+OWNERS = ((r"^attention_.*SEGMENTS",
+           "packed rows (a coverage layout: the forward and the one-loop dk/dv pass mask every block; perf/README)"),
           (r"^attention_", "issue 18 (attention rebuild)"),
           (r"^(fused_gemm_kernel|qkv_rope_gemm_kernel|normalize|scale_rows|norm_bwd|sum_partials)",
            "issue 12 (GEMM path)"))

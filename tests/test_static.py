@@ -223,8 +223,8 @@ def test_packed_rows_take_their_own_forward_tiles_where_listed(monkeypatch):
     decorated = ka._union(ka.FWD_CONFIGS, ka.FWD_PACKED_ROWS_CONFIGS)
     keys = lambda configs: [ka.config_key(c) for c in configs]  # noqa: E731
     named = {"Q": torch.empty(1, dtype=torch.bfloat16)}
-    for arch, segments, table in ((80, True, ka.FWD_PACKED_ROWS_CONFIGS[(80, 128)]), (80, False, ka.FWD_CONFIGS[(80, 128)]),
-                                  (90, True, ka.FWD_CONFIGS[(90, 128)])):
+    for arch, segments, table in ((80, True, ka.FWD_PACKED_ROWS_CONFIGS[(80, 128)]),
+                                  (80, False, ka.FWD_CONFIGS[(80, 128)]), (90, True, ka.FWD_CONFIGS[(90, 128)])):
         monkeypatch.setattr(ka, "device_arch", lambda arch=arch: arch)
         kept = prune(decorated, named, HEAD_DIM=128, SEGMENTS=segments)
         assert keys(kept) == keys(table), (arch, segments)

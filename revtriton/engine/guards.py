@@ -184,8 +184,8 @@ class BackwardChecks:
                 position -= len(segment_flags)
             raise RuntimeError(
                 f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
-                f"(position-weighted checksum differs). F or G of that block is not deterministic: the recompute must run "
-                f"the same kernels with the same configs, autocast state and RNG stream as the forward "
+                f"(position-weighted checksum differs). F or G of that block is not deterministic: the recompute "
+                f"must run the same kernels with the same configs, autocast state and RNG stream as the forward "
                 f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
             )
 
