@@ -122,7 +122,7 @@ FWD_CONFIGS = {
     (80, 128): [_capped(_fwd(64, 32, 4, 3, False)), _capped(_fwd(64, 32, 4, 2, False))],
     (80, 256): [_fwd(64, 32, 4, 2, False)],
 }
-# The forward's tiles for packed rows where the table's cannot hold them (see above): 220-223
+# The forward's tiles for packed rows where the table's cannot hold them (see above): 218-223
 # registers capped on both compilers.
 FWD_PACKED_ROWS_CONFIGS = {
     (80, 128): [_capped(_fwd(64, 16, 4, 3, False)), _capped(_fwd(32, 64, 4, 3, False))],

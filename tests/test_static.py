@@ -231,6 +231,14 @@ def test_packed_rows_take_their_own_forward_tiles_where_listed(monkeypatch):
     assert all(c.maxnreg == ka.MAX_REGISTERS for c in ka.FWD_CONFIGS[(90, 128)])
 
 
+def test_attention_register_cap_is_the_static_gate():
+    """kernels/attention.py caps configs at the gate's bound (kernels cannot import revtriton.aot):
+    one number in two places, held equal here."""
+    from revtriton.ops import fused_attention as fa
+
+    assert {fa._attention_kernels().MAX_REGISTERS} == set(aot.MAX_REGISTERS.values())
+
+
 def test_gemm_prune_follows_the_operand_width_and_the_epilogue(monkeypatch):
     """The GEMM's early prune on sm_90: 128 x 256 output tiles go to light epilogues only (a forward
     GEMM with bias and GELU-tanh into bf16; not the couple's residual, a weight gradient or exact

@@ -17,7 +17,7 @@ from .launches import cdiv
 from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
-from .tma import ensure_descriptor_allocator, matrix_tma_ready, tma_ready
+from .tma import ensure_descriptor_allocator, tma_ready
 
 from revtriton.kernels.configs import next_power_of_2  # kernels/ (revtriton/__init__.py maps it in a checkout)
 
@@ -458,8 +458,7 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     total_heads = heads + 2 * kv_heads
     # sm_90 configs load by TMA where both operands can be described: 16-bit, W read K-major ([N, K]
     # rows of an nn.Linear weight), 16-byte aligned rows (the kernel also needs a power-of-two head dim).
-    tma = (n.element_size() == 2 and w_qkv.stride(1) == 1 and matrix_tma_ready(n, n.stride(0), 1)
-           and matrix_tma_ready(w_qkv, w_qkv.stride(0), 1))
+    tma = n.element_size() == 2 and w_qkv.stride(1) == 1 and tma_ready(n) and tma_ready(w_qkv)
     if tma:
         ensure_descriptor_allocator(n.device)
     column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731

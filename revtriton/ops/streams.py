@@ -181,7 +181,7 @@ def exact_add_uses_triton(res: torch.Tensor, h: torch.Tensor) -> bool:
 def exact_add(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: int,
               scale: ResidualScale | None = None) -> torch.Tensor:
     """``res + sign * round(h * 2**frac_bits)`` in int32 (a scaled coupling: see exact_add_reference):
-    one Triton pass on CUDA (about seven torch passes otherwise, more with a scale), the torch
+    one Triton pass on CUDA (six torch passes otherwise, more with a scale), the torch
     reference elsewhere; both give the same bits. No host sync."""
     if exact_add_uses_triton(res, h):
         return exact_add_triton(res, h, sign, frac_bits, scale)
@@ -469,7 +469,7 @@ def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
 
 
 def stream_checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """The exact engine's recompute checksum: one Triton pass on CUDA (about eight torch passes
+    """The exact engine's recompute checksum: one Triton pass on CUDA (four torch passes
     otherwise), the torch reference elsewhere; both give the same bits. No host sync."""
     if s1.is_cuda:
         return stream_checksum_triton(s1, s2)
