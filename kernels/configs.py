@@ -34,14 +34,15 @@ def config_key(config) -> tuple:
     return tuple(sorted(config.kwargs.items())) + (config.num_warps, config.num_stages, config.maxnreg)
 
 
-def _gemm(bm, bn, bk, warps, stages, group_m=8, tma=False):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "USE_TMA": tma},
-                         num_warps=warps, num_stages=stages)
+def _gemm(bm, bn, bk, warps, stages, group_m=8, tma=False, persistent=False):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m, "USE_TMA": tma,
+                          "PERSISTENT": persistent}, num_warps=warps, num_stages=stages)
 
 
-def _tma(bm, bn, bk, warps, stages, group_m=8):
-    """A Hopper config: tiles by TMA where the launcher found the operands descriptor-ready."""
-    return _gemm(bm, bn, bk, warps, stages, group_m, tma=True)
+def _tma(bm, bn, bk, warps, stages, group_m=8, persistent=False):
+    """A Hopper config: tiles by TMA where the launcher found the operands descriptor-ready;
+    ``persistent``: one program per SM walking the output tiles (kernels/gemm.py)."""
+    return _gemm(bm, bn, bk, warps, stages, group_m, tma=True, persistent=persistent)
 
 
 # Every config below compiles for its arch without spilling for every launch variant of its list
@@ -55,9 +56,17 @@ def _tma(bm, bn, bk, warps, stages, group_m=8):
 # half the operand traffic per FLOP of 128 x 128) hold a 128-register accumulator a thread, which
 # leaves no room for an epilogue that loads tiles: :func:`prune_for_device` keeps them for light
 # epilogues only (bias / activation, 16-bit output).
+# Persistent configs (one program per SM walking the tiles, tensor descriptors built once per SM
+# instead of once per tile): the tile loop around a residual epilogue took 235-255 registers
+# (199 without it), a dual accumulator or a 128 x 256 tile 255 with a stack, and on triton 3.6 a
+# split of K or an ALIGNED_8 fp32 output 241-250, so they serve the other launches only
+# (:func:`fit_to_launch`; a split of K fills the SMs with one tile a program anyway). The tile
+# loop is not flattened into the K loop (tutorial 09 does): that put every epilogue at 255
+# registers with a stack.
 GEMM_CONFIGS_SM90 = [
     _tma(128, 256, 64, 8, 3),
     _tma(128, 128, 64, 8, 4),
+    _tma(128, 128, 64, 8, 4, persistent=True),
     _tma(128, 128, 64, 8, 3),
     _tma(64, 128, 64, 4, 4),
 ]
@@ -79,6 +88,7 @@ GEMM_DUAL_CONFIGS_SM90 = [
 # GELU's (erf and exp per element); narrower tiles per warp keep them from spilling.
 GEMM_ACT_GRAD_CONFIGS_SM90 = [
     _tma(128, 64, 128, 8, 3),
+    _tma(128, 64, 128, 8, 3, persistent=True),
     _tma(64, 128, 128, 8, 3),
 ]
 GEMM_ACT_GRAD_CONFIGS_SM80 = [
@@ -138,12 +148,15 @@ def _stage_bytes(config, named_args, kwargs) -> int:
 
 def fit_to_launch(config, named_args, kwargs, arch: int):
     """The config as this launch on ``arch`` can take it, or None: wide output tiles go to light
-    epilogues only, and the pipeline keeps the stages that fit in shared memory at the operands'
+    epilogues only, persistent ones to launches without a residual epilogue, a split of K or widths that are
+    multiples of 8 only, and the pipeline keeps the stages that fit in shared memory at the operands'
     width (fp32 operands, a correctness path, get fewer stages than the 16-bit tiles were tuned
     with; a config left with one stage is dropped)."""
     meta = config.kwargs
     wide = meta["BLOCK_M"] * meta["BLOCK_N"] > LIGHT_EPILOGUE_TILE and not kwargs.get("DUAL_B")
     if wide and not _light_epilogue(named_args, kwargs):
+        return None
+    if meta.get("PERSISTENT") and (kwargs.get("RESIDUAL") or kwargs.get("SPLIT_K", 1) > 1 or kwargs.get("ALIGNED_8")):
         return None
     stages = min(config.num_stages, MAX_SHARED[arch] // _stage_bytes(config, named_args, kwargs))
     if stages == config.num_stages:

@@ -13,6 +13,9 @@ one unit stride, 16-byte aligned base and stride; ``A_K_MAJOR`` / ``B_K_MAJOR`` 
 is the unit one, B seen as [N, K]); by masked pointer loads otherwise (cp.async on sm_80). Both
 paths feed the same dots in the same order.
 
+Tile walk: one program per output tile, or with a ``PERSISTENT`` config one program per SM walking
+the tiles in the same grouped order (the launcher sizes the grid from the config).
+
 Operand switches:
   DUAL_B      a second accumulator acc2 = A @ B2 (SwiGLU gate and up in one pass)
   SECOND_K    C += A[:, K:2K] @ B2 (the input gradient of SwiGLU's gate and up)
@@ -168,71 +171,21 @@ def load_operand_tile(desc, row0, k0, K_MAJOR: tl.constexpr):
     return tile
 
 
-# sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
-# constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
-# kernels; exact streams need the rebuild to run the forward's code. So are the scale's shift and
-# bit-plane length (a shift of 1 would compile a kernel of its own). M_BUCKET / K_BUCKET only key
-# the tuning.
-@triton.jit(do_not_specialize=["sign", "res_shift", "low_bits_plane", "store_aux", "M_BUCKET", "K_BUCKET"])
-def fused_gemm_kernel(
-        a_ptr, b_ptr, b2_ptr, c_ptr,
-        M, N, K, k_per_split,
+@triton.jit
+def gemm_tile(
+        tile_id, a_ptr, b_ptr, b2_ptr, c_ptr, a_desc, b_desc, b2_desc, a2_desc,
+        M, N, K, k_start, span,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
         bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
-        alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux, M_BUCKET, K_BUCKET,
-        DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        TMA_READY: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, ALIGNED_8: tl.constexpr,
+        alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux,
+        DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
+        A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        USE_TMA: tl.constexpr):
-    if ALIGNED_8:
-        # The sizes and the row strides of the operands, the output and the epilogue's tiles are
-        # multiples of 8 elements, some not of 16 (the launcher sets ALIGNED_8 only then, with
-        # descriptor-ready operands: 16-byte aligned rows). Said to the compiler (x // 8 * 8 is x
-        # here, and visibly a multiple of 8), the epilogue stores and loads in vectors (element by
-        # element, an fp32 / int32 output took 250-255 registers on sm_90 with triton 3.6: 198 now)
-        # and the pointer path (sm_80) copies tiles asynchronously in 16-byte vectors, masks at the
-        # edges included; the JIT specialises only multiples of 16 (e.g. width 1000).
-        N = N // 8 * 8
-        stride_cm = stride_cm // 8 * 8
-        stride_resm = stride_resm // 8 * 8
-        stride_auxm = stride_auxm // 8 * 8
-    if ALIGNED_8 and not USE_TMA:
-        M = M // 8 * 8
-        K = K // 8 * 8
-        if A_K_MAJOR:
-            stride_am = stride_am // 8 * 8
-        else:
-            stride_ak = stride_ak // 8 * 8
-        if B_K_MAJOR:
-            stride_bn = stride_bn // 8 * 8
-        else:
-            stride_bk = stride_bk // 8 * 8
-    # The K range of this program (a split-K program's own slice), and the TMA descriptors (sm_90
-    # configs, when the launcher found every operand descriptor-ready: the copy engine brings the
-    # tiles, no address math or masks in the loop; masked pointer loads otherwise, as on sm_80).
-    if SPLIT_K > 1:
-        k_start = tl.program_id(1) * k_per_split
-        span = tl.minimum(K - k_start, k_per_split)
-    else:
-        k_start = 0
-        span = K
-    TMA: tl.constexpr = USE_TMA and TMA_READY
-    a_desc = None
-    b_desc = None
-    b2_desc = None
-    a2_desc = None
-    if TMA:  # a split's descriptors end at its last K column: TMA zero-fills past it
-        k_end = k_start + span
-        a_desc = operand_tiles(a_ptr, M, k_end, stride_am, stride_ak, A_K_MAJOR, BLOCK_M, BLOCK_K)
-        b_desc = operand_tiles(b_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
-        if DUAL_B or SECOND_K:
-            b2_desc = operand_tiles(b2_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
-        if SECOND_K:  # A's columns K..2K-1 (the launcher checked that they start 16-byte aligned)
-            a2_desc = operand_tiles(a_ptr + K.to(tl.int64) * stride_ak, M, K, stride_am, stride_ak, A_K_MAJOR,
-                                    BLOCK_M, BLOCK_K)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One output tile (grouped order index ``tile_id``): the main loop over this program's K range,
+    then the epilogue."""
+    pid_m, pid_n = grouped_tile(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -364,6 +317,92 @@ def fused_gemm_kernel(
             tl.store(col_sum_ptr + first * N + rn, partial, mask=mask_n)
             for extra in tl.static_range(1, BLOCK_M // COL_SUM_ROWS):
                 tl.store(col_sum_ptr + (first + extra) * N + rn, tl.zeros_like(partial), mask=mask_n)
+
+
+# sign and store_aux are runtime flags, not specialised: the JIT would turn a value of 1 into a
+# constant, so the forward (sign +1, no aux) and the rebuild (sign -1, aux) would compile different
+# kernels; exact streams need the rebuild to run the forward's code. So are the scale's shift and
+# bit-plane length (a shift of 1 would compile a kernel of its own). M_BUCKET / K_BUCKET only key
+# the tuning.
+@triton.jit(do_not_specialize=["sign", "res_shift", "low_bits_plane", "store_aux", "M_BUCKET", "K_BUCKET"])
+def fused_gemm_kernel(
+        a_ptr, b_ptr, b2_ptr, c_ptr,
+        M, N, K, k_per_split,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
+        alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux, M_BUCKET, K_BUCKET,
+        DUAL_B: tl.constexpr, SECOND_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        TMA_READY: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, ALIGNED_8: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ACT_BWD: tl.constexpr, COL_SUM: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr):
+    if ALIGNED_8:
+        # The sizes and the row strides of the operands, the output and the epilogue's tiles are
+        # multiples of 8 elements, some not of 16 (the launcher sets ALIGNED_8 only then, with
+        # descriptor-ready operands: 16-byte aligned rows). Said to the compiler (x // 8 * 8 is x
+        # here, and visibly a multiple of 8), the epilogue stores and loads in vectors (element by
+        # element, an fp32 / int32 output took 250-255 registers on sm_90 with triton 3.6: 198 now)
+        # and the pointer path (sm_80) copies tiles asynchronously in 16-byte vectors, masks at the
+        # edges included; the JIT specialises only multiples of 16 (e.g. width 1000).
+        N = N // 8 * 8
+        stride_cm = stride_cm // 8 * 8
+        stride_resm = stride_resm // 8 * 8
+        stride_auxm = stride_auxm // 8 * 8
+    if ALIGNED_8 and not USE_TMA:
+        M = M // 8 * 8
+        K = K // 8 * 8
+        if A_K_MAJOR:
+            stride_am = stride_am // 8 * 8
+        else:
+            stride_ak = stride_ak // 8 * 8
+        if B_K_MAJOR:
+            stride_bn = stride_bn // 8 * 8
+        else:
+            stride_bk = stride_bk // 8 * 8
+    # The K range of this program (a split-K program's own slice), and the TMA descriptors (sm_90
+    # configs, when the launcher found every operand descriptor-ready: the copy engine brings the
+    # tiles, no address math or masks in the loop; masked pointer loads otherwise, as on sm_80).
+    if SPLIT_K > 1:
+        k_start = tl.program_id(1) * k_per_split
+        span = tl.minimum(K - k_start, k_per_split)
+    else:
+        k_start = 0
+        span = K
+    TMA: tl.constexpr = USE_TMA and TMA_READY
+    a_desc = None
+    b_desc = None
+    b2_desc = None
+    a2_desc = None
+    if TMA:  # a split's descriptors end at its last K column: TMA zero-fills past it
+        k_end = k_start + span
+        a_desc = operand_tiles(a_ptr, M, k_end, stride_am, stride_ak, A_K_MAJOR, BLOCK_M, BLOCK_K)
+        b_desc = operand_tiles(b_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
+        if DUAL_B or SECOND_K:
+            b2_desc = operand_tiles(b2_ptr, N, k_end, stride_bn, stride_bk, B_K_MAJOR, BLOCK_N, BLOCK_K)
+        if SECOND_K:  # A's columns K..2K-1 (the launcher checked that they start 16-byte aligned)
+            a2_desc = operand_tiles(a_ptr + K.to(tl.int64) * stride_ak, M, K, stride_am, stride_ak, A_K_MAJOR,
+                                    BLOCK_M, BLOCK_K)
+    # One program per output tile, or (PERSISTENT) one per SM walking the tiles in grouped order
+    # (tutorial 09): the descriptors are built once per SM instead of once per tile. The tile loop
+    # keeps its body's invariants inside (hoisted out of it, they stayed live across every tile:
+    # the forward's bias + GELU at 128 x 128 took 172 registers against 134).
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile_id in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), disable_licm=True):
+            gemm_tile(tile_id, a_ptr, b_ptr, b2_ptr, c_ptr, a_desc, b_desc, b2_desc, a2_desc, M, N, K, k_start, span,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
+                      alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux,
+                      DUAL_B, SECOND_K, SPLIT_K, TMA, A_K_MAJOR, B_K_MAJOR, HAS_BIAS, ACT, ACT_BWD, COL_SUM,
+                      HAS_ROW_SCALE, RESIDUAL, RES_SCALED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        gemm_tile(tl.program_id(0), a_ptr, b_ptr, b2_ptr, c_ptr, a_desc, b_desc, b2_desc, a2_desc, M, N, K,
+                  k_start, span, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  bias_ptr, row_scale_ptr, aux_ptr, stride_auxm, res_ptr, stride_resm, col_sum_ptr,
+                  alpha, sign, frac_scale, res_scale, res_shift, low_bits_ptr, low_bits_plane, store_aux,
+                  DUAL_B, SECOND_K, SPLIT_K, TMA, A_K_MAJOR, B_K_MAJOR, HAS_BIAS, ACT, ACT_BWD, COL_SUM,
+                  HAS_ROW_SCALE, RESIDUAL, RES_SCALED, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 # The JIT function wrapped three times: the dual-accumulator variant (two fp32 tiles) and the

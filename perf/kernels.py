@@ -296,6 +296,30 @@ def run(case_names=None, dims=None, device="cuda") -> dict:
             "torch": torch.__version__, "ceilings": roof, "rows": rows, "bars": bars}
 
 
+def tuned_gemm_configs() -> list[dict]:
+    """What the GEMM autotuners kept, per tuning key (kernels/gemm.py GEMM_TUNE_KEY, then the
+    argument dtypes): which tile, stages and tile walk (persistent or one program a tile) won on
+    this GPU. The static model cannot rank persistence; this is where a run says."""
+    from revtriton.ops import gemm
+
+    kernels = gemm.gemm_kernels
+    tuned = []
+    for name in ("fused_gemm_kernel", "fused_gemm_dual_kernel", "fused_gemm_act_grad_kernel"):
+        for key, config in getattr(getattr(kernels, name), "cache", {}).items():
+            tuned.append({"kernel": name, "key": ", ".join(map(str, key)), "config": {
+                **config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}})
+    return tuned
+
+
+def print_tuned(tuned: list[dict]):
+    print(f"GEMM configs the autotuners kept ({sum(t['config'].get('PERSISTENT', False) for t in tuned)} of "
+          f"{len(tuned)} persistent):")
+    for t in tuned:
+        c = t["config"]
+        print(f"  {t['kernel']:27s} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+              f"{' persistent' if c.get('PERSISTENT') else ''}  [{t['key']}]")
+
+
 # ---------------------------------------------------------------- the dispatcher's choice (issue 19)
 
 DISPATCH_SHAPES = ((4, 1024, 768),)  # (batch, tokens, dim)
@@ -430,9 +454,11 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
         return 0 if all(r["met"] for r in rows) else 1
     result = run(args.cases, args.dims)
+    result["tuned_gemm_configs"] = tuned_gemm_configs()
     if args.dispatch:
         result["dispatch"] = dispatch_report()
     print_table(result)
+    print_tuned(result["tuned_gemm_configs"])
     paths = write_results(result, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -94,6 +94,13 @@ def variant_label(job: aot.CompileJob, fn) -> str:
             + f"@sm{job.arch}")
 
 
+def output_tiles(launch, config) -> int:
+    """The launch's work items: its programs, or for a persistent GEMM config (one program per SM,
+    each walking several tiles) the output tiles its programs walk, which is what waves count."""
+    return math.prod(launch.grid_size(dict(config.kwargs, PERSISTENT=False) if config.kwargs.get("PERSISTENT")
+                                      else config.kwargs))
+
+
 def library_jobs(models=None):
     """(row, job, fn) for every launch x arch x config of the library at the given models."""
     for m, half, exact, phase, index, launch in workloads.all_launches(models):
@@ -104,7 +111,7 @@ def library_jobs(models=None):
                 row = {"model": m.name, "half": half, "mode": "exact" if exact else "float", "phase": phase,
                        "index": index, "kernel": fn.__name__, "caller": launch.caller, "arch": arch, "key": job.key,
                        "head_dim": m.head_dim,
-                       "label": variant_label(job, fn), "tiles": math.prod(launch.grid_size(config.kwargs)),
+                       "label": variant_label(job, fn), "tiles": output_tiles(launch, config),
                        "flops": launch_flops(m, launch), "bytes": launch_bytes(launch)}
                 yield row, job, fn
 

@@ -428,3 +428,54 @@ def test_gemm_tma_and_pointer_paths_give_the_same_bits(monkeypatch, shape):
         assert torch.equal(a, b)
     assert rel(aligned[0], gemm.linear_reference(n, w, activation="gelu_tanh")[0]) <= TOL[torch.bfloat16]
     assert rel(aligned[1], gemm.linear_weight_grad_reference(dz, n)) <= 1e-2
+
+
+def _gemm_table_configs():
+    from revtriton.kernels import configs as kc
+
+    arch = 90 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 else 80
+    return [(kind, c) for kind in ("regular", "dual", "act_grad") for c in kc.configs_for_arch(kind, arch)]
+
+
+@pytest.mark.parametrize("kind,config", _gemm_table_configs() if torch.cuda.is_available() else [],
+                         ids=lambda v: v if isinstance(v, str) else "x".join(
+                             f"{v.kwargs[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")) + f"s{v.num_stages}"
+                         + ("p" if v.kwargs.get("PERSISTENT") else ""))
+def test_every_gemm_table_config_matches_the_reference_compiled(monkeypatch, kind, config):
+    """Each config of the device's GEMM lists, pinned, on the compiled path (the autotuner would
+    pick among them by speed alone): the forward GEMM, the activation and weight gradients and the
+    couple at GPT-2's width (bf16; 2048 tokens: 384 tiles of 128 x 128, so persistent configs walk
+    several tiles a program)."""
+    from revtriton.ops import gemm
+
+    kernel = {"regular": gemm.gemm_kernels.fused_gemm_kernel, "dual": gemm.gemm_kernels.fused_gemm_dual_kernel,
+              "act_grad": gemm.gemm_kernels.fused_gemm_act_grad_kernel}[kind]
+    monkeypatch.setattr(kernel, "configs", [config])
+    tokens, dim, hidden, bf16 = 2048, 768, 3072, torch.bfloat16
+    n = torch.randn(tokens, dim, device="cuda", dtype=bf16)
+    w, b = torch.randn(hidden, dim, device="cuda", dtype=bf16) / dim**0.5, torch.randn(hidden, device="cuda")
+    w_down = torch.randn(dim, hidden, device="cuda", dtype=bf16) / hidden**0.5
+    if kind == "dual":
+        w_up = torch.randn(hidden, dim, device="cuda", dtype=bf16) / dim**0.5
+        got = gemm.linear(n, w, None, activation="swiglu", weight_up=w_up)[0]
+        want = gemm.linear_reference(n, w, None, activation="swiglu", weight_up=w_up)[0]
+        assert rel(got, want) <= TOL[bf16]
+        return
+    pre, g = torch.randn(tokens, hidden, device="cuda", dtype=bf16), torch.randn(tokens, dim, device="cuda",
+                                                                                dtype=bf16)
+    if kind == "act_grad":  # exact GELU's gradient and SwiGLU's
+        got = gemm.linear_act_bwd(g, w_down, pre, activation="gelu")[0]
+        assert rel(got, gemm.linear_act_bwd_reference(g, w_down, pre, activation="gelu")[0]) <= TOL[bf16]
+        pre2 = torch.randn(tokens, 2 * hidden, device="cuda", dtype=bf16)
+        got = gemm.linear_act_bwd(g, w_down, pre2, activation="swiglu")[0]
+        assert rel(got, gemm.linear_act_bwd_reference(g, w_down, pre2, activation="swiglu")[0]) <= TOL[bf16]
+        return
+    got = gemm.linear_act_bwd(g, w_down, pre, activation="gelu_tanh")[0]
+    assert rel(got, gemm.linear_act_bwd_reference(g, w_down, pre, activation="gelu_tanh")[0]) <= TOL[bf16]
+    got = gemm.linear(n, w, b.to(bf16), activation="gelu_tanh")[0]
+    assert rel(got, gemm.linear_reference(n, w, b.to(bf16), activation="gelu_tanh")[0]) <= TOL[bf16]
+    dz = torch.randn(tokens, hidden, device="cuda", dtype=bf16)
+    assert rel(gemm.linear_weight_grad(dz, n, split_k=1), gemm.linear_weight_grad_reference(dz, n)) <= 1e-2
+    h, res = torch.randn(tokens, hidden, device="cuda", dtype=bf16), torch.randn(tokens, dim, device="cuda")
+    got = gemm.linear_couple(h, w_down, None, res, 1)
+    assert rel(got - res, gemm.linear_couple_reference(h, w_down, None, res, 1) - res) <= TOL[bf16]

@@ -835,3 +835,27 @@ def test_built_wheel_runs_the_sweep_outside_the_checkout(tmp_path):
     doc = json.loads(path.read_text())
     assert [(r["variant"], r["status"]) for r in doc["rows"]] == [("coupled-stored", "ok"),
                                                                   ("revtriton-sequential", "ok")]
+
+
+def test_kernel_benchmark_reports_the_gemm_configs_the_autotuners_kept(monkeypatch, capsys):
+    """perf.kernels lists, per tuning key, the config each GEMM autotuner kept (tile, stages and
+    whether it walks the tiles persistently): the one thing about persistence a GPU run must say."""
+    import triton
+
+    from perf import kernels
+    from revtriton.ops import gemm
+
+    persistent = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PERSISTENT": True}, num_warps=8,
+                               num_stages=4)
+    per_tile = triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PERSISTENT": False}, num_warps=8,
+                             num_stages=3)
+    monkeypatch.setattr(gemm.gemm_kernels.fused_gemm_kernel, "cache", {(8192, 3072, 1024): persistent}, raising=False)
+    monkeypatch.setattr(gemm.gemm_kernels.fused_gemm_dual_kernel, "cache", {(8192, 11008, 4096): per_tile},
+                        raising=False)
+    monkeypatch.setattr(gemm.gemm_kernels.fused_gemm_act_grad_kernel, "cache", {}, raising=False)
+    tuned = kernels.tuned_gemm_configs()
+    assert [(t["kernel"], t["key"], t["config"]["PERSISTENT"], t["config"]["num_stages"]) for t in tuned] == [
+        ("fused_gemm_kernel", "8192, 3072, 1024", True, 4), ("fused_gemm_dual_kernel", "8192, 11008, 4096", False, 3)]
+    kernels.print_tuned(tuned)
+    out = capsys.readouterr().out
+    assert "(1 of 2 persistent)" in out and "128x128x64 w8 s4 persistent" in out and "128x256x64 w8 s3  [" in out

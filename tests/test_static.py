@@ -276,3 +276,51 @@ def test_gemm_prune_follows_the_operand_width_and_the_epilogue(monkeypatch):
             b_tiles = 2 if flags.get("DUAL_B") else 1
             stage = (c.kwargs["BLOCK_M"] + b_tiles * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 4
             assert c.num_stages >= 2 and stage * c.num_stages <= kc.MAX_SHARED[90], (kind, c)
+
+
+def test_gemm_persistent_configs_serve_only_the_launches_they_compile_for(monkeypatch):
+    """Persistent GEMM configs (one program per SM) on sm_90: kept for the forward GEMM, the weight
+    gradient and the activation gradients; dropped where their tile loop broke 232 registers or
+    spilled (a residual epilogue, a split of K, ALIGNED_8 widths) or changes nothing (split of K)."""
+    import torch
+
+    from revtriton.kernels import configs as kc
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+
+    def persistent(kind, out, **flags):
+        named = {"a_ptr": torch.empty(1, dtype=torch.bfloat16), "c_ptr": torch.empty(1, dtype=out)}
+        kept = kc.prune_for_device(kc.configs_for_arch(kind, 90) + kc.configs_for_arch(kind, 80), named, **flags)
+        assert kept and all(c.kwargs["USE_TMA"] for c in kept)  # the sm_90 list
+        return [c for c in kept if c.kwargs["PERSISTENT"]]
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert persistent("regular", bf16, HAS_BIAS=True, ACT=1, B_K_MAJOR=True, SPLIT_K=1)
+    assert persistent("regular", fp32, SPLIT_K=1)  # a weight gradient
+    assert persistent("act_grad", bf16, ACT_BWD=4, SPLIT_K=1)
+    assert not persistent("regular", torch.int32, HAS_BIAS=True, RESIDUAL=2, B_K_MAJOR=True, SPLIT_K=1)
+    assert not persistent("regular", fp32, HAS_BIAS=True, RESIDUAL=1, B_K_MAJOR=True, SPLIT_K=1)
+    assert not persistent("regular", fp32, SPLIT_K=4)
+    assert not persistent("regular", bf16, HAS_BIAS=True, ACT=1, B_K_MAJOR=True, SPLIT_K=1, ALIGNED_8=True)
+    assert not kc.GEMM_DUAL_CONFIGS_SM90[0].kwargs["PERSISTENT"] and not any(
+        c.kwargs["PERSISTENT"] for c in kc.GEMM_CONFIGS_SM80 + kc.GEMM_DUAL_CONFIGS_SM80)
+
+
+
+
+def test_waves_count_a_persistent_configs_tiles_not_its_programs():
+    """A persistent GEMM config launches fewer programs than tiles (one per SM), but the model's
+    waves count the output tiles it walks: those of the one-program-a-tile config of its shape."""
+    import torch
+
+    from perf import static
+    from revtriton.kernels import configs as kc
+    from revtriton.ops import gemm
+
+    with aot.recording_launches() as launches:
+        gemm.linear(torch.empty(8192, 768), torch.empty(3072, 768), None)
+    persistent = next(c for c in kc.GEMM_CONFIGS_SM90 if c.kwargs["PERSISTENT"])
+    per_tile = next(c for c in kc.GEMM_CONFIGS_SM90 if not c.kwargs["PERSISTENT"] and all(
+        c.kwargs[k] == persistent.kwargs[k] for k in ("BLOCK_M", "BLOCK_N")))
+    assert launches[0].grid_size(persistent.kwargs)[0] < 64 * 24  # its programs
+    assert static.output_tiles(launches[0], persistent) == static.output_tiles(launches[0], per_tile) == 64 * 24

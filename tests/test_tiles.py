@@ -39,10 +39,10 @@ FWD = shapes([*ka.FWD_CONFIGS.values(), *ka.FWD_PACKED_ROWS_CONFIGS.values()],
 DKDV = shapes(ka.DKDV_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA", "ONE_LOOP"))  # both loop forms
 DQ = shapes(ka.DQ_CONFIGS, ("BLOCK_FIXED", "BLOCK_STREAM", "USE_TMA"))
 QKV = shapes(kq.QKV_CONFIGS, ("BLOCK_M", "BLOCK_K", "HEADS_PER_TILE", "USE_TMA"))  # both load paths
-GEMM = shapes([kc.GEMM_CONFIGS_SM90, kc.GEMM_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
-GEMM_DUAL = shapes([kc.GEMM_DUAL_CONFIGS_SM90, kc.GEMM_DUAL_CONFIGS_SM80], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
-GEMM_ACT_GRAD = shapes([kc.GEMM_ACT_GRAD_CONFIGS_SM90, kc.GEMM_ACT_GRAD_CONFIGS_SM80],
-                          ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+GEMM_TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PERSISTENT")  # one program per tile, or per SM
+GEMM = shapes([kc.GEMM_CONFIGS_SM90, kc.GEMM_CONFIGS_SM80], GEMM_TILE)
+GEMM_DUAL = shapes([kc.GEMM_DUAL_CONFIGS_SM90, kc.GEMM_DUAL_CONFIGS_SM80], GEMM_TILE)
+GEMM_ACT_GRAD = shapes([kc.GEMM_ACT_GRAD_CONFIGS_SM90, kc.GEMM_ACT_GRAD_CONFIGS_SM80], GEMM_TILE)
 
 
 def ids(shape):
@@ -72,6 +72,7 @@ def test_tables_have_the_shapes_the_tests_expect():
     # If a table is emptied or renamed this file would silently test nothing.
     assert len(FWD) >= 3 and len(DKDV) >= 3 and len(DQ) >= 3 and len(QKV) >= 4
     assert len(GEMM) >= 5 and len(GEMM_DUAL) >= 4 and len(GEMM_ACT_GRAD) >= 4
+    assert any(shape[-1] for shape in GEMM) and any(not shape[-1] for shape in GEMM)  # both tile walks
     assert any(f != s for f, s, *_ in DKDV) and any(f != s for f, s, _ in DQ) and any(m != n for m, n, _ in FWD)
     for table in (FWD, DQ):  # both load paths: TMA (sm_90) and pointers (sm_80)
         assert {tma for *_, tma in table} == {True, False}
@@ -193,10 +194,33 @@ def test_act_grad_gemm_at_every_table_tile(seeded, pin, shape):
     assert rel_err(got, want) <= 1e-5 and rel_err(sums.out, want_sums) <= 1e-5
 
 
+
+def test_persistent_gemm_programs_walk_every_tile(seeded, pin, monkeypatch):
+    """A persistent config launches fewer programs than tiles (three under the interpreter) and each
+    walks its share in grouped order: the output is the reference's, for nine 64 x 64 tiles on three
+    programs and for four (one program walks two, the others one)."""
+    table = next(c for c in kc.GEMM_CONFIGS_SM90 if c.kwargs["PERSISTENT"])
+    config = kc.triton.Config(dict(table.kwargs, BLOCK_M=64, BLOCK_N=64), num_warps=4, num_stages=1)
+    pin(kg.fused_gemm_kernel, config)
+    grids = []
+    launch = gemm.dispatch.launch
+
+    def recording(kernel, grid, *args, **meta):
+        grids.append(grid({**meta, **config.kwargs}))
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(gemm.dispatch, "launch", recording)
+    for rows, out in ((ROWS, HIDDEN), (128, 128)):  # 3 x 3 and 2 x 2 tiles
+        n, w = torch.randn(rows, DIM), torch.randn(out, DIM) / DIM**0.5
+        got, _ = gemm.linear(n, w, None)
+        assert rel_err(got, gemm.linear_reference(n, w, None)[0]) <= 1e-5
+    assert grids == [(3, 1), (3, 1)]
+
+
 # --------------------------------------------------------------------------------------------
 # The GEMM's two load paths: TMA descriptors (sm_90 configs) and masked pointer loads
 
-TMA_TILES = shapes([kc.GEMM_CONFIGS_SM90, [kc.GEMM_CONFIG_INTERPRETER]], ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"))
+TMA_TILES = shapes([kc.GEMM_CONFIGS_SM90, [kc.GEMM_CONFIG_INTERPRETER]], GEMM_TILE)
 
 
 @pytest.fixture

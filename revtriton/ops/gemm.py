@@ -51,6 +51,7 @@ The static model (revtriton/aot.py, perf/static.py) compiles these launches ahea
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ COL_SUM_ROWS = 64  # kernels/gemm.py: rows of C per column-sum partial row
 MAX_BLOCK_M = 128
 REDUCTIONS_PER_LAUNCH = 4  # kernels/norm.py sum_partials_kernel: a half's bias, norm and split-K partials
 DEFAULT_SMS = 132  # H100 SXM: split-K decisions when no GPU is there to ask (the interpreter)
+INTERPRETER_PERSISTENT_PROGRAMS = 3
 
 
 # ---------------------------------------------------------------- checks
@@ -207,7 +209,8 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         ensure_descriptor_allocator(a.device)
 
     def grid(meta):
-        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), split_k)
+        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+        return (persistent_programs(tiles, a.device) if meta["PERSISTENT"] else tiles, split_k)
 
     if dual_b:
         kernel = gemm_kernels.fused_gemm_dual_kernel
@@ -558,8 +561,19 @@ def linear_weight_grad_reference(grad, inp, *, out_dtype=torch.float32, split_k=
 def sm_count(device) -> int:
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return DEFAULT_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(tiles: int, device) -> int:
+    """Programs of a persistent GEMM launch: one per SM (none idle when there are fewer tiles).
+    The interpreter runs programs one after the other, so it gets three: each walks several tiles."""
+    return min(tiles, INTERPRETER_PERSISTENT_PROGRAMS if dispatch.interpreter_enabled() else sm_count(device))
 
 
 def split_k_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
