@@ -502,6 +502,11 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for needle in ("pytest -m gpu", "perf.sweep --suite short", "perf.kernels", "--suite pareprop", str(out)):
         assert needle in proc.stdout, needle
+    # The GEMM-config test (many compiles) runs in its own step, after the measurements, not twice.
+    steps = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"  [1-9]\d*\. ", line)}
+    configs_test = "test_every_gemm_table_config_matches_the_reference_compiled"
+    assert f"not {configs_test}" in steps["gpu-tests"] and f"-k {configs_test}" in steps["gemm-configs"]
+    assert list(steps).index("gemm-configs") > list(steps).index("kernels")
     assert not out.exists()
 
 

@@ -10,18 +10,12 @@ here), so :func:`count_launches` sees all of them (tests and perf/ assert launch
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-from .launches import count_launches, launch, uncounted  # noqa: F401 (the ops' launch point)
+from .launches import count_launches, interpreter_enabled, launch, uncounted  # noqa: F401 (the ops' launch point)
 
 _force_triton = False
-
-
-def interpreter_enabled() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_available() -> bool:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
 from .graph import backward_keeps_graph
-from .launches import cdiv
+from .launches import cdiv, unused_pointer
 from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -154,7 +154,8 @@ def _segment_args(segments, batch: int, tokens: int, causal: bool, like: torch.T
     SPANS: :func:`segment_spans`."""
     global _last_segment_args
     if segments is None:
-        return like, like, 0, like
+        unused = unused_pointer(like)
+        return unused, unused, 0, unused
     if not isinstance(segments, torch.Tensor) or tuple(segments.shape) != (batch, tokens):
         raise ValueError(f"segments must be a [{batch}, {tokens}] tensor, got "
                          f"{tuple(segments.shape) if isinstance(segments, torch.Tensor) else type(segments).__name__}")
@@ -299,7 +300,7 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         stride_ropeb = cos.stride(0) if cos.dim() == 3 else 0
     else:
-        cos = sin = lse  # unused pointers
+        cos = sin = unused_pointer(lse)
     seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
     if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
         q, k, v, do = (t if tma_ready(t) else t.contiguous() for t in (q, k, v, do))
@@ -454,7 +455,7 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     if M == 0:
         return out
     kernels = _qkv_kernels()
-    cos, sin = rope if rope is not None else (out, out)
+    cos, sin = rope if rope is not None else (unused_pointer(out),) * 2
     total_heads = heads + 2 * kv_heads
     # sm_90 configs load by TMA where both operands can be described: 16-bit, W read K-major ([N, K]
     # rows of an nn.Linear weight), 16-byte aligned rows (the kernel also needs a power-of-two head dim).
@@ -463,7 +464,8 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
         ensure_descriptor_allocator(n.device)
     column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
     grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
-    dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, out if b_qkv is None else b_qkv, out, cos, sin,
+    bias = unused_pointer(out) if b_qkv is None else b_qkv
+    dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, bias, out, cos, sin,
                     M, N, dim, table_rows, total_heads, heads + kv_heads, next_power_of_2(M),
                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
                     HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .launches import cdiv
+from .launches import cdiv, unused_pointer
 from .reference import activation_reference
 from .streams import ResidualScale, check_frac_bits, check_residual_scale, exact_add_reference, scale_launch_args
 from .tma import ensure_descriptor_allocator, matrix_tma_ready
@@ -190,9 +190,11 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
                  store_aux=False, res=None, col_sum=None, alpha=1.0, sign=1, frac_bits=0, dual_b=False,
                  second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0, scale=None):
     """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides."""
-    dummy = c  # unused pointers: any tensor; a fixed choice per variant keeps the tuning key stable
+    # Unused pointers: null pointers of c's dtype (a fixed choice per variant keeps the tuning key
+    # and the compiled kernel those of the launch that passes a tensor there).
+    unused = unused_pointer(c)
     res_scale, res_shift, low_bits, low_bits_plane = scale_launch_args(
-        scale, sign, None if residual == gemm_kernels.RES_FLOAT else frac_bits, dummy)
+        scale, sign, None if residual == gemm_kernels.RES_FLOAT else frac_bits, c)
     stride_am, stride_ak = a_strides
     stride_bk, stride_bn = b_strides
     if split_k > 1:
@@ -220,12 +222,12 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
         kernel = gemm_kernels.fused_gemm_kernel
     dispatch.launch(
         kernel, grid,
-        a, b, dummy if b2 is None else b2, c, M, N, K, k_per_split,
+        a, b, unused if b2 is None else b2, c, M, N, K, k_per_split,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        dummy if bias is None else bias, dummy if row_scale is None else row_scale,
-        dummy if aux is None else aux, 0 if aux is None else aux.stride(0),
-        dummy if res is None else res, 0 if res is None else res.stride(0),
-        dummy if col_sum is None else col_sum,
+        unused if bias is None else bias, unused if row_scale is None else row_scale,
+        unused if aux is None else aux, 0 if aux is None else aux.stride(0),
+        unused if res is None else res, 0 if res is None else res.stride(0),
+        unused if col_sum is None else col_sum,
         float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
         int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K),
         DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
@@ -321,8 +323,9 @@ def normalize(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, ou
     if M == 0 or D == 0:
         return n, mean.zero_(), rstd
     block_n = next_power_of_2(D)
+    unused = unused_pointer(x)
     dispatch.launch(norm_kernels.normalize_kernel, (M,), x, n, mean, rstd,
-                    x if norm_weight is None else norm_weight, x if norm_bias is None else norm_bias,
+                    unused if norm_weight is None else norm_weight, unused if norm_bias is None else norm_bias,
                     M, D, x.stride(0), n.stride(0), float(eps), IS_RMS=norm == "rms",
                     HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None, BLOCK_N=block_n,
                     num_warps=norm_num_warps(block_n))
@@ -460,8 +463,9 @@ def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, 
     if M == 0 or D == 0:
         return out, partials
     block_n = next_power_of_2(D)
-    dispatch.launch(norm_kernels.scale_rows_kernel, (programs,), g, g if out is None else out,
-                    g if row_scale is None else row_scale, g if partials is None else partials.part,
+    unused = unused_pointer(g)
+    dispatch.launch(norm_kernels.scale_rows_kernel, (programs,), g, unused if out is None else out,
+                    unused if row_scale is None else row_scale, unused if partials is None else partials.part,
                     M, D, rows_per_program, g.stride(0), 0 if out is None else out.stride(0), float(alpha),
                     HAS_ROW_SCALE=row_scale is not None, STORE=store, COL_SUM=col_sums, BLOCK_N=block_n,
                     num_warps=norm_num_warps(block_n))
@@ -680,8 +684,9 @@ def norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, o
     block_n = next_power_of_2(D)
     mean, rstd = stats
     dispatch.launch(norm_kernels.norm_bwd_kernel, (programs,), dn, x, mean, rstd,
-                    norm_weight if norm_weight is not None else x, dres if dres is not None else dn, dx,
-                    partials.part if partials is not None else dx,
+                    norm_weight if norm_weight is not None else unused_pointer(x),
+                    dres if dres is not None else unused_pointer(dn), dx,
+                    partials.part if partials is not None else unused_pointer(dx),
                     M, D, rows_per_program, dn.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0,
                     dx.stride(0), IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=has_bias,
                     HAS_DRES=dres is not None, BLOCK_N=block_n, num_warps=norm_num_warps(block_n))

@@ -7,7 +7,10 @@ ops.dispatch re-exports these names).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
+
+import torch
 
 _counters: list[Counter] = []
 
@@ -17,6 +20,43 @@ _counters: list[Counter] = []
 # next_power_of_2 for the same reason).
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class NullPointer:
+    """A kernel's unused pointer argument: a null address of a given dtype. Triton specialises it as
+    it does a 16-byte aligned tensor of that dtype (the same compiled kernel and tuning key as the
+    tensor that takes its place in another launch, e.g. the rebuild's saved pre-activation), and
+    its CUDA launcher passes it without asking the driver: for every tensor argument the launcher
+    checks the address with ``cuPointerGetAttribute``, one driver call each, except for a null one.
+    A GEMM launch has up to ten pointer arguments, six of them unused in a plain forward."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"NullPointer({self.dtype})"
+
+
+def unused_pointer(like: torch.Tensor, dtype: torch.dtype | None = None):
+    """What to pass for a pointer argument the launch does not read or write: a :class:`NullPointer`
+    of ``dtype`` (default ``like``'s) for a compiled CUDA launch; ``like`` itself (viewed as
+    ``dtype``) where a real tensor is needed (the interpreter reads every argument, the static
+    model's recording runs on meta tensors, torch.compile traces Triton launches of tensors)."""
+    dtype = like.dtype if dtype is None else dtype
+    if like.is_cuda and not interpreter_enabled() and not torch.compiler.is_compiling():
+        return NullPointer(dtype)
+    return like if dtype == like.dtype else like.reshape(-1).view(dtype)
 
 
 def launch(kernel, grid, *args, **meta):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .launches import unused_pointer
+
 # Largest float32 below 2**31: the rounded half output saturates here instead of wrapping.
 SATURATION = 2.0**31 - 128
 # Streams must stay below 2**29 in magnitude. With two bits of headroom one range check of each
@@ -385,16 +387,16 @@ def check_residual_scale(scale, sign: int, frac_bits: int | None, res: torch.Ten
 def scale_launch_args(scale: ResidualScale | None, sign: int, frac_bits: int | None, placeholder: torch.Tensor):
     """The couple kernels' scale arguments ``(res_scale, shift, low_bits, plane)``: the float
     factor, the exact shift, and the dropped bits' planes (contiguous) with their length in bytes.
-    Where no planes are read (unscaled, float, exact forward) ``low_bits`` is ``placeholder``, as a
-    uint8 view when scaled: the forward and the inverse then bind the same pointer type, so they
-    compile one kernel."""
+    Where no planes are read (unscaled, float, exact forward) ``low_bits`` is an unused pointer
+    (:func:`ops.launches.unused_pointer` of ``placeholder``), of uint8 when scaled: the forward and
+    the inverse then bind the same pointer type, so they compile one kernel."""
     if scale is None:
-        return 1.0, 0, placeholder, 0
+        return 1.0, 0, unused_pointer(placeholder), 0
     if frac_bits is None:
-        return float(scale.value), 0, placeholder.reshape(-1).view(torch.uint8), 0
+        return float(scale.value), 0, unused_pointer(placeholder, torch.uint8), 0
     shift = scale.shift
     if sign > 0 or shift == 0:
-        return 1.0, shift, placeholder.reshape(-1).view(torch.uint8), 0
+        return 1.0, shift, unused_pointer(placeholder, torch.uint8), 0
     low_bits = scale.low_bits.contiguous()
     return 1.0, shift, low_bits, low_bits.shape[1]
 
