@@ -62,7 +62,7 @@ def _tma(bm, bn, bk, warps, stages, group_m=8, persistent=False):
 # tile 255 with a stack, and on triton 3.6 a split of K or an ALIGNED_8 fp32 output 241-250, so
 # they serve the other launches only (:func:`fit_to_launch`; a split of K fills the SMs with one
 # tile a program anyway). The tile loop is not flattened into the K loop (tutorial 09 does): that
-# put the residual epilogues and the 128 x 256 tile at 255 registers with a stack.
+# put the residual epilogues and the 128 x 256 tile at 250-255 registers, most with a stack.
 GEMM_CONFIGS_SM90 = [
     _tma(128, 256, 64, 8, 3),
     _tma(128, 128, 64, 8, 4),

@@ -306,8 +306,6 @@ def test_gemm_persistent_configs_serve_only_the_launches_they_compile_for(monkey
         c.kwargs["PERSISTENT"] for c in kc.GEMM_CONFIGS_SM80 + kc.GEMM_DUAL_CONFIGS_SM80)
 
 
-
-
 def test_waves_count_a_persistent_configs_tiles_not_its_programs():
     """A persistent GEMM config launches fewer programs than tiles (one per SM), but the model's
     waves count the output tiles it walks: those of the one-program-a-tile config of its shape."""

@@ -194,7 +194,6 @@ def test_act_grad_gemm_at_every_table_tile(seeded, pin, shape):
     assert rel_err(got, want) <= 1e-5 and rel_err(sums.out, want_sums) <= 1e-5
 
 
-
 def test_persistent_gemm_programs_walk_every_tile(seeded, pin, monkeypatch):
     """A persistent config launches fewer programs than tiles (three under the interpreter) and each
     walks its share in grouped order: the output is the reference's, for nine 64 x 64 tiles on three
