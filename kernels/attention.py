@@ -40,17 +40,15 @@ are 64-bit; offsets inside one head's [T, D] slab are 32-bit per tile on a 64-bi
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from .configs import config_key, next_power_of_2
+from .configs import config_key, interpreter_enabled, next_power_of_2
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 HEAD_DIMS = tuple(range(MIN_HEAD_DIM, MAX_HEAD_DIM + 1, 8))
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = interpreter_enabled()
 
 
 def head_pad(head_dim: int) -> int:

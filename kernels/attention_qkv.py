@@ -13,14 +13,13 @@ and a power-of-two D (a tile's columns are then W's rows side by side), the tile
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from .attention import _table_key, _union, prune_by_table, rope_rotate, split_half_lanes
+from .configs import interpreter_enabled
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = interpreter_enabled()
 
 
 def _qkv(bm, bk, heads_per_tile, warps, stages, tma=False):

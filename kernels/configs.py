@@ -57,9 +57,9 @@ def _tma(bm, bn, bk, warps, stages, group_m=8, persistent=False):
 # leaves no room for an epilogue that loads tiles: :func:`prune_for_device` keeps them for light
 # epilogues only (bias / activation, 16-bit output).
 # Persistent configs (one program per SM walking the tiles, tensor descriptors built once per SM
-# instead of once per tile): the tile loop around an exact residual epilogue took 235-255
-# registers (179-204 one tile a program), a float one up to 241, a dual accumulator or a 128 x 256
-# tile 255 with a stack, and on triton 3.6 a split of K or an ALIGNED_8 fp32 output 241-250, so
+# instead of once per tile): on triton 3.9 the tile loop around an exact residual epilogue took
+# 235-255 registers (179-204 one tile a program), a float one up to 241, a dual accumulator or a
+# 128 x 256 tile 255 with a stack, and on 3.6 a split of K or an ALIGNED_8 fp32 output 241-250, so
 # they serve the other launches only (:func:`fit_to_launch`; a split of K fills the SMs with one
 # tile a program anyway). The tile loop is not flattened into the K loop (tutorial 09 does): that
 # put the residual epilogues and the 128 x 256 tile at 250-255 registers, most with a stack.
@@ -150,8 +150,8 @@ def fit_to_launch(config, named_args, kwargs, arch: int):
     """The config as this launch on ``arch`` can take it, or None: wide output tiles go to light
     epilogues only, persistent ones to launches without a residual epilogue, a split of K or
     widths that are multiples of 8 only, and the pipeline keeps the stages that fit in shared
-    memory at the operands' width (fp32 operands, a correctness path, get fewer stages than the 16-bit tiles were tuned
-    with; a config left with one stage is dropped)."""
+    memory at the operands' width (fp32 operands, a correctness path, get fewer stages than the
+    16-bit tiles were tuned with; a config left with one stage is dropped)."""
     meta = config.kwargs
     wide = meta["BLOCK_M"] * meta["BLOCK_N"] > LIGHT_EPILOGUE_TILE and not kwargs.get("DUAL_B")
     if wide and not _light_epilogue(named_args, kwargs):

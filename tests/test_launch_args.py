@@ -51,24 +51,17 @@ def test_unused_pointer_is_null_only_on_a_compiled_cuda_launch(monkeypatch):
         launches.unused_pointer(cuda, torch.uint8)
 
 
-def recorded(call, *, null):
+def recorded(monkeypatch, call, *, null):
     """The arguments of the launches ``call`` makes (recorded, not run), with unused pointers as a
     compiled CUDA launch would pass them (``null``) or as tensors."""
-    real = launches.unused_pointer
 
     def as_on_cuda(like, dtype=None):
         return launches.NullPointer(like.dtype if dtype is None else dtype)
 
-    modules = (gemm, fa, streams)
-    saved = [m.unused_pointer for m in modules]
-    try:
-        for m in modules:
-            m.unused_pointer = as_on_cuda if null else real
-        with aot.recording_launches() as seen:
-            call()
-    finally:
-        for m, fn in zip(modules, saved):
-            m.unused_pointer = fn
+    for module in (gemm, fa, streams):  # the launchers' own references to unused_pointer
+        monkeypatch.setattr(module, "unused_pointer", as_on_cuda if null else launches.unused_pointer)
+    with aot.recording_launches() as seen:
+        call()
     return seen
 
 
@@ -95,14 +88,14 @@ CALLS = {
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_null_pointers_take_the_places_and_dtypes_of_the_tensors_they_replace(name):
+def test_null_pointers_take_the_places_and_dtypes_of_the_tensors_they_replace(monkeypatch, name):
     """Launch by launch, a compiled CUDA launch binds a null pointer exactly where the CPU launch
     binds a placeholder tensor, of that tensor's dtype: the same specialisation, kernel and tuning
     key. Every other argument is the same object."""
     torch.manual_seed(0)
-    with_tensors = recorded(CALLS[name], null=False)
+    with_tensors = recorded(monkeypatch, CALLS[name], null=False)
     torch.manual_seed(0)
-    with_nulls = recorded(CALLS[name], null=True)
+    with_nulls = recorded(monkeypatch, CALLS[name], null=True)
     assert len(with_tensors) == len(with_nulls) >= 1
     nulls = 0
     for a, b in zip(with_tensors, with_nulls):

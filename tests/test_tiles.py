@@ -194,26 +194,32 @@ def test_act_grad_gemm_at_every_table_tile(seeded, pin, shape):
     assert rel_err(got, want) <= 1e-5 and rel_err(sums.out, want_sums) <= 1e-5
 
 
-def test_persistent_gemm_programs_walk_every_tile(seeded, pin, monkeypatch):
+@pytest.fixture
+def gemm_launches(monkeypatch):
+    """(grid, meta) of every launch the GEMM launchers make, recorded before it runs."""
+    seen = []
+    launch = gemm.dispatch.launch
+
+    def recording(kernel, grid, *args, **meta):
+        seen.append((grid, meta))
+        return launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(gemm.dispatch, "launch", recording)
+    return seen
+
+
+def test_persistent_gemm_programs_walk_every_tile(seeded, pin, gemm_launches):
     """A persistent config launches fewer programs than tiles (three under the interpreter) and each
     walks its share in grouped order: the output is the reference's, for nine 64 x 64 tiles on three
     programs and for four (one program walks two, the others one)."""
     table = next(c for c in kc.GEMM_CONFIGS_SM90 if c.kwargs["PERSISTENT"])
     config = kc.triton.Config(dict(table.kwargs, BLOCK_M=64, BLOCK_N=64), num_warps=4, num_stages=1)
     pin(kg.fused_gemm_kernel, config)
-    grids = []
-    launch = gemm.dispatch.launch
-
-    def recording(kernel, grid, *args, **meta):
-        grids.append(grid({**meta, **config.kwargs}))
-        return launch(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(gemm.dispatch, "launch", recording)
     for rows, out in ((ROWS, HIDDEN), (128, 128)):  # 3 x 3 and 2 x 2 tiles
         n, w = torch.randn(rows, DIM), torch.randn(out, DIM) / DIM**0.5
         got, _ = gemm.linear(n, w, None)
         assert rel_err(got, gemm.linear_reference(n, w, None)[0]) <= 1e-5
-    assert grids == [(3, 1), (3, 1)]
+    assert [grid({**meta, **config.kwargs}) for grid, meta in gemm_launches] == [(3, 1), (3, 1)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,25 +327,17 @@ def test_gemm_pointer_loads_of_aligned_operands_take_the_hints_and_give_the_tma_
         assert rel_err(got, want) <= 1e-2
 
 
-def test_gemm_takes_no_alignment_hint_where_the_jit_sees_multiples_of_16(seeded, monkeypatch):
+def test_gemm_takes_no_alignment_hint_where_the_jit_sees_multiples_of_16(seeded, gemm_launches):
     """Every size and stride a multiple of 16 (128 x 256 x 128, fp16): the JIT's own specialisation
     says it all, so no launch sets ALIGNED_8 (it would compile a second variant of the same kernel),
     with or without the epilogue's tiles (the couple's residual, the saved pre-activation)."""
-    flags = []
-    launch = gemm.dispatch.launch
-
-    def recording(kernel, grid, *args, **meta):
-        if "ALIGNED_8" in meta:
-            flags.append(meta["ALIGNED_8"])
-        return launch(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(gemm.dispatch, "launch", recording)
     rows, dim, hidden, dt = 128, 256, 128, torch.float16
     n, w = torch.randn(rows, dim).to(dt), (torch.randn(hidden, dim) / dim**0.5).to(dt)
     gemm.linear(n, w, None, activation="gelu_tanh", save_preact=True)
     gemm.linear_couple(n, w, None, torch.randn(rows, hidden), +1)
     gemm.linear_weight_grad(torch.randn(rows, hidden).to(dt), n)
     gemm.linear_input_grad(torch.randn(rows, hidden).to(dt), w)
+    flags = [meta["ALIGNED_8"] for _, meta in gemm_launches if "ALIGNED_8" in meta]
     assert len(flags) >= 4 and not any(flags), flags
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .launches import unused_pointer
+from .launches import cdiv, unused_pointer
 
 # Largest float32 below 2**31: the rounded half output saturates here instead of wrapping.
 SATURATION = 2.0**31 - 128
@@ -161,7 +161,7 @@ def exact_add_triton(res: torch.Tensor, h: torch.Tensor, sign: int, frac_bits: i
     numel = res.numel()
     if numel:
         _, shift, low_bits, plane = scale_launch_args(scale, sign, frac_bits, out)
-        dispatch.launch(kernels.exact_add_kernel, (-(-numel // EXACT_ADD_BLOCK),), res, h, out, numel,
+        dispatch.launch(kernels.exact_add_kernel, (cdiv(numel, EXACT_ADD_BLOCK),), res, h, out, numel,
                         2.0**frac_bits, 1 if sign > 0 else -1, shift, low_bits, plane, BLOCK=EXACT_ADD_BLOCK,
                         SCALED=scale is not None, num_warps=8)
     return out
@@ -296,7 +296,7 @@ def pack_low_bits(stream: torch.Tensor, bits: int) -> torch.Tensor:
     (``bits / 8`` bytes per element: what a right shift by ``bits`` drops)."""
     flat = stream.reshape(-1)
     numel = flat.numel()
-    padded = torch.zeros(-(-numel // 8) * 8, dtype=torch.int32, device=stream.device)
+    padded = torch.zeros(cdiv(numel, 8) * 8, dtype=torch.int32, device=stream.device)
     padded[:numel] = flat
     weights = (1 << torch.arange(8, device=stream.device, dtype=torch.int32))
     planes = [((padded >> b) & 1).view(-1, 8).mul_(weights).sum(1, dtype=torch.int32) for b in range(bits)]
@@ -463,7 +463,7 @@ def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     if numel == 0:
         return torch.zeros(2, dtype=torch.int32, device=s1.device)
     s1, s2 = s1.contiguous(), s2.contiguous()
-    programs = -(-numel // CHECKSUM_BLOCK)
+    programs = cdiv(numel, CHECKSUM_BLOCK)
     partials = torch.empty(programs, 2, dtype=torch.int32, device=s1.device)  # every program writes its row
     dispatch.launch(kernels.weighted_checksum_kernel, (programs,), s1, s2, partials, numel, CHECKSUM_MULTIPLIER,
                     BLOCK=CHECKSUM_BLOCK, num_warps=8)
