@@ -177,6 +177,8 @@ steps=(
     # issue 18: flash attention forward / backward vs SDPA's flash backend (head dims 64, 128, 80)
     "attention|50|$py -m perf.kernels_attention --cases gpt2,llama-d128,phi-d80 --csv \$OUT/attention.csv"
     "pareprop|80|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"
+    # issue 36: the fused linear + cross-entropy against the eager head + loss, 8192 tokens, GPT-2 and LLaMA-3 vocabularies
+    "lm-loss|30|$py -m perf.lm_loss --op --repeats 3 --check --json \$OUT/lm-loss.json"
     # issue 19: the dispatcher's measured choice per half (fused Triton, cuBLAS + SDPA, and the attention
     # half's two mixes) and every candidate re-timed; fails when a chosen path is < 0.98 x the fastest.
     # Last: it gets what time is left.

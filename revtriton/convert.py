@@ -50,6 +50,7 @@ from torch import nn
 from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
+from .lm_loss import prepare_causal_lm
 from .ops.attention import multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
 from .ops.reference import packed_segments, rope_inv_freq
@@ -69,7 +70,7 @@ SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
            schedule: str = "sequential", preserve: str | None = None, scale_bits: int = 6,
-           adapter_size: int = 64, ordinary_top: int = 0) -> nn.Module:
+           adapter_size: int = 64, ordinary_top: int = 0, fused_loss: bool = True) -> nn.Module:
     """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
 
     ``exact``, ``frac_bits``, ``anchor_every`` and ``schedule`` are
@@ -89,6 +90,9 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
             per block (anchors bound it: see ``anchor_every``).
         ordinary_top: the top K blocks stay ordinary (stored-activation) blocks, run after the
             reversible ones on the stream that carries the function.
+        fused_loss: a causal LM trained with ``labels`` computes its loss through the chunked
+            linear + cross-entropy, without logits (``output.logits`` is None then; see
+            :mod:`revtriton.lm_loss`). False keeps the library's loss.
 
     Train everything, or only the adapters with :func:`train_adapters_only` (PEFT-style). LoRA
     (PEFT) on the pretrained projections works in either order: ``revify(get_peft_model(model,
@@ -111,28 +115,30 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
     if type(target).__name__ == "FeatureGetterNet" and type(target).__module__.startswith("timm"):
         target = target.model  # timm features_only: the wrapped model (its forward_intermediates) is converted
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {fused_loss!r}")
     recorded = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
-                    ordinary_top=ordinary_top)
+                    ordinary_top=ordinary_top, fused_loss=fused_loss)
     for family, (module_prefix, class_name, convert) in _FAMILIES.items():
         if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
             convert(target, conversion)
-            _record_conversion(target, recorded)
+            _finish_conversion(target, recorded)
             return model
     if _llama_convention_base(target) is not None:  # another decoder with LLaMA's layers (Granite, OLMo, ...)
         _convert_llama(target, conversion, probe=True)
-        _record_conversion(target, recorded)
+        _finish_conversion(target, recorded)
         return model
     if _parallel_convention(target) is not None:  # parallel layers (GPT-J, CodeGen, Phi, Cohere)
         _convert_parallel(target, conversion)
-        _record_conversion(target, recorded)
+        _finish_conversion(target, recorded)
         return model
     if _gpt2_convention_base(target) is not None:  # another decoder with GPT-2's layers (GPTBigCode)
         _convert_gpt2(target, conversion, probe=True)
-        _record_conversion(target, recorded)
+        _finish_conversion(target, recorded)
         return model
     if _prenorm_encoder_base(target) is not None:  # BERT's layer parts, pre-norm (RoBERTa-PreLayerNorm, ...)
         _convert_prenorm_encoder(target, conversion)
-        _record_conversion(target, recorded)
+        _finish_conversion(target, recorded)
         return model
     cls = type(target)
     post_norm = _post_norm_layer(target)
@@ -144,11 +150,13 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
 
 
-def _record_conversion(model: nn.Module, recorded: dict):
-    """Saved with save_pretrained: revtriton.from_pretrained converts the loaded model again."""
+def _finish_conversion(model: nn.Module, recorded: dict):
+    """Record the options (saved with save_pretrained: revtriton.from_pretrained converts the loaded
+    model again) and give a causal LM the fused loss."""
     config = getattr(model, "config", None)
     if config is not None and type(config).__module__.startswith("transformers"):
         config.revtriton = recorded
+    prepare_causal_lm(model, recorded["fused_loss"])
 
 
 def _post_norm_layer(model: nn.Module) -> str | None:

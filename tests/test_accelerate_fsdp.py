@@ -31,7 +31,10 @@ def make_model(dtype, exact):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return revify(transformers.LlamaForCausalLM(config).to(dtype), exact=exact)
+    # The library's loss in both runs: accelerate makes lm_head an FSDP unit of its own, which keeps
+    # the library's loss (revtriton.lm_loss); the fused one computes float64 logits in float64 where the
+    # library's upcast is to float32.
+    return revify(transformers.LlamaForCausalLM(config).to(dtype), exact=exact, fused_loss=False)
 
 
 def batches():
@@ -71,6 +74,9 @@ def accelerate_fsdp2(rank, dtype, exact):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
     layer_classes = [type(layer).__name__ for layer in model.model.layers]
+    from revtriton.lm_loss import fusable_head
+
+    assert fusable_head(model) is None  # the sharded head: the fused loss would bypass its FSDP hooks
     grads, weights = [], []
     for ids in batches():
         local = ids.chunk(WORLD)[rank]

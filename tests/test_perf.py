@@ -463,6 +463,29 @@ def test_engine_bench_runs_and_reports_ratios(tmp_path, capsys):
     assert results["4"]["revtriton-float"]["saved_bytes"] == results["2"]["revtriton-float"]["saved_bytes"]
 
 
+def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
+    """perf.lm_loss (issue 36): model rows (a revified GPT-2 head, full logits and fused) and op rows."""
+    from perf import lm_loss
+
+    pytest.importorskip("transformers")
+    out = tmp_path / "lm.json"
+    assert lm_loss.main(["--depth", "1", "--batch", "1", "--tokens", "256", "--json", str(out)]) == 0
+    text, _ = capsys.readouterr()
+    assert "| 256 | full logits |" in text and "| 256 | fused |" in text and "0.5x the logits: " in text
+    rows = json.loads(out.read_text())["rows"]
+    full, fused, headless = (next(r for r in rows if r["fused"] is f) for f in (False, True, None))
+    # the full-logits loss holds several logits-sized buffers at once; the fused one a few chunks
+    assert full["peak_past_parameter_gradients_bytes"] > 2 * full["logits_bytes"]
+    assert fused["peak_past_parameter_gradients_bytes"] < 0.5 * fused["logits_bytes"]
+    # the whole peak also holds the tied weight's two gradient contributions (vocab x dim each), either loss
+    assert fused["peak_bytes"] > fused["peak_past_parameter_gradients_bytes"] + 2 * 50257 * 768 * 4
+    # the fused head adds at most a chunk's logits (8 MiB) to the stack's own peak
+    assert fused["peak_past_parameter_gradients_bytes"] <= headless["peak_past_parameter_gradients_bytes"] + 2**23
+    assert lm_loss.main(["--op", "--op-tokens", "64", "--op-dim", "16", "--dtype", "float32", "--repeats", "1"]) == 0
+    text, _ = capsys.readouterr()
+    assert text.count("| fused |") == 2 and "llama3 (128256)" in text
+
+
 def test_checkpoint_without_early_stop_recomputes_each_block_whole():
     """The engine benchmark's explanation of checkpointing's lead: torch's checkpoint (early stop)
     recomputes each block up to the last tensor its backward saved, which leaves out the MLP's second

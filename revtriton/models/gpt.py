@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import ReversibleBlock
+from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..halves import LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU
 from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
 
@@ -70,7 +71,8 @@ GPT_PRESETS = {
 
 
 class RevGPT(nn.Module):
-    """Reversible decoder-only LM. ``model(idx, targets=None) -> (logits, loss)`` (loss None without targets).
+    """Reversible decoder-only LM. ``model(idx, targets=None) -> (logits, loss)``: loss None without
+    targets; with targets the fused chunked loss, and logits None (``return_logits=True``: both).
 
     ``reversible=False`` builds the stored-activation twin; ``exact``, ``frac_bits``,
     ``anchor_every``, ``schedule`` are ReversibleStack options.
@@ -111,7 +113,11 @@ class RevGPT(nn.Module):
                 if linear is not None:
                     nn.init.trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_logits: bool | None = None):
+        """``(logits, loss)``. With ``targets`` the loss is the chunked linear + cross-entropy
+        (:func:`revtriton.ops.linear_cross_entropy.linear_cross_entropy`: no ``tokens x vocab``
+        logits are made) and ``logits`` is None, unless ``return_logits=True`` (then the full
+        logits and their cross-entropy, the same loss)."""
         if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"RevGPT takes [batch, tokens] integer token ids, got {idx.dtype} {tuple(idx.shape)}")
         tokens = idx.shape[1]
@@ -121,11 +127,16 @@ class RevGPT(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(tokens, device=idx.device))
         x = self.norm(self.blocks(self.drop(x)))
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must match idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        if return_logits:
+            logits = self.lm_head(x)
+            return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                           ignore_index=-100)
+        hidden = x.reshape(-1, x.shape[-1])
+        return None, linear_cross_entropy(hidden, self.lm_head.weight, targets.reshape(-1), ignore_index=-100)
 
 
 def rev_gpt(preset: str = "gpt2", **kwargs) -> RevGPT:
