@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from revtriton import ReversibleStack
+from revtriton import ReversibleBlock, ReversibleStack
 from revtriton.profiling import peak_memory, saved_bytes
 
-from .stacks import Preset, StoredActivationStack, make_blocks
+from .stacks import Preset, StoredActivationStack, make_blocks, make_halves
 
 MIB = 2**20
 FLOAT_VS_CHECKPOINT = 1.03  # revtriton float streams' time / checkpoint's
@@ -63,24 +63,56 @@ VARIANTS = {
 }
 
 
+# The host rows (issue 44): shapes so small that a step is all host work (Python, dispatch, autograd),
+# so the rows compare each library's own per-block overhead.
+HOST_DEPTH, HOST_DIM, HOST_HEADS, HOST_TOKENS = 24, 16, 2, 4
+HOST_FLOAT_VS_REVTORCH = 1.05  # revtriton float streams' step / RevTorch's
+HOST_EXACT_VS_FLOAT = 1.25  # exact streams' step / float streams'
+HOST_TRANSFORMER_VS_PLAIN = 1.5  # revtriton's transformer halves: float streams' step / plain autograd's
+# (halves, label): what it is
+HOST_VARIANTS = {
+    ("generic", "plain"): "generic halves, plain autograd",
+    ("generic", "checkpoint"): "generic halves, torch checkpoint per block",
+    ("generic", "revtorch"): "generic halves, RevTorch 0.2.4",
+    ("generic", "revtriton-float"): "generic halves, revtriton float streams",
+    ("generic", "revtriton"): "generic halves, revtriton exact streams",
+    ("transformer", "plain"): "transformer halves, plain autograd",
+    ("transformer", "revtriton-float"): "transformer halves, revtriton float streams",
+    ("transformer", "revtriton"): "transformer halves, revtriton exact streams",
+}
+
+
 def _ints(text):
     return [int(v) for v in text.split(",") if v]
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m perf.engine_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--depths", type=_ints, default=[12, 24])
+    ap.add_argument("--depths", type=_ints, default=None, help="default: 12,24 (--host: 24)")
     ap.add_argument("--dim", type=int, default=256, help="width of each stream (the input is twice this)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=None, help="default: 2 (--host: 5)")
+    ap.add_argument("--repeats", type=int, default=None, help="default: 9 (--host: 60)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--no-revtorch", action="store_true", help="leave RevTorch out even when it is installed")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a bar is missed")
-    return ap.parse_args(argv)
+    ap.add_argument("--host", action="store_true",
+                    help=f"the host rows instead: depth {HOST_DEPTH}, width {HOST_DIM} per stream, {HOST_TOKENS} tokens, "
+                         "batch 1, one thread (defaults: 5 warm-up steps, 60 repeats)")
+    args = ap.parse_args(argv)
+    if args.host:  # the host rows' own defaults, unless given
+        args.depths = args.depths or [HOST_DEPTH]
+        args.warmup = 5 if args.warmup is None else args.warmup
+        args.repeats = 60 if args.repeats is None else args.repeats
+        args.threads = args.threads or 1
+    else:
+        args.depths = args.depths or [12, 24]
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.repeats = 9 if args.repeats is None else args.repeats
+    return args
 
 
 def revtorch_module():
@@ -131,6 +163,20 @@ def step_of(model, x, grad):
     return step
 
 
+def interleaved_times(steps: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall-clock and process-CPU ms of each step, one of each per round, the order rotating."""
+    labels = list(steps)
+    times = {label: [] for label in labels}
+    cpu_times = {label: [] for label in labels}
+    for r in range(repeats):
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            begin, cpu_begin = time.perf_counter(), time.process_time()
+            steps[label]()
+            cpu_times[label].append((time.process_time() - cpu_begin) * 1e3)
+            times[label].append((time.perf_counter() - begin) * 1e3)
+    return times, cpu_times
+
+
 def bench_depth(depth: int, args, labels) -> dict:
     """{label: {"step_ms", "steps_ms", "peak_bytes", "saved_bytes"}} for one depth."""
     preset = preset_of(args)
@@ -142,15 +188,7 @@ def bench_depth(depth: int, args, labels) -> dict:
     for step in steps.values():
         for _ in range(max(1, args.warmup)):
             step()
-    times = {label: [] for label in steps}
-    cpu_times = {label: [] for label in steps}
-    for r in range(args.repeats):
-        order = labels[r % len(labels):] + labels[:r % len(labels)]
-        for label in order:
-            begin, cpu_begin = time.perf_counter(), time.process_time()
-            steps[label]()
-            cpu_times[label].append((time.process_time() - cpu_begin) * 1e3)
-            times[label].append((time.perf_counter() - begin) * 1e3)
+    times, cpu_times = interleaved_times(steps, args.repeats)
     out = {}
     for label, model in models.items():
         saved = saved_bytes(lambda: model(x), model)
@@ -158,6 +196,87 @@ def bench_depth(depth: int, args, labels) -> dict:
                       "cpu_ms": statistics.median(cpu_times[label]), "cpu_steps_ms": cpu_times[label],
                       "peak_bytes": int(peak_memory(steps[label])), "saved_bytes": int(saved)}
     return out
+
+
+def generic_halves(dim: int):
+    """The generic halves of the host rows: F = LayerNorm + Linear, G = LayerNorm + MLP (4x, GELU),
+    plain torch modules the engine knows nothing about."""
+    return (nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim)),
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)))
+
+
+def host_blocks(halves: str, depth: int) -> list:
+    """``generic``: :func:`generic_halves`; ``transformer``: revtriton's LayerNormAttention /
+    LayerNormMLP as dispatched (on a CPU their ops' reference path, through the engine's fused
+    couple), under plain autograd their forward (the same math)."""
+    preset = Preset("host", "vit", HOST_DIM, HOST_HEADS, HOST_HEADS, HOST_TOKENS, 4 * HOST_DIM, True, "tokens",
+                    activation="gelu")
+    make = (lambda: generic_halves(HOST_DIM)) if halves == "generic" else (lambda: make_halves(preset))
+    return [ReversibleBlock(*make()) for _ in range(depth)]
+
+
+def build_host(halves: str, label: str, depth: int, revtorch=None) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = host_blocks(halves, depth)
+    if label == "plain":
+        return StoredActivationStack(blocks, streams="split")
+    if label == "checkpoint":
+        return StoredActivationStack(blocks, checkpoint_blocks=True, streams="split")
+    if label == "revtorch":
+        return RevTorchStack(blocks, revtorch)
+    return ReversibleStack(blocks, exact=label == "revtriton", streams="split")
+
+
+def bench_host(args, keys) -> dict:
+    """{(halves, label): {"step_ms", "steps_ms", "cpu_ms", "cpu_steps_ms"}}, every variant timed in
+    the same interleaved rounds."""
+    revtorch = revtorch_module()
+    depth = args.depths[0]
+    models = {key: build_host(*key, depth, revtorch) for key in keys}
+    x = torch.randn(1, HOST_TOKENS, 2 * HOST_DIM, requires_grad=True)
+    grad = torch.randn_like(x)
+    steps = {key: step_of(model, x, grad) for key, model in models.items()}
+    for step in steps.values():
+        for _ in range(max(1, args.warmup)):
+            step()
+    times, cpu_times = interleaved_times(steps, args.repeats)
+    return {key: {"step_ms": statistics.median(times[key]), "steps_ms": times[key],
+                  "cpu_ms": statistics.median(cpu_times[key]), "cpu_steps_ms": cpu_times[key]} for key in keys}
+
+
+def host_verdicts(results: dict, key: str = "step_ms") -> list[tuple[str, bool]]:
+    """(text, held) for issue 44's host bars, on the medians of ``key``."""
+    t = {k: r[key] for k, r in results.items()}
+    out = []
+    fl, ex = t[("generic", "revtriton-float")], t[("generic", "revtriton")]
+    if ("generic", "revtorch") in t:
+        rt = t[("generic", "revtorch")]
+        out.append((f"generic float {fl:.2f} ms <= RevTorch {rt:.2f} ms x {HOST_FLOAT_VS_REVTORCH}",
+                    fl <= rt * HOST_FLOAT_VS_REVTORCH))
+    out.append((f"generic exact {ex:.2f} ms <= float {fl:.2f} ms x {HOST_EXACT_VS_FLOAT}", ex <= fl * HOST_EXACT_VS_FLOAT))
+    tf, tp = t[("transformer", "revtriton-float")], t[("transformer", "plain")]
+    out.append((f"transformer float {tf:.2f} ms <= plain {tp:.2f} ms x {HOST_TRANSFORMER_VS_PLAIN}",
+                tf <= tp * HOST_TRANSFORMER_VS_PLAIN))
+    return out
+
+
+def host_report(results: dict, args, depth: int) -> tuple[str, bool]:
+    lines = [f"host rows (CPU, {torch.get_num_threads()} threads): depth {depth}, width {HOST_DIM} per stream (input "
+             f"{2 * HOST_DIM}, split), {HOST_TOKENS} tokens, batch 1; medians of {args.repeats} interleaved steps",
+             "",
+             "| variant | step ms | time / plain | us per block over plain | CPU ms | CPU / plain |",
+             "|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        plain = results[(key[0], "plain")]
+        lines.append(f"| {HOST_VARIANTS[key]} | {r['step_ms']:.2f} | {r['step_ms'] / plain['step_ms']:.3f}x "
+                     f"| {(r['step_ms'] - plain['step_ms']) * 1e3 / depth:.0f} | {r['cpu_ms']:.2f} "
+                     f"| {r['cpu_ms'] / plain['cpu_ms']:.3f}x |")
+    wall, cpu = host_verdicts(results), host_verdicts(results, "cpu_ms")
+    checks = [f"{name}: " + "; ".join(f"{text}: {'PASS' if h else 'MISS'}" for text, h in held)
+              for name, held in (("wall", wall), ("CPU", cpu))]
+    if ("generic", "revtorch") not in results:
+        checks.append("RevTorch not installed (pip install revtorch==0.2.4): its bar is left out")
+    return "\n".join(lines + [""] + checks), all(h for _, h in wall)
 
 
 def one_block_bound(args) -> int:
@@ -239,20 +358,25 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    labels = [label for label in VARIANTS
-              if label != "revtorch" or (not args.no_revtorch and revtorch_module() is not None)]
-    results = {depth: bench_depth(depth, args, labels) for depth in args.depths}
-    bound = one_block_bound(args)
-    text, ok = report(results, args, bound)
+    with_revtorch = not args.no_revtorch and revtorch_module() is not None
+    config = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "threads": torch.get_num_threads(), "torch_version": torch.__version__, "malloc": malloc_settings()}
+    if args.host:
+        keys = [key for key in HOST_VARIANTS if key[1] != "revtorch" or with_revtorch]
+        depth = args.depths[0]
+        results = bench_host(args, keys)
+        text, ok = host_report(results, args, depth)
+        record = {**config, "depth": depth, "results": {f"{h}/{label}": r for (h, label), r in results.items()}}
+    else:
+        labels = [label for label in VARIANTS if label != "revtorch" or with_revtorch]
+        results = {depth: bench_depth(depth, args, labels) for depth in args.depths}
+        bound = one_block_bound(args)
+        text, ok = report(results, args, bound)
+        record = {**config, "one_block_bound_bytes": bound, "results": {str(d): r for d, r in results.items()}}
     print(text)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": {k: (str(v) if isinstance(v, Path) else v)
-                                                    for k, v in vars(args).items()},
-                                         "threads": torch.get_num_threads(), "torch_version": torch.__version__,
-                                         "malloc": malloc_settings(),
-                                         "one_block_bound_bytes": bound,
-                                         "results": {str(d): r for d, r in results.items()}}, indent=1) + "\n")
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0 if ok or not args.check else 1
 
 

@@ -39,7 +39,7 @@ class Recovered:
     inputs: tuple
     kind: str  # "block" or "invertible"
     tensors: tuple
-    mismatch: torch.Tensor | None = None  # device flag: rebuilt input differs from the forward's
+    checksum: torch.Tensor | None = None  # exact streams: the rebuilt input's checksum (compared per segment)
 
 
 @dataclass
@@ -105,8 +105,9 @@ def _protect(tensors, stream):
                 t.record_stream(stream)
 
 
-def _sequential(stepper, streams, dy1, dy2, trace):
-    mismatches = []
+def _sequential(stepper, streams, grads, trace):
+    (dy1, dy2), checksums = grads, []
+    grads.clear()  # the caller's list: nothing outside keeps the first gradients once replaced
     for i in reversed(range(stepper.num_layers)):
         # step(i) empties ``streams`` (the caller's list, for the last layer): once a half is rebuilt from
         # an output stream nothing here keeps that stream alive.
@@ -115,19 +116,21 @@ def _sequential(stepper, streams, dy1, dy2, trace):
             trace.add("rebuild", i, "main", [("grads", i + 1)] if i + 1 < stepper.num_layers else [])
             trace.add("grads", i, "main", [("rebuild", i)])
         streams = list(recovered.inputs)
-        if recovered.mismatch is not None:
-            mismatches.append(recovered.mismatch)
+        if recovered.checksum is not None:
+            checksums.append(recovered.checksum)
         del recovered  # nothing of this layer's recompute is kept for the next one
-    return dy1, dy2, mismatches
+    stepper.rebuilt_input = tuple(streams)
+    return dy1, dy2, checksums
 
 
-def _pareprop(stepper, streams, dy1, dy2, trace):
-    n = stepper.num_layers
+def _pareprop(stepper, streams, grads, trace):
+    (dy1, dy2), n = grads, stepper.num_layers
+    grads.clear()
     main, lanes = _side_streams(streams[0].device)
     for lane in lanes:
         lane.wait_stream(main)  # the segment's outputs, anchors and dy were made on the caller's stream
     rebuilt, grads_done = {}, {}
-    mismatches = []
+    checksums = []
 
     def issue_rebuild(i, inputs):
         lane, waits = lanes[i % 2], []
@@ -160,25 +163,29 @@ def _pareprop(stepper, streams, dy1, dy2, trace):
         grads_done[i] = lane.record_event()
         if trace is not None:
             trace.add("grads", i, f"lane{i % 2}", waits)
-        if current.mismatch is not None:
-            mismatches.append(current.mismatch)
+        if current.checksum is not None:
+            checksums.append(current.checksum)
+        if i == 0:
+            stepper.rebuilt_input = tuple(current.inputs)
         del current
     # The caller's stream (and so the optimizer step) sees every gradient.
     for lane in lanes:
         main.wait_stream(lane)
-    _protect([dy1, dy2] + mismatches, main)
-    return dy1, dy2, mismatches
+    _protect([dy1, dy2] + checksums, main)
+    return dy1, dy2, checksums
 
 
-def run_backward_schedule(schedule, stepper, streams, dy1, dy2, trace=None):
-    """Run a segment's backward; returns ``(dx1, dx2, mismatch_flags or None)``.
+def run_backward_schedule(schedule, stepper, streams, grads, trace=None):
+    """Run a segment's backward; returns ``(dx1, dx2, rebuilt_checksums or None)``, the checksums of
+    the rebuilt inputs (exact streams) stacked in backward order (the last layer's first).
 
-    ``streams``: the segment's output streams, as a list that the schedule empties once the last
-    layer's rebuild no longer needs it (the caller must keep no other reference to free them early)."""
+    ``streams``: the segment's output streams, and ``grads`` their gradients ``[dy1, dy2]``, as lists
+    that the schedule empties (the caller must keep no other reference, so that they are freed as soon
+    as the backward is done with them)."""
     if schedule == "sequential":
-        dy1, dy2, mismatches = _sequential(stepper, streams, dy1, dy2, trace)
+        dy1, dy2, checksums = _sequential(stepper, streams, grads, trace)
     elif schedule == "pareprop":
-        dy1, dy2, mismatches = _pareprop(stepper, streams, dy1, dy2, trace)
+        dy1, dy2, checksums = _pareprop(stepper, streams, grads, trace)
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return dy1, dy2, (torch.stack(mismatches) if mismatches else None)
+    return dy1, dy2, (torch.stack(checksums) if checksums else None)

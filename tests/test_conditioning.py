@@ -185,7 +185,7 @@ def test_overflow_hint_runs_the_float_model_with_the_conditioning():
     x = torch.randn(2, 3, DIM)
     c = torch.randn(2, 1, DIM)
     with pytest.raises(OverflowError, match=r"frac_bits <= \d+ fits this input"):
-        stack(x * 1e4, cond=c)
+        stack(x * 1e4, cond=c).sum().backward()
 
 
 def test_cond_modified_in_place_before_backward_raises():

@@ -1,4 +1,5 @@
 """The reversible engine on the CPU reference path (issue 2)."""
+import copy
 import weakref
 
 import pytest
@@ -456,7 +457,9 @@ def test_bad_inputs_raise_clear_errors():
         stack(torch.randn(2, 3, DIM, dtype=torch.complex64))
     with pytest.raises(ValueError, match="same shape"):
         stack.forward_streams(x, x[:1])
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(ValueError, match="NaN or Inf"):  # resolved when the backward ends (engine.checks)
+        stack(torch.full((2, 3, DIM), float("nan"))).sum().backward()
+    with pytest.raises(ValueError, match="NaN or Inf"), torch.no_grad():  # nothing to differentiate: at once
         stack(torch.full((2, 3, DIM), float("nan")))
     with pytest.raises(ValueError, match="parameters are on"):
         stack(torch.randn(2, 3, DIM, device="meta"))
@@ -539,11 +542,11 @@ def test_overflow_names_the_block_and_a_frac_bits_that_fits():
     stack = ReversibleStack(layers)
     x = torch.randn(2, 3, DIM)
     with pytest.raises(OverflowError, match=r"F half of layer 2.*frac_bits <= \d+") as error:
-        stack(x.requires_grad_())
+        stack(x.requires_grad_()).sum().backward()
     fit = int(str(error.value).split("frac_bits <= ")[1].split()[0])
     ReversibleStack(layers, frac_bits=fit)(x)  # the suggestion works for this input
     with pytest.raises(OverflowError, match="input of layer 0"):
-        stack(torch.full((2, 3, DIM), 1e4))  # beyond 2**(29 - 16) = 8192 already at the input
+        stack(torch.full((2, 3, DIM), 1e4)).sum().backward()  # beyond 2**(29 - 16) = 8192 already at the input
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
@@ -590,3 +593,29 @@ def test_stream_pairs_with_different_shapes_or_dtypes_are_refused(exact):
         stack.inverse(a, a[:1])
     with pytest.raises(TypeError, match="y1 and y2 must have the same dtype"):
         stack.inverse(a, a.float())
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_float_split_stack_keeps_only_its_output_alive_after_forward(schedule, depth):
+    """Float streams kept for backward are the halves of the split output itself (RevTorch keeps its
+    output the same way): after the forward only the output's bytes are alive, the gradients are
+    plain autograd's, and an in-place edit of the output before backward is caught."""
+    from revtriton import to_stored_activations
+    from revtriton.profiling import LiveBytes
+
+    stack = make_stack(depth, exact=False, streams="split", schedule=schedule)
+    x = torch.randn(2, 5, 2 * DIM, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))  # the .grad buffers exist from here on
+    with LiveBytes() as live:
+        out = stack(x)
+    assert live.live == out.numel() * out.element_size()
+    del out
+    twin = to_stored_activations(copy.deepcopy(stack))
+    want = grads_of(twin, x, lambda: loss_of(twin(x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+    out = stack(x)
+    with torch.no_grad():
+        out.add_(1.0)
+    with pytest.raises(RuntimeError, match="streams a reversible segment's backward starts from were modified"):
+        loss_of(out).backward()

@@ -150,7 +150,7 @@ def test_overflow_and_nan_are_caught_in_each_half_at_each_block(seeded, bad, hal
     for grad in (False, True):
         stack = stack_of(halves)
         with pytest.raises(OverflowError, match=f"the {half} half of layer {position} "):
-            stack(x.clone().requires_grad_(grad))
+            stack(x.clone().requires_grad_(grad)).sum().backward()  # resolved as the backward ends
     s = torch.randint(-(2**20), 2**20, (2, 3, 8), dtype=torch.int32)
     with pytest.raises(OverflowError, match=f"the {half} half of layer {position} "):
         stack.forward_streams(s, s.clone())
@@ -198,7 +198,7 @@ def test_streams_at_the_range_bound(seeded, sign, half):
     loss_of(stack(inside)).backward()
     assert torch.isfinite(inside.grad).all()
     with pytest.raises(OverflowError, match="input of layer 0"):
-        stack(sign * bound * torch.ones(2, 3, 8, dtype=f64))
+        stack(sign * bound * torch.ones(2, 3, 8, dtype=f64)).sum().backward()
     # A half that lands its stream on the last value inside, then exactly on the bound.
     # Both streams start at sign * bound / 2 (on the grid); the other half moves its stream inwards.
     start = sign * bound / 2 * torch.ones(2, 3, 8, dtype=f64)
@@ -214,7 +214,7 @@ def test_streams_at_the_range_bound(seeded, sign, half):
             assert max(y1.abs().max(), y2.abs().max()).item() == bound - step
         else:
             with pytest.raises(OverflowError, match=f"the {half} half of layer 0 "):
-                stack.forward_streams(start, start)
+                sum(y.sum() for y in stack.forward_streams(start, start)).backward()
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])

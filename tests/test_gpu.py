@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch import nn
 
 from revtriton import (LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, RMSNormAttention,
                        RMSNormSwiGLU)
@@ -207,6 +208,34 @@ def test_backward_schedule_makes_no_host_sync(schedule, monkeypatch):
         out = stack(x)
     out.float().square().mean().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_a_deferred_training_step_makes_no_host_sync(schedule, exact, dropout):
+    """Issue 45 on the GPU: a whole step (forward and backward; dropout replayed through graph-safe
+    generator state) inside deferred_checks() never syncs with the host, so a CUDA graph can capture
+    it; check_step() is the one sync, and it raises a planted overflow."""
+    import revtriton
+
+    blocks = [ReversibleBlock(nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256), nn.Dropout(dropout)),
+                              nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256))) for _ in range(5)]
+    stack = ReversibleStack(blocks, schedule=schedule, exact=exact).cuda().train()
+    x = torch.randn(2, 64, 256, device="cuda", requires_grad=True)
+    stack(x).square().mean().backward()  # warm: first launches autotune, which syncs
+    with revtriton.deferred_checks():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            stack(x).square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    revtriton.check_step()
+    if exact:
+        with revtriton.deferred_checks():
+            stack(x * 1e5).square().mean().backward()  # beyond the exact range at the input
+        with pytest.raises(OverflowError):
+            revtriton.check_step()
 
 
 # --------------------------------------------------------------------------------------------

@@ -441,5 +441,8 @@ def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
         assert len(fused_calls) == DEPTH  # no mask: the fused attention half in every block
         torch.testing.assert_close(unmasked, original(pixel_values=pixels).logits, rtol=0, atol=2e-3)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
-    assert (ours[1] - unmasked[1]).abs().max() > 1e-2 and torch.allclose(ours[0], unmasked[0], atol=1e-5)
+    # The unmasked image: the library's modules and the fused halves round differently in fp32 (up
+    # to 1.5e-5 over 40 seeds at this init), so the same 2e-3 as above; the mask moves the other by > 1.
+    torch.testing.assert_close(ours[0], unmasked[0], rtol=0, atol=2e-3)
+    assert (ours[1] - unmasked[1]).abs().max() > 0.1
 

@@ -1,9 +1,12 @@
-"""Host syncs, counted on CPU (issue 21): the README promises one sync per forward (the guards)
-and one per backward (the checksum), none per block.
+"""Host syncs and RNG-state reads, counted on CPU (issues 21, 44, 45): a training step (forward and
+backward) of a stack makes no host sync and reads no RNG state, except the one sync at the end of
+an exact stack's eager backward that resolves its checks (engine.checks); inside
+``deferred_checks()`` not even that one, and ``check_step()`` is the one sync.
 
 A host sync is what ``.item()``, ``bool()``, ``int()``, ``if tensor:`` and friends do
-(``aten._local_scalar_dense``) and what ops with a data-dependent output shape do (``nonzero``,
-``masked_select``, ``unique``...). A TorchDispatchMode sees every one of them on CPU too, where
+(``aten._local_scalar_dense``), what ops with a data-dependent output shape do (``nonzero``,
+``masked_select``, ``unique``...), and comparisons that answer on the host (``equal``,
+``allclose``). A TorchDispatchMode sees every one of them on CPU too, where
 ``torch.cuda.synchronize`` is never called. tests/test_gpu.py checks the same on a GPU with
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
@@ -13,11 +16,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import revtriton
 from revtriton import engine
 from test_pareprop import build
 
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "unique_consecutive", "_unique",
-           "_unique2", "unique_dim", "repeat_interleave", "is_nonzero", "item", "nonzero_numpy", "argwhere"}
+           "_unique2", "unique_dim", "repeat_interleave", "is_nonzero", "item", "nonzero_numpy", "argwhere",
+           "equal", "allclose"}
 
 
 class CountSyncs(TorchDispatchMode):
@@ -54,9 +59,39 @@ def test_the_counter_sees_item_bool_and_nonzero():
     assert syncs.counts["_local_scalar_dense"] == 3 and syncs.counts["nonzero"] == 1 and syncs.total() >= 5
 
 
+class CountRngReads:
+    """Counts reads of the RNG state (CPU state tensors, CUDA states and graph-safe snapshots)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for owner, name in ((torch, "get_rng_state"), (torch.random, "get_rng_state"),
+                            (torch.cuda, "get_rng_state"), (torch.cuda, "get_rng_state_all")):
+            real = getattr(owner, name)
+            monkeypatch.setattr(owner, name, self._counted(real))
+
+    def _counted(self, real):
+        def read(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+        return read
+
+
+def no_dropout(stack):
+    """The test stacks' dropout and drop-path switched off (p = 0: they draw nothing)."""
+    for module in stack.modules():
+        for name in ("p", "drop_prob"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    return stack
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "float"])
-def test_one_sync_per_forward_and_backward_whatever_the_depth(seeded, schedule, exact, monkeypatch):
+@pytest.mark.parametrize("dropout", [True, False], ids=["dropout", "no-dropout"])
+def test_a_step_makes_no_host_sync_and_reads_no_rng_state(seeded, schedule, exact, dropout, monkeypatch):
+    """From the second step on (the first probes which halves draw random numbers): no sync in the
+    forward or the per-block backward, one at the end of an exact eager backward; no RNG-state read
+    without dropout. Odd and even depths, with a stage transition."""
     inside = []
     real = engine.segment.run_backward_schedule
 
@@ -67,16 +102,40 @@ def test_one_sync_per_forward_and_backward_whatever_the_depth(seeded, schedule, 
         return result
 
     monkeypatch.setattr(engine.segment, "run_backward_schedule", counted_schedule)
+    reads = CountRngReads(monkeypatch)
     dtype = torch.float32 if exact else torch.float64
-    for depth in (1, 6):
+    for depth in (1, 6, 7):
         stack = build(depth, schedule, exact, transition=depth > 3, seed=seeded)
+        if not dropout:
+            no_dropout(stack)
         x = torch.randn(2, 3, 12, dtype=dtype, requires_grad=True)
+        stack(x).square().sum().backward()  # the first step probes
+        reads.count = 0
         with CountSyncs() as forward:
             loss = stack(x).square().sum()
         with CountSyncs() as backward:
             loss.backward()
         assert x.grad is not None and all(p.grad is not None for p in stack.parameters())
-        assert forward.total() == (1 if exact else 0), (depth, forward.counts)
+        assert forward.total() == 0, (depth, forward.counts)
         assert backward.total() == (1 if exact else 0), (depth, backward.counts)
         assert inside and all(not counts for counts in inside), (depth, inside)
+        if not dropout:
+            assert reads.count == 0, depth
+        else:
+            assert reads.count > 0, depth  # (the replay itself is held bitwise by the dropout tests)
         inside.clear()
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_deferred_checks_make_a_step_without_any_sync(seeded, schedule):
+    stack = build(5, schedule, True, transition=True, seed=seeded)
+    x = torch.randn(2, 3, 12, requires_grad=True)
+    stack(x).sum().backward()
+    with revtriton.deferred_checks():
+        with CountSyncs() as step:
+            stack(x).square().sum().backward()
+            stack(x).square().sum().backward()  # two steps' checks wait together
+        assert step.total() == 0, step.counts
+        with CountSyncs() as check:
+            revtriton.check_step()
+        assert check.total() == 1, check.counts

@@ -463,6 +463,25 @@ def test_engine_bench_runs_and_reports_ratios(tmp_path, capsys):
     assert results["4"]["revtriton-float"]["saved_bytes"] == results["2"]["revtriton-float"]["saved_bytes"]
 
 
+def test_engine_bench_host_rows_time_every_variant_interleaved(tmp_path, capsys):
+    """--host (issue 44): each variant of both half kinds timed in the same rounds, on one thread,
+    with the three bars judged on wall and CPU time."""
+    out = tmp_path / "host.json"
+    assert engine_bench.main(["--host", "--depths", "2", "--warmup", "1", "--repeats", "3", "--json", str(out)]) == 0
+    text, _ = capsys.readouterr()
+    assert "host rows (CPU, 1 threads): depth 2" in text and "us per block over plain" in text
+    assert text.count("wall: ") == 1 and text.count("CPU: ") == 1
+    assert "exact" in text and "transformer float" in text and text.count("PASS") + text.count("MISS") >= 4
+    record = json.loads(out.read_text())
+    assert record["threads"] == 1 and record["depth"] == 2
+    expected = {f"{h}/{label}" for h, label in engine_bench.HOST_VARIANTS}
+    if engine_bench.revtorch_module() is None:
+        expected = {k for k in expected if not k.endswith("/revtorch")}
+    assert set(record["results"]) == expected
+    for r in record["results"].values():
+        assert len(r["steps_ms"]) == len(r["cpu_steps_ms"]) == 3 and r["step_ms"] > 0 and r["cpu_ms"] > 0
+
+
 def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
     """perf.lm_loss (issue 36): model rows (a revified GPT-2 head, full logits and fused) and op rows."""
     from perf import lm_loss

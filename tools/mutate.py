@@ -66,12 +66,33 @@ MUTANTS = [
            ("tests/test_exact_oracle.py", "-k", "bitwise or ports"),
            "bf16 / fp16 models carry stream gradients in bf16 / fp16 instead of fp32"),
     Mutant("host-sync-per-block", "revtriton/engine/segment.py",
-           "            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[recovered.index]).any()\n",
-           "            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[recovered.index]).any()\n"
-           "            if bool(recovered.mismatch):\n"
+           "            recovered.checksum = _checksum(*recovered.inputs)\n",
+           "            recovered.checksum = _checksum(*recovered.inputs)\n"
+           "            if bool((recovered.checksum != self.checksum[recovered.index]).any()):\n"
            "                raise RuntimeError('checksum mismatch')\n",
            ("tests/test_host_sync.py",),
            "a bool() on a device flag per block: one GPU stall per block instead of one per backward"),
+    # ---- the step's checks (issue 45) and the stack's plan (issue 44)
+    Mutant("plan-ignores-dropout-rates", "revtriton/engine/plan.py",
+           "[getattr(m, name, None) for m, name in self.random_settings],", "[],",
+           ("tests/test_step_checks.py", "-k", "dropout_switched_on"),
+           "a dropout rate raised between steps: the rebuild skips the RNG replay the probe said was not needed"),
+    Mutant("plan-ignores-tensor-attributes", "revtriton/engine/plan.py",
+           "[_tensor_identity(getattr(m, name, None)) for m, name in self.tensor_attributes])", "[])",
+           ("tests/test_step_checks.py", "-k", "starts_requiring_grad"),
+           "a captured tensor assigned between steps is not walked again: it gets no gradient, silently"),
+    Mutant("optimizer-applies-failed-gradients", "revtriton/engine/checks.py",
+           "            if ref() is not p or p.grad is not grad:", "            if True:",
+           ("tests/test_step_checks.py", "-k", "optimizer_refuses"),
+           "optimizer.step() applies the gradients of a backward whose check failed"),
+    Mutant("check-step-forgets-deferred-checks", "revtriton/engine/checks.py",
+           "    if bool(failed):  # the one host sync", "    if False:",
+           ("tests/test_step_checks.py", "-k", "deferred_one_at_check_step"),
+           "check_step() drops the waiting checks without raising their failure"),
+    Mutant("split-output-copied-for-backward", "revtriton/engine/segment.py",
+           "y1, y2 = joined.detach().chunk(2, dim=-1)", "y1, y2 = joined.detach().clone().chunk(2, dim=-1)",
+           ("tests/test_engine.py", "-k", "keeps_only_its_output"),
+           "a float split stack keeps a copy of its output for backward: two outputs' bytes alive after forward"),
     # ---- the fused LM loss (issue 36)
     Mutant("fused-loss-smoothing-gradient-dropped", "revtriton/ops/linear_cross_entropy.py",
            "grad.sub_((smoothing / vocab * scale)[:, None])", "pass",
@@ -116,7 +137,7 @@ MUTANTS = [
            ("tests/test_exact_oracle.py", "-k", "overflow_and_nan"),
            "a NaN half output rounds to 0: silently dropped instead of caught"),
     Mutant("guard-reports-last-failure", "revtriton/engine/guards.py",
-           "self.labels[min(where[i]", "self.labels[max(where[i]",
+           "labels[min(where[i]", "labels[max(where[i]",
            ("tests/test_exact_oracle.py", "-k", "overflow_and_nan"),
            "the overflow error names a later block than the one that overflowed"),
     Mutant("halves-see-fp32-not-model-dtype", "revtriton/engine/guards.py",
@@ -129,7 +150,7 @@ MUTANTS = [
            ("tests/test_exact_oracle.py", "-k", "float64"),
            "an fp64 model's stream values lose 7 bits (float32 holds 24 of the stream's 31)"),
     Mutant("dx2-drops-f-input-grad", "revtriton/engine/segment.py",
-           "dx2, fresh = rb.input_f.add_to(dx2, owned2 or coupling.scale2 != 1.0)", "fresh = False",
+           "nx2, fresh = rb.input_f.subtract_from(nx2, owned2 or coupling.scale2 != 1.0)", "fresh = False",
            ("tests/test_exact_oracle.py", "-k", "bitwise"),
            "the gradient through F's input is dropped"),
     # ---- more: kernels at the GPU tile sizes and on edge rows
@@ -218,10 +239,8 @@ MUTANTS = [
            ("tests/test_pareprop.py", "-k", "hand_written"),
            "the trace no longer records that rebuild(i) runs after grads(i+2) on its lane"),
     Mutant("recompute-without-autocast", "revtriton/engine/segment.py",
-           "with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):\n"
-           "            run_block_phase(",
-           "with torch.enable_grad(), replayed(run.dispatch):\n"
-           "            run_block_phase(",
+           "with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), run.rng.preserved():",
+           "with torch.enable_grad(), replayed(run.dispatch), run.rng.preserved():",
            ("tests/test_engine.py", "-k", "gradients_equal_rounded_model_bitwise"),
            "the backward's recompute ignores the forward's autocast state"),
     # ---- the sequential backward's memory (issue 20)
@@ -232,9 +251,9 @@ MUTANTS = [
            ("tests/test_engine.py", "-k", "one_half_graph"),
            "F's recompute graph is built before G's gradients run: two half graphs alive at the peak"),
     Mutant("negated-gradient-not-restored", "revtriton/engine/segment.py",
-           "        finally:\n            grad.neg_()", "        finally:\n            pass",
+           "return (None, torch.neg(n1), torch.neg(n2), None,", "return (None, n1, n2, None,",
            ("tests/test_engine.py", "-k", "float_mode_gradients_match"),
-           "the gradient negated in place for a half's backward stays negated"),
+           "the negated gradients a segment's backward carries leave it negated"),
     Mutant("final-streams-freed-under-retain-graph", "revtriton/engine/segment.py",
            "        if not backward_keeps_graph():  # then the streams stay for the next backward", "        if True:",
            ("tests/test_engine.py", "-k", "backward_twice"),
@@ -411,7 +430,7 @@ MUTANTS = [
            "8 warps over a 64-row wgmma tile (two warpgroups on the same rows) not flagged"),
     # ---- scaled couplings (issue 14)
     Mutant("scaled-coupling-grad-unscaled", "revtriton/engine/segment.py",
-           "dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1", "dx1 = dy1",
+           "nx1 = n1 if coupling.scale1 == 1.0 else n1 * coupling.scale1", "nx1 = n1",
            ("tests/test_scaled_couplings.py", "-k", "float_gradients or bitwise"),
            "the scaled stream's own gradient misses its scale"),
     Mutant("scaled-coupling-low-bits-dropped", "revtriton/ops/streams.py",

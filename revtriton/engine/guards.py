@@ -76,19 +76,31 @@ class ForwardGuards:
                 self.highs.append(high)
                 self.range_at.append(at)
 
-    def first_failure(self):
-        """The label of the first failed check, in the order they were added; None if none failed."""
+    def device_flags(self):
+        """``(flags, where, labels)``: one device bool per check (no host sync), the position of each
+        flag's label in ``labels``, and the labels. Clears the guards (the graph keeps the segment
+        runs: it must not keep the per-stream extremes too)."""
         parts, where = [], self.flag_at + self.range_at
         if self.flags:
             parts.append(torch.stack(self.flags))
         if self.lows:
             parts.append(extremes_out_of_range(torch.stack(self.lows), torch.stack(self.highs)))
-        # The graph keeps the segment runs: don't let it keep the flags too.
-        self.flags, self.flag_at, self.lows, self.highs, self.range_at = [], [], [], [], []
-        if not parts:
-            return None
-        failed = torch.cat(parts).nonzero()
-        return None if failed.numel() == 0 else self.labels[min(where[i] for i in failed[:, 0].tolist())]
+        labels = self.labels
+        self.flags, self.flag_at, self.lows, self.highs, self.range_at, self.labels = [], [], [], [], [], []
+        flags = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+        return flags, where, labels
+
+    def first_failure(self):
+        """The label of the first failed check, in the order they were added; None if none failed
+        (one host sync)."""
+        return first_failed_label(*self.device_flags())
+
+
+def first_failed_label(flags, where, labels):
+    """The label of the first failed check of :meth:`ForwardGuards.device_flags`'s result, or None
+    (one host sync)."""
+    failed = flags.nonzero()
+    return None if failed.numel() == 0 else labels[min(where[i] for i in failed[:, 0].tolist())]
 
 
 def out_of_range(stream: torch.Tensor) -> torch.Tensor:
@@ -151,43 +163,6 @@ def reaches_foreign_leaf(output, is_own) -> bool:
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
-
-
-class BackwardChecks:
-    """Checksum flags of all segments of one forward, checked with one host sync per backward.
-
-    Each segment's backward adds its flags and queues a callback that runs once the whole backward
-    has finished (``queue_callback`` on autograd's current graph task): every segment is checked,
-    whichever segments that backward reached (a frozen first segment records no node at all). The
-    first callback checks all flags (the one host sync); the others find none left.
-    """
-
-    def __init__(self):
-        self.flags = []  # (index of the segment's last layer, flags in backward order)
-
-    def add(self, last_layer, flags):
-        self.flags.append((last_layer, flags))
-        torch.autograd.Variable._execution_engine.queue_callback(self.raise_if_mismatched)
-
-    def raise_if_mismatched(self):
-        if not self.flags:
-            return
-        flags, self.flags = self.flags, []
-        # Segments run backward last to first; within one, flags are in backward order (last layer first).
-        found = torch.cat([f for _, f in flags]).nonzero()  # the one host sync of the backward
-        if found.numel():
-            position = int(found[0, 0])
-            for last_layer, segment_flags in flags:
-                if position < len(segment_flags):
-                    layer_index = last_layer - position
-                    break
-                position -= len(segment_flags)
-            raise RuntimeError(
-                f"revtriton: the input of layer {layer_index} rebuilt in backward does not match the forward "
-                f"(position-weighted checksum differs). F or G of that block is not deterministic: the recompute "
-                f"must run the same kernels with the same configs, autocast state and RNG stream as the forward "
-                f"(no atomics or split-K in the forward path, no data-dependent randomness outside torch's RNG)."
-            )
 
 
 def _checksum(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:

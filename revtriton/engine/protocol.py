@@ -74,9 +74,14 @@ class ReversibleBlock(nn.Module):
     def __init__(self, f: nn.Module, g: nn.Module, *, scale1: float = 1.0, scale2: float = 1.0,
                  swap: bool = False):
         super().__init__()
-        self.f = as_half(f)
-        self.g = as_half(g)
+        self.f = f
+        self.g = g
         self.coupling = Coupling(float(scale1), float(scale2), swap).check(exact=False, where="ReversibleBlock")
+
+    def __setattr__(self, name, value):
+        if name in ("f", "g") and isinstance(value, nn.Module):  # at construction and when a half is swapped
+            value = as_half(value)
+        super().__setattr__(name, value)
 
     def coupling_halves(self):
         return self.f, self.g

@@ -13,39 +13,53 @@ def _rng_devices(tensor: torch.Tensor):
 
 
 class RngTape:
-    """RNG states recorded before each half call in forward, replayed in backward.
+    """RNG states recorded before each half that draws random numbers, replayed in backward.
 
-    A state is stored only when it differs from the last one recorded, so halves that draw no
-    random numbers share one state and the tape does not grow with depth.
+    Which halves draw is probed once (the stack's plan keeps it): a recording forward whose plan
+    does not know yet reads the state around every half (:meth:`record`, :meth:`same`), and later
+    forwards read it only before the halves that drew. A stack whose halves draw nothing reads no
+    state at all, in forward or backward.
+
+    CUDA generators are read and set graph-safely (``clone_state`` / ``graphsafe_set_state``: a
+    snapshot generator, no copy of the state to the host), the CPU generator by its state tensor.
     """
 
     def __init__(self, devices):
-        self.devices = list(devices)
-        self._last = None
+        self.generators = [torch.cuda.default_generators[torch.cuda.current_device() if d.index is None else d.index]
+                           for d in devices]
+        self.recorded = False  # some state was recorded: the backward replays it, then restores the caller's
 
     def record(self):
-        state = (torch.get_rng_state(), tuple(torch.cuda.get_rng_state(d) for d in self.devices))
-        last = self._last
-        if last is not None and torch.equal(last[0], state[0]) and all(
-            torch.equal(a, b) for a, b in zip(last[1], state[1])
-        ):
-            return last
-        self._last = state
-        return state
+        self.recorded = True
+        return torch.get_rng_state(), tuple(g.clone_state() for g in self.generators)
+
+    @staticmethod
+    def same(a, b) -> bool:
+        """Whether two recorded states are the same position of every generator (nothing drew between)."""
+        return torch.equal(a[0], b[0]) and all(
+            (x.initial_seed(), x.get_offset()) == (y.initial_seed(), y.get_offset()) for x, y in zip(a[1], b[1]))
 
     def set(self, state):
+        """Replay ``state`` (None: the half draws nothing, so there is nothing to set)."""
+        if state is None:
+            return
         torch.set_rng_state(state[0])
-        for device, cuda_state in zip(self.devices, state[1]):
-            torch.cuda.set_rng_state(cuda_state, device)
+        for generator, snapshot in zip(self.generators, state[1]):
+            generator.graphsafe_set_state(snapshot.clone_state())  # the tape's snapshot stays as recorded
 
     @contextlib.contextmanager
     def preserved(self):
-        """Leave the caller's global RNG as it was (the backward replays forward states)."""
-        saved = (torch.get_rng_state(), tuple(torch.cuda.get_rng_state(d) for d in self.devices))
+        """Leave the caller's RNG as it was (the backward replays forward states); free when nothing was recorded."""
+        if not self.recorded:
+            yield
+            return
+        cpu, cuda = torch.get_rng_state(), tuple(g.graphsafe_get_state() for g in self.generators)
         try:
             yield
         finally:
-            self.set(saved)
+            torch.set_rng_state(cpu)
+            for generator, state in zip(self.generators, cuda):
+                generator.graphsafe_set_state(state)
 
 
 @dataclass(frozen=True)

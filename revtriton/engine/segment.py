@@ -3,6 +3,7 @@ Function whose backward rebuilds each layer's input from its output and gets the
 that same recompute, as a backward schedule composes the two steps (revtriton.schedules)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -13,13 +14,18 @@ from ..ops.graph import backward_keeps_graph
 from ..ops.streams import stream_grad_dtype
 from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
-from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, BackwardChecks, ForwardGuards, StreamFormat, _checksum,
+from .checks import StepChecks
+from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, ForwardGuards, StreamFormat, _checksum,
                      captured_tensor_message, reaches_foreign_leaf)
 from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
+from .plan import SegmentPlan
 from .replay import AutocastState, RngTape
 from .state import (StateWatch, _buffer_versions, _check_input_untouched, _scratch_buffers, _updated_buffers,
                     _version_of)
+
+_engine = torch.autograd.Variable._execution_engine
+_NO_SCRATCH = contextlib.nullcontext()
 
 
 DOUBLE_BACKWARD_MESSAGE = (
@@ -71,12 +77,15 @@ class SegmentRun:
     dispatch: tuple | None = None  # where ops ran in forward (ops.dispatch.capture_state), replayed in backward
     anchor_layers: list = field(default_factory=list)
     trace: ScheduleTrace | None = None
-    checks: BackwardChecks | None = None
+    checks: StepChecks | None = None
     watch: StateWatch | None = None  # modes and parameter versions at forward (set when a graph is recorded)
     updated_buffers: dict = field(default_factory=dict)  # layer -> [(module, name)] the forward updated
     grad_anchor: torch.Tensor | None = None  # the segment node's requires-grad dummy input
     param_ids: frozenset = frozenset()  # ids of the layers' parameters at forward (for the captured-tensor check)
     cond_is_tuple: bool = False  # the conditioning was given as a tuple of tensors (else one tensor)
+    plan: SegmentPlan | None = None  # the layers' modules, parameters, buffers, RNG draws (engine.plan)
+    walk_key: tuple | None = None  # what a rebuilt half's graph depends on besides the plan (shapes, modes)
+    join: bool = False  # float streams, the stack's split output: return one tensor whose halves are the kept streams
 
     def cond_value(self, tensors):
         """The conditioning as halves get it, from its tensors (the node's inputs, or their leaves in backward)."""
@@ -101,39 +110,49 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
         checksums.append(_checksum(s1, s2))
     if fmt.exact and run.guards is not None:
         run.guards.add_range(("overflow", run.first_index, "input"), s1, s2)
-    for i, layer in enumerate(run.layers):
+    layer_plans = run.plan.layers if run.plan is not None else [None] * len(run.layers)
+    for i, (layer, lp) in enumerate(zip(run.layers, layer_plans)):
         index = run.first_index + i
         if record and run.anchor_every and i > 0 and i % run.anchor_every == 0:
             run.anchor_layers.append(i)
             anchors += [s1, s2]
         buffers = run.watch.buffers[i] if record and run.watch is not None else ()
-        versions = _buffer_versions(buffers)
-        if is_reversible_block(layer):
+        versions = _buffer_versions(buffers) if buffers else ()
+        if lp.is_block if lp is not None else is_reversible_block(layer):
             hooks = BlockHooks.of(layer)
             if hooks is not None and hooks.has_forward:
                 values = fmt.for_block(layer.coupling_halves()[0])
                 hook_args = (values.value(s1), values.value(s2))
                 hooks.forward_pre(hook_args, index)
 
-            coupling = coupling_of(layer)
+            coupling = lp.coupling if lp is not None else coupling_of(layer)
+            # Which halves draw random numbers: known from the plan, or probed now (None: read the
+            # state around both halves and see which moved it).
+            draws = (lp.draws if lp is not None else None) if record else (False, False)
 
-            def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling):
+            def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling, draws=draws, lp=lp):
                 values = run.fmt.for_block(f)
                 scale1, scale2 = residual_scale(coupling.scale1), residual_scale(coupling.scale2)
                 # Exact scaled couplings drop the low bits of the scaled stream: kept for the inverse.
                 keep_bits = record and fmt.exact
                 low1 = scale1.dropped_bits(s1) if keep_bits and scale1 is not None else None
                 low2 = scale2.dropped_bits(s2) if keep_bits and scale2 is not None else None
-                state_f = run.rng.record() if record else None
+                state_f = run.rng.record() if draws is None or draws[0] else None
                 x = values.value(s2)
                 version = _version_of(x)
                 y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
                 _check_input_untouched(x, version, "F", index)
-                state_g = run.rng.record() if record else None
+                state_g = run.rng.record() if draws is None or draws[1] else None
                 x = values.value(y1)
                 version = _version_of(x)
                 y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
                 _check_input_untouched(x, version, "G", index)
+                if draws is None:  # probed: a half drew when the state moved across it
+                    after = run.rng.record()
+                    drew = (not RngTape.same(state_f, state_g), not RngTape.same(state_g, after))
+                    if lp is not None:
+                        lp.draws = drew
+                    state_f, state_g = (state_f if drew[0] else None), (state_g if drew[1] else None)
                 if check_captured:
                     for half, port in (("F", port_f), ("G", port_g)):
                         if port is not None:
@@ -202,6 +221,9 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         y1, y2, anchors, checksums = _segment_forward(run, s1, s2, record=True, cond=run.cond_value(cond))
         if run.watch is not None:
             run.watch.record_versions()
+        # The backward replays (and so reads and restores the caller's RNG) only if a half drew.
+        run.rng.recorded = any(state is not None for states in run.rng_states if states is not None
+                               for state in states)
         ctx.run = run
         checksum = torch.stack(checksums) if checksums else None
         ctx.has_checksum = checksum is not None
@@ -215,18 +237,31 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         # The final streams are kept on ctx, not saved: autograd frees saved tensors only once the node's
         # backward returns, while the backward drops these as soon as the last layer is rebuilt from them
         # (RevTorch does the same). Their versions stand in for autograd's in-place check.
+        out1, out2 = fmt.value(y1), fmt.value(y2)
+        # Outputs must not alias the inputs (autograd would take them for views of them). Float streams
+        # return the kept streams themselves and keep detached aliases of them (one storage, one version
+        # counter, no reference cycle through the outputs' grad_fn): an in-place change of an output is
+        # then an in-place change of the kept stream, which the version check catches.
+        if out1 is x1 or out1 is x2:
+            out1 = out1.clone()
+        if out2 is x1 or out2 is x2 or out2 is out1:
+            out2 = out2.clone()
+        ctx.joined = run.join and not fmt.exact
+        if ctx.joined:  # the stack's split output is concatenated anyway: keep its halves, not a copy
+            joined = torch.cat([out1, out2], dim=-1)
+            y1, y2 = joined.detach().chunk(2, dim=-1)
+            out1, out2 = joined, None
+        if out1 is y1:
+            y1 = y1.detach()
+        if out2 is y2:
+            y2 = y2.detach()
         ctx.streams = [y1, y2]
         ctx.stream_versions = (_version_of(y1), _version_of(y2))
-        out1, out2 = fmt.value(y1), fmt.value(y2)
-        # Outputs must not alias the saved streams (float mode) or the inputs.
-        if out1 is y1 or out1 is x1 or out1 is x2:
-            out1 = out1.clone()
-        if out2 is y2 or out2 is x1 or out2 is x2 or out2 is out1:
-            out2 = out2.clone()
-        return out1, out2
+        return out1 if ctx.joined else (out1, out2)
 
     @staticmethod
-    def backward(ctx, dy1, dy2):
+    def backward(ctx, *grads):
+        dy1, dy2 = ((None, None) if grads[0] is None else grads[0].chunk(2, dim=-1)) if ctx.joined else grads
         run: SegmentRun = ctx.run
         if torch.is_grad_enabled():  # the engine runs a backward with create_graph=True in grad mode
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
@@ -253,26 +288,36 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         }
         like = final[0]
         grad_dtype = stream_grad_dtype(run.fmt.value_dtype) if run.fmt.exact else like.dtype
-        dy1 = torch.zeros(like.shape, dtype=grad_dtype, device=like.device) if dy1 is None else dy1.to(grad_dtype)
-        dy2 = torch.zeros(like.shape, dtype=grad_dtype, device=like.device) if dy2 is None else dy2.to(grad_dtype)
-        del like
+        # The schedule carries the negated gradients (see _SegmentBackward._block_grads): fresh tensors here.
+        grads = [torch.zeros(like.shape, dtype=grad_dtype, device=like.device) if dy is None else torch.neg(
+            dy.to(grad_dtype)) for dy in (dy1, dy2)]
+        del like, dy1, dy2
         # One leaf per conditioning tensor for the whole segment: every half's rebuild uses it, so its
         # .grad sums their contributions, in backward order (as autograd sums the uses of a tensor).
         cond_leaves = tuple(c.detach().requires_grad_() if c.requires_grad else c.detach() for c in cond)
         stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor), cond_leaves,
                                    [_low_bits_of(entry, low_tensors) for entry in run.low_bits])
+        stepper._owned = tuple(grads)
         try:
-            with run.rng.preserved():
-                dx1, dx2, mismatch = run_backward_schedule(run.schedule, stepper, final, dy1, dy2, run.trace)
+            # Every block is rebuilt as the forward ran it: with grad, the forward's autocast and dispatch
+            # state, its RNG states (the caller's RNG is left as it was).
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), run.rng.preserved():
+                n1, n2, rebuilt_checksums = run_backward_schedule(run.schedule, stepper, final, grads, run.trace)
         except RuntimeError as error:
             if "mark a variable ready only once" in str(error):  # DDP(find_unused_parameters=True)
                 raise RuntimeError(FIND_UNUSED_HINT) from error
             if "backward through the graph a second time" in str(error):  # saved tensors are ours: intact
                 raise RuntimeError(CAPTURED_TENSOR_HINT) from error
             raise
-        if mismatch is not None:  # checked once the whole backward has run (one host sync)
-            run.checks.add(run.first_index + len(run.layers) - 1, mismatch)
-        return (None, dx1, dx2, None, *(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves))
+        if rebuilt_checksums is not None:  # resolved when the whole backward has run (engine.checks)
+            # One comparison per segment (not per block): flags in backward order, as the rebuilds ran.
+            forward_checksums = checksum[:len(rebuilt_checksums)].flip(0)
+            mismatch = (rebuilt_checksums != forward_checksums).any(1)
+            # The stack's rebuilt input stands in for its input in an overflow's message.
+            rebuilt = stepper.rebuilt_input if run.first_index == 0 else None
+            run.checks.add(run.first_index + len(run.layers) - 1, mismatch, rebuilt)
+        return (None, torch.neg(n1), torch.neg(n2), None,
+                *(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves))
 
 
 class _GradTap(torch.autograd.Function):
@@ -317,21 +362,21 @@ class _HalfInput:
     def gradient(self):
         return self.grad if self.tapped else self.leaf.grad
 
-    def add_to(self, d: torch.Tensor, owned: bool = False):
-        """``(d + the input's gradient, fresh)``: ``d`` itself (fresh False) when none arrived. The sum
-        goes in place where that is safe: into a leaf's gradient (autograd's own buffer, which nothing
-        else holds), or into ``d`` when the engine owns it; addition commutes bitwise, so the bits are
-        those of ``d + grad`` either way."""
+    def subtract_from(self, n: torch.Tensor, owned: bool = False):
+        """``(n - the input's gradient, fresh)``: ``n`` itself (fresh False) when none arrived (``n`` is a
+        negated gradient: see _block_grads). The difference goes in place where that is safe: into a
+        leaf's gradient (autograd's own buffer, which nothing else holds), or into ``n`` when the engine
+        owns it; the bits are those of ``n - grad`` either way."""
         g = self.gradient()
         if g is None:
-            return d, False
-        if g.shape == d.shape:
-            dtype = torch.result_type(d, g)
+            return n, False
+        if g.shape == n.shape:
+            dtype = torch.result_type(n, g)
             if not self.tapped and g.dtype == dtype:
-                return g.add_(d), True
-            if owned and d.dtype == dtype:
-                return d.add_(g), True
-        return d + g, True
+                return torch.sub(n, g, out=g), True
+            if owned and n.dtype == dtype:
+                return n.sub_(g), True
+        return n - g, True
 
 
 @dataclass(eq=False)
@@ -348,7 +393,7 @@ class _BlockRebuild:
     scale2: object
     state_f: object
     state_g: object
-    token_leaf: torch.Tensor
+    token_leaf: torch.Tensor | None  # FSDP2 layers only
     token: torch.Tensor | None = None  # the token as the rebuild phase got it (FSDP2's view of token_leaf)
     x1: torch.Tensor | None = None
     x2: torch.Tensor | None = None
@@ -376,6 +421,7 @@ class _SegmentBackward:
         self.cond = run.cond_value(cond_leaves)
         self.grad_leaves = [leaf for leaf in cond_leaves if leaf.requires_grad]
         self._owned = ()  # the input grads the last step() made (fresh tensors nothing else holds)
+        self.rebuilt_input = None  # the segment's input streams, as the schedule rebuilt them last
 
     def streams_entering(self, i, rebuilt):
         """The output streams of layer i: the exact anchor when one was kept, else ``rebuilt``."""
@@ -392,17 +438,19 @@ class _SegmentBackward:
         kept = self.low_bits[i] if self.low_bits else None
         low1, low2 = kept if kept is not None else (None, None)
         state_f, state_g = self.run.rng_states[i]
+        # FSDP2's post-backward token (see _rebuild_f); other layers need none.
+        token = torch.empty(0, device=y1.device, requires_grad=True) if _is_fsdp_module(layer) else None
         return _BlockRebuild(i, layer, coupling, y1, y2, residual_scale(coupling.scale1, low1),
-                             residual_scale(coupling.scale2, low2), state_f, state_g,
-                             torch.empty(0, device=y1.device, requires_grad=True))
+                             residual_scale(coupling.scale2, low2), state_f, state_g, token)
 
-    def _in_phase(self, rb: _BlockRebuild, work, *tensors):
-        """``work`` in one phase call of the block (FSDP2 gathers its parameters), as the forward ran."""
-        run = self.run
-        with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
-            run_block_phase(rb.layer, work, *tensors)
+    def _in_phase(self, rb: _BlockRebuild, work, with_token: bool = False):
+        """``work`` in one phase call of the block (FSDP2 gathers its parameters; the phase that rebuilds G
+        takes the post-backward token as its tensor argument). Grad mode, autocast and dispatch are the
+        forward's: the segment's backward set them once for all its blocks."""
+        token = (rb.token_leaf,) if with_token and rb.token_leaf is not None else ()
+        run_block_phase(rb.layer, work, *token)
 
-    def _rebuild_g(self, rb: _BlockRebuild, g, token) -> torch.Tensor:
+    def _rebuild_g(self, rb: _BlockRebuild, g, token=None) -> torch.Tensor:
         """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook)."""
         run, fmt = self.run, self.run.fmt
         rb.token = token
@@ -420,75 +468,81 @@ class _SegmentBackward:
         run.rng.set(rb.state_f)
         rb.input_f = _HalfInput()
         x2_value = rb.input_f.attach(fmt.value(rb.x2), fmt.exact)
-        if _is_fsdp_module(rb.layer):  # (only FSDP2's post-backward hook waits on the token)
+        if rb.token_leaf is not None:  # (only FSDP2's post-backward hook waits on the token)
             x2_value = _AfterToken.apply(x2_value, rb.token)
         x1, rb.port_f = couple_half(f, rb.y1, x2_value, -1, fmt.frac_bits, self.cond, rb.scale1)
         rb.x1, rb.y1 = x1.detach(), None
         # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
-        self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, rb.token_leaf)
+        self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, *(() if rb.token_leaf is None else (rb.token_leaf,)))
 
     def _check_captured(self, rb: _BlockRebuild, half: str, port, *leaves):
+        """Raise if the rebuilt half's graph reaches a leaf from outside the stack (reaches_foreign_leaf).
+
+        The walk runs once per half and ``run.walk_key`` (input shape and dtype, autocast and dispatch
+        state, which conditioning tensors require grad) of a plan: the plan is rebuilt, and the halves
+        walked again, when a module, parameter, buffer or attribute is assigned or removed, a training
+        flag or a dropout rate changes, or a tensor attribute is replaced or starts requiring grad
+        (engine.plan). FSDP2 layers are walked every time (their parameters are other objects at every
+        gather)."""
+        plan, run = self.run.plan, self.run
+        key = None if plan is None or rb.token_leaf is not None else (rb.index, half, run.walk_key)
+        if key is not None and key in plan.captured_checked:
+            return
         # In the phase, where FSDP2's gathered parameters are the module's.
         is_own = self._own_leaf_test(rb.layer, *leaves)
         if reaches_foreign_leaf(port, is_own):
-            raise RuntimeError(captured_tensor_message(f"the {half} half of layer {self.run.first_index + rb.index}"))
+            raise RuntimeError(captured_tensor_message(f"the {half} half of layer {run.first_index + rb.index}"))
+        if key is not None and port is not None:
+            plan.captured_checked.add(key)
 
     def _checked(self, recovered: Recovered) -> Recovered:
         if self.checksum is not None:
-            recovered.mismatch = (_checksum(*recovered.inputs) != self.checksum[recovered.index]).any()
+            recovered.checksum = _checksum(*recovered.inputs)
         return recovered
 
     def _owns(self, t: torch.Tensor) -> bool:
         return any(t is mine for mine in self._owned)
 
-    def _backward_negated(self, port, grad, owned: bool, leaf):
-        """``backward(port, -grad)``. A gradient the engine owns is negated in place and back (negation is
-        exact), which saves a copy of it at the block's memory peak."""
-        if not owned:
-            self._backward(port, -grad, [leaf])
-            return
-        grad.neg_()
-        try:
-            self._backward(port, grad, [leaf])
-        finally:
-            grad.neg_()
-
-    def _block_grads(self, rb: _BlockRebuild, dy1, dy2, owned=(False, False), rebuild_f=None):
+    def _block_grads(self, rb: _BlockRebuild, n1, n2, owned=(False, False), rebuild_f=None):
         """The two local backward calls of a block; ``rebuild_f`` (step) rebuilds F between them.
-        Returns ``(BlockGrads, mine)``: ``mine``, the input grads made here that nothing else holds."""
+
+        ``n1``, ``n2`` are the *negated* gradients of the block's outputs, as the whole segment backward
+        carries them: the rebuild computes ``x2 = y2 - G(y1)``, so ``backward(x2, -dy2)`` gives G's
+        gradients of the forward's ``y2 = x2 + G(y1)``, and carrying ``-dy`` from block to block
+        (negated once per segment, not twice per half) hands each port its gradient as it is. Negation
+        is exact, so the bits are those of negating per half. Returns ``(BlockGrads, mine)``: the
+        negated input grads, and ``mine``, those made here that nothing else holds."""
         hooks = BlockHooks.of(rb.layer)
         owned1, owned2 = owned
-        if hooks is not None:
-            dy1, dy2 = hooks.backward_before(dy1, dy2)
-            owned1 = owned2 = False  # a hook may keep them
-        grad_out = (dy1, dy2)
+        if hooks is not None:  # hooks see and give the gradients themselves
+            grad_out = hooks.backward_before(-n1, -n2)
+            n1, n2 = -grad_out[0], -grad_out[1]
         coupling = rb.coupling
         if coupling.swap:  # the gradients of the block's outputs (y2, y1)
-            dy1, dy2 = dy2, dy1
+            n1, n2 = n2, n1
             owned1, owned2 = owned2, owned1
-        # x2 = y2 - G(y1): backward(x2, -dy2) gives G's grads of the forward's y2 = x2 + G(y1).
         if rb.port_g is not None:
-            self._backward_negated(rb.port_g, dy2, owned2, rb.input_g.leaf)
+            self._backward(rb.port_g, n2, [rb.input_g.leaf])
         rb.port_g = None
-        dy1, fresh = rb.input_g.add_to(dy1, owned1)
+        n1, fresh = rb.input_g.subtract_from(n1, owned1)
         owned1 = owned1 or fresh
         rb.input_g = None
         if rebuild_f is not None:
             rebuild_f()
         if rb.port_f is not None:
-            self._backward_negated(rb.port_f, dy1, owned1, rb.input_f.leaf)
+            self._backward(rb.port_f, n1, [rb.input_f.leaf])
         rb.port_f = None
         # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
-        dx1 = dy1 if coupling.scale1 == 1.0 else dy1 * coupling.scale1
-        dx2 = dy2 if coupling.scale2 == 1.0 else dy2 * coupling.scale2
-        dx2, fresh = rb.input_f.add_to(dx2, owned2 or coupling.scale2 != 1.0)
+        nx1 = n1 if coupling.scale1 == 1.0 else n1 * coupling.scale1
+        nx2 = n2 if coupling.scale2 == 1.0 else n2 * coupling.scale2
+        nx2, fresh = rb.input_f.subtract_from(nx2, owned2 or coupling.scale2 != 1.0)
         rb.input_f = None
         if hooks is not None:
-            dx1, dx2 = hooks.backward_after(dx1, dx2, *grad_out)
-            return BlockGrads(dx1, dx2), ()  # a hook may keep them
-        mine = tuple(t for t, made_here in ((dx1, owned1 or coupling.scale1 != 1.0),
-                                            (dx2, owned2 or fresh or coupling.scale2 != 1.0)) if made_here)
-        return BlockGrads(dx1, dx2), mine
+            dx1, dx2 = hooks.backward_after(-nx1, -nx2, *grad_out)
+            return BlockGrads(-dx1, -dx2), ()  # a hook may keep them
+        mine = tuple(t for t, made_here in ((nx1, owned1 or coupling.scale1 != 1.0),
+                                            (nx2, owned2 or fresh or coupling.scale2 != 1.0)) if made_here)
+        return BlockGrads(nx1, nx2), mine
 
     # -- the steps schedules compose -----------------------------------------------------------
 
@@ -499,19 +553,21 @@ class _SegmentBackward:
             return self._recover_invertible(i, streams)
         rb = self._begin(i, streams)
 
-        def rebuild_phase(f, g, token):
+        def rebuild_phase(f, g, token=None):
             with scratch:  # BatchNorm & co. update copies of their buffers, not the forward's
                 y1_value = self._rebuild_g(rb, g, token)
                 self._rebuild_f(rb, f)
             # y1_value is visible so FSDP2's pre-backward hook (prefetch) fires in grads(i).
             return PhaseResult(None), y1_value
 
-        scratch = _scratch_buffers(self.run.updated_buffers.get(i, ()))
-        self._in_phase(rb, rebuild_phase, rb.token_leaf)
+        updated = self.run.updated_buffers.get(i)
+        scratch = _scratch_buffers(updated) if updated else _NO_SCRATCH
+        self._in_phase(rb, rebuild_phase, with_token=True)
         return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=(rb,)))
 
     def grads(self, recovered: Recovered, dy1: torch.Tensor, dy2: torch.Tensor) -> BlockGrads:
         """Gradients of one recovered layer: accumulates parameter grads, returns input grads."""
+        self._owned = ()  # (step's bookkeeping: keep no reference to the segment's first gradients)
         if recovered.kind == "block":
             return self._block_grads(recovered.tensors[0], dy1, dy2)[0]
         return self._invertible_grads(recovered, dy1, dy2)
@@ -531,15 +587,16 @@ class _SegmentBackward:
         streams.clear()
         owned = (self._owns(dy1), self._owns(dy2))
 
-        def g_phase(f, g, token):
+        def g_phase(f, g, token=None):
             return PhaseResult(None), self._rebuild_g(rb, g, token)  # visible: FSDP2's pre-backward hook
 
         def f_phase(f, g):
             self._rebuild_f(rb, f)
             return (PhaseResult(None),)
 
-        with _scratch_buffers(self.run.updated_buffers.get(i, ())):  # BatchNorm & co. update copies
-            self._in_phase(rb, g_phase, rb.token_leaf)
+        updated = self.run.updated_buffers.get(i)
+        with _scratch_buffers(updated) if updated else _NO_SCRATCH:  # BatchNorm & co. update copies
+            self._in_phase(rb, g_phase, with_token=True)
             grads, self._owned = self._block_grads(rb, dy1, dy2, owned,
                                                    rebuild_f=lambda: self._in_phase(rb, f_phase))
         return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=())), grads
@@ -562,15 +619,17 @@ class _SegmentBackward:
             raise RuntimeError(captured_tensor_message(f"layer {run.first_index + i}"))
         return self._checked(Recovered(i, (x1, x2), kind="invertible", tensors=(o1, o2, v1, v2)))
 
-    def _invertible_grads(self, recovered: Recovered, dy1, dy2) -> BlockGrads:
+    def _invertible_grads(self, recovered: Recovered, n1, n2) -> BlockGrads:
+        """An invertible layer's backward (its own forward direction: its parameters, if any, need the
+        gradients themselves); returns the negated input grads, as blocks do."""
         o1, o2, v1, v2 = recovered.tensors
         outputs = [o for o in (o1, o2) if o.requires_grad]
         if outputs:
-            grads = [g for o, g in zip((o1, o2), (dy1, dy2)) if o.requires_grad]
+            grads = [-n for o, n in zip((o1, o2), (n1, n2)) if o.requires_grad]
             self._backward(outputs, grads, [v1, v2])
-        dx1 = torch.zeros_like(dy1) if v1.grad is None else v1.grad.to(dy1.dtype)
-        dx2 = torch.zeros_like(dy2) if v2.grad is None else v2.grad.to(dy2.dtype)
-        return BlockGrads(dx1, dx2)
+        nx1 = torch.zeros_like(n1) if v1.grad is None else v1.grad.to(n1.dtype).neg_()
+        nx2 = torch.zeros_like(n2) if v2.grad is None else v2.grad.to(n2.dtype).neg_()
+        return BlockGrads(nx1, nx2)
 
     # -- shared ------------------------------------------------------------------------------------
 
@@ -585,8 +644,11 @@ class _SegmentBackward:
 
     def _backward(self, output, grad, leaves):
         """Backward of a recompute graph: into every parameter's .grad, or only into ``leaves`` and the
-        conditioning's leaves (whose .grad sums every block's contribution)."""
-        if self.accumulate:
-            torch.autograd.backward(output, grad)
-        else:
-            torch.autograd.backward(output, grad, inputs=leaves + self.grad_leaves)
+        conditioning's leaves (whose .grad sums every block's contribution).
+
+        Autograd's engine directly: ``torch.autograd.backward``'s checks and conversions of its arguments
+        (tensors the engine made, of the right shapes) cost more Python than the call itself here."""
+        outputs = tuple(output) if isinstance(output, (list, tuple)) else (output,)
+        grads = tuple(grad) if isinstance(grad, (list, tuple)) else (grad,)
+        inputs = () if self.accumulate else tuple(leaves + self.grad_leaves)
+        _engine.run_backward(outputs, grads, False, False, inputs, True, True)

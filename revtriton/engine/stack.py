@@ -12,7 +12,9 @@ from ..ops.dispatch import capture_state
 from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
 from .fsdp import PhaseResult, run_block_phase
-from .guards import BackwardChecks, ForwardGuards, StreamFormat, out_of_range
+from .checks import StepChecks, deferring, resolve_leftovers
+from .guards import ForwardGuards, StreamFormat, out_of_range
+from .plan import plan_of
 from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
 from .replay import AutocastState, RngTape, _rng_devices
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
@@ -141,33 +143,16 @@ class ReversibleStack(nn.Module):
         layer_calls = None if view is None else view(self, slice(None))
         return iter(self._modules.values() if layer_calls is None else layer_calls)
 
-    def _segments(self):
-        """[(first_index, [layers]) | (index, transition_module)] in order."""
-        parts, current, start = [], [], 0
-        for i, layer in enumerate(self):
-            if is_reversible_block(layer) or is_invertible_layer(layer):
-                if not current:
-                    start = i
-                current.append(layer)
-            else:
-                if current:
-                    parts.append(("segment", start, current))
-                    current = []
-                parts.append(("transition", i, layer))
-        if current:
-            parts.append(("segment", start, current))
-        return parts
-
     # -- checks ---------------------------------------------------------------------------
 
-    def _check_float_input(self, name, x):
+    def _check_float_input(self, name, x, plan=None):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype in _INT_DTYPES or x.is_complex():
             raise TypeError(f"{name} must be a real floating-point tensor, got {x.dtype}")
         if x.dim() < 1 or x.shape[-1] == 0:
             raise ValueError(f"{name} must have a non-empty last (feature) dim, got shape {tuple(x.shape)}")
-        param = next(self.parameters(), None)
+        param = (plan or plan_of(self)).first_param
         if param is not None and param.device != x.device:
             raise ValueError(f"{name} is on {x.device} but the stack's parameters are on {param.device}")
 
@@ -191,14 +176,17 @@ class ReversibleStack(nn.Module):
     # -- forward --------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, cond=None) -> torch.Tensor:
-        self._check_float_input("input", x)
+        plan = plan_of(self)  # once a call: checking that it is current reads every module's flags
+        self._check_float_input("input", x, plan)
         if self.streams == "split":
             if x.shape[-1] % 2:
                 raise ValueError(f"streams='split' needs an even last dim to split in two, got {x.shape[-1]}")
             x1, x2 = x.chunk(2, dim=-1)
-            y1, y2 = self.forward_streams(x1, x2, cond=cond)
-            return torch.cat([y1, y2], dim=-1)
-        y1, y2 = self._run(x, x, self._check_cond(cond))
+            # join: the last segment of a float stack returns the concatenation itself, its halves being
+            # the streams kept for backward (one copy of the output alive, not two).
+            y1, y2 = self._run(x1, x2, self._check_cond(cond), plan, join=True)
+            return y1 if y2 is None else torch.cat([y1, y2], dim=-1)
+        y1, y2 = self._run(x, x, self._check_cond(cond), plan)
         return self.read(y1, y2)
 
     def read(self, y1: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
@@ -210,22 +198,23 @@ class ReversibleStack(nn.Module):
             return y2
         return (y1 + y2) * 0.5
 
-    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor, cond=None):
+    def forward_streams(self, x1: torch.Tensor, x2: torch.Tensor, cond=None, plan=None):
         """Run on two streams: float in, float out (differentiable); int32 in, int32 out (exact, no grad)."""
         cond = self._check_cond(cond)
-        if self._fixed_pair("x", x1, x2):
+        plan = plan or plan_of(self)
+        if self._fixed_pair("x", x1, x2, plan):
             return self._run_fixed(x1, x2, inverse=False, cond=cond)
-        return self._run(x1, x2, cond)
+        return self._run(x1, x2, cond, plan)
 
-    def _fixed_pair(self, name: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    def _fixed_pair(self, name: str, a: torch.Tensor, b: torch.Tensor, plan=None) -> bool:
         """Check two streams given together (``name``1, ``name``2); True when they are int32 (exact)."""
         if a.shape != b.shape:
             raise ValueError(f"{name}1 and {name}2 must have the same shape, got {tuple(a.shape)} and "
                              f"{tuple(b.shape)}")
         if a.dtype == torch.int32 or b.dtype == torch.int32:
             return True
-        self._check_float_input(f"{name}1", a)
-        self._check_float_input(f"{name}2", b)
+        self._check_float_input(f"{name}1", a, plan)
+        self._check_float_input(f"{name}2", b, plan)
         if a.dtype != b.dtype:
             raise TypeError(f"{name}1 and {name}2 must have the same dtype, got {a.dtype} and {b.dtype}")
         return False
@@ -233,32 +222,41 @@ class ReversibleStack(nn.Module):
     # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
     # nested backward) stays eager; users compile F and G regionally.
     @torch.compiler.disable
-    def _run(self, x1, x2, cond=None):
+    def _run(self, x1, x2, cond=None, plan=None, join=False):
         inputs = (x1, x2)
         guards = ForwardGuards()
-        checks = None
+        checks = StepChecks(self, inputs, cond) if self.exact else None
         if self.exact:
+            resolve_leftovers()  # a forward whose backward never ran: its checks are resolved now
             with torch.no_grad():  # isfinite is composite: under grad it would save its input
                 guards.add(("nonfinite",), ~(torch.isfinite(x1).all() & torch.isfinite(x2).all()))
-        for kind, index, item in self._segments():
+        recorded = False
+        parts = (plan or plan_of(self)).parts
+        for position, (kind, index, item) in enumerate(parts):
             if kind == "transition":
                 x = transition_output(item, self.read(x1, x2), cond)
                 x1 = x2 = x
                 continue
-            checks = checks or BackwardChecks()
-            x1, x2 = self._run_segment(index, item, x1, x2, guards, checks, cond)
-        failure = guards.first_failure()  # the one host sync of the forward
-        if failure is not None:
-            self._raise_guard(failure, inputs, cond)
+            last = join and position == len(parts) - 1
+            x1, x2, node = self._run_segment(item, x1, x2, guards, checks, cond, join=last)
+            recorded |= node
+        if self.exact:
+            if recorded or deferring():  # no host sync: resolved when the backward ends (engine.checks)
+                checks.defer_forward(guards)
+            else:  # nothing to differentiate (no_grad, a frozen stack): resolved now, one host sync
+                failure = guards.first_failure()
+                if failure is not None:
+                    self._raise_guard(failure, inputs, cond)
         return x1, x2
 
-    def _run_segment(self, first_index, layers, x1, x2, guards, checks, cond):
+    def _run_segment(self, plan, x1, x2, guards, checks, cond, join=False):
+        """``(y1, y2, recorded)``; with ``join`` (float streams) possibly ``(cat([y1, y2], -1), None, True)``."""
         fmt = self._format(x1.dtype)
-        run = SegmentRun(layers, first_index, fmt, self.anchor_every, self.schedule, guards=guards,
+        run = SegmentRun(plan.modules, plan.first_index, fmt, self.anchor_every, self.schedule, guards=guards,
                          rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
-                         checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple))
+                         checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple), plan=plan)
         cond_tensors = () if cond is None else (cond,) if isinstance(cond, torch.Tensor) else cond
-        per_layer = [list(layer.parameters()) for layer in layers]
+        per_layer = [lp.parameters() for lp in plan.layers]
         params = [p for layer_params in per_layer for p in layer_params]
         needs_graph = torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad
                                                    or any(p.requires_grad for p in params)
@@ -271,20 +269,29 @@ class ReversibleStack(nn.Module):
             s2 = s1 if x2 is x1 else fmt.encode(x2)
             y1, y2, _, _ = _segment_forward(run, s1, s2, record=False, cond=cond,
                                             check_captured=torch.is_grad_enabled())
-            return fmt.value(y1), fmt.value(y2)
+            return fmt.value(y1), fmt.value(y2), False
         # A requires-grad dummy input makes autograd record the node even when x needs no grad
         # (frozen embeddings, LoRA): otherwise the blocks' parameters would silently get no grads.
         grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)
         run.grad_anchor = grad_anchor
         run.param_ids = frozenset(id(p) for p in params)
-        run.watch = StateWatch(layers, first_index, per_layer)
-        return ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor, *cond_tensors)
+        run.watch = StateWatch(plan, per_layer)
+        run.walk_key = (tuple(x1.shape), x1.dtype, run.autocast.settings, run.dispatch,
+                        tuple(c.requires_grad for c in cond_tensors))
+        run.join = join and not fmt.exact
+        out = ReversibleSegmentFunction.apply(run, x1, x2, grad_anchor, *cond_tensors)
+        return (out, None, True) if run.join else (*out, True)
 
     def _raise_guard(self, failure, inputs, cond=None):
+        raise self._guard_error(failure, inputs, cond)
+
+    def _guard_error(self, failure, inputs, cond=None) -> Exception:
+        """The error of a failed forward guard (``inputs``: the stack's input streams, for the float
+        model's peak in the message; None when they are gone)."""
         if failure[0] == "nonfinite":
-            raise ValueError("input contains NaN or Inf: exact (fixed-point) streams need finite values")
+            return ValueError("input contains NaN or Inf: exact (fixed-point) streams need finite values")
         _, index, half = failure
-        peak, peak_index = self._float_peak(inputs, cond)
+        peak, peak_index = self._float_peak(inputs, cond) if inputs is not None else (None, -1)
         suggestion = ""
         if peak is not None and math.isfinite(peak) and peak > 0:
             # 2**(29 - fit) > 1.01 * peak: 1% of slack for the exact model's rounding.
@@ -296,7 +303,7 @@ class ReversibleStack(nn.Module):
         elif peak is not None:
             suggestion = "; the float model itself produces non-finite values"
         where = f"the {half} half of layer {index}" if half != "input" else f"the input of layer {index}"
-        raise OverflowError(
+        return OverflowError(
             f"revtriton: the exact int32 stream left its range in {where} "
             f"(frac_bits={self.frac_bits} holds |value| < {2.0 ** (STREAM_LIMIT_BITS - self.frac_bits):.6g})"
             f"{suggestion}. "
@@ -405,7 +412,7 @@ class ReversibleStack(nn.Module):
         fmt = self._format(None)  # no float input to take a dtype from: each block's parameters'
         if inverse:
             return self._invert(fmt, s1, s2, cond)
-        for kind, index, item in self._segments():
+        for kind, index, item in plan_of(self).parts:
             if kind == "transition":
                 raise ValueError(
                     f"layer {index} ({type(item).__name__}) is a stage transition: fixed-point streams can only "

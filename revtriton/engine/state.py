@@ -7,7 +7,6 @@ import contextlib
 import sys
 
 import torch
-from torch.nn.modules.batchnorm import _NormBase
 
 from .fsdp import _is_fsdp_module
 
@@ -29,23 +28,16 @@ class StateWatch:
     ones it updated (BatchNorm's running statistics).
     """
 
-    def __init__(self, layers, first_index, params=None):
-        """``params``: each layer's parameters, if the caller listed them already (one walk, not two)."""
-        self.layers, self.first_index = layers, first_index
-        self.params = params if params is not None else [list(layer.parameters()) for layer in layers]
-        self.modes, self.versions, self.buffers, self.running_stats = [], [], [], []
-        for i, layer in enumerate(layers):
-            buffers, running_stats = [], []
-            for module in layer.modules():
-                self.modes.append((i, module, module.training))
-                buffers += [(module, name, b) for name, b in module._buffers.items() if b is not None]
-                # Batch norms update their running statistics inside the kernel, without bumping the
-                # buffers' version counters: they are known to change in a training forward.
-                if isinstance(module, _NormBase) and module.training and module.track_running_stats:
-                    running_stats += [(module, name) for name in ("running_mean", "running_var", "num_batches_tracked")
-                                      if module._buffers.get(name) is not None]
-            self.buffers.append(buffers)
-            self.running_stats.append(running_stats)
+    def __init__(self, plan, params=None):
+        """``plan``: the segment's :class:`~revtriton.engine.plan.SegmentPlan` (its layers' modules and
+        buffers, listed once per structure); ``params``: each layer's parameters, if the caller listed
+        them already."""
+        self.layers, self.first_index = plan.modules, plan.first_index
+        self.params = params if params is not None else [lp.parameters() for lp in plan.layers]
+        self.modes = [(i, module, module.training) for i, lp in enumerate(plan.layers) for module in lp.modules]
+        self.versions = []
+        self.buffers = [lp.buffers for lp in plan.layers]
+        self.running_stats = [lp.running_stats for lp in plan.layers]
 
     def record_versions(self):
         """Take the parameters' versions as the forward leaves them (a module may renormalise its own

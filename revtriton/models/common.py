@@ -93,7 +93,7 @@ class StoredActivationStack(ReversibleStack):
     Made by :func:`to_stored_activations`; not meant to be built directly.
     """
 
-    def _run(self, x1, x2, cond=None):  # the engine's forward / forward_streams call this
+    def _run(self, x1, x2, cond=None, plan=None, join=False):  # the engine's forward / forward_streams call this
         if self.exact:
             return stored_exact_streams(list(self), x1, x2, self.frac_bits, cond, read=self.read)
         return stored_float_streams(list(self), x1, x2, cond, read=self.read)

@@ -511,8 +511,10 @@ def _warn_unsupported(op: Op, args, options, key: str | None = None):
     """One warning per (op, key): a candidate that runs on this device does not handle these inputs
     (e.g. a head dim the Triton attention kernels lack), so another one runs instead."""
     skipped = [c.name for c in op.candidates.values() if c.available(args, options) and not c.supports(args, options)]
+    if not skipped:  # the common case: no key to build (a string of shapes and flags, per call)
+        return
     key = key if key is not None else op.key(args, options)
-    if skipped and (op.name, key) not in _warned_unsupported:
+    if (op.name, key) not in _warned_unsupported:
         _warned_unsupported.add((op.name, key))
         warnings.warn(f"revtriton: {op.name} [{key}]: the {', '.join(skipped)} implementation does not support "
                       f"these inputs; running the other implementation instead", RuntimeWarning, stacklevel=4)

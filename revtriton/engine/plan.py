@@ -1,0 +1,161 @@
+"""What a stack's steps can reuse: its segments, each layer's modules, parameters and buffers,
+which halves draw random numbers, which rebuilt halves passed the captured-tensor walk.
+
+Working these out walks every module of every layer (``named_modules`` and friends), which on a
+CPU cost about as much Python as the engine's own per-block work. A :class:`StackPlan` does it once
+and is rebuilt only when something it depends on changed:
+
+* a module, parameter or buffer assigned anywhere (``module.x = ...``, ``register_*``): PyTorch's
+  global registration hooks bump :data:`structure_epoch`;
+* a submodule, parameter, buffer or attribute added or deleted, a layer's class changed
+  (``fully_shard`` does that), a training flag or a dropout probability changed, a tensor held as a
+  plain attribute replaced or starting to require grad: part of the plan's signature, recomputed at
+  every forward from the plan's own module list (a few attribute reads per module, no walk).
+
+What no signature sees: a tensor a half reads through a closure or a global. The captured-tensor
+walk (engine.segment) is then done once per plan and input shape, as the README states.
+
+FSDP2-sharded layers swap their parameter objects around every use: their parameters are
+always listed afresh (and never version-checked, as before).
+"""
+from __future__ import annotations
+
+import numbers
+import weakref
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ..halves.base import takes_cond
+from .fsdp import _is_fsdp_module
+from .protocol import coupling_of, is_invertible_layer, is_reversible_block
+
+structure_epoch = 0
+
+
+def _structure_changed(*_):
+    global structure_epoch
+    structure_epoch += 1
+
+
+for _register in (nn.modules.module.register_module_module_registration_hook,
+                  nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook):
+    _register(_structure_changed)
+
+
+def _random_settings(module: nn.Module):
+    """The names of a module's attributes that say how much it draws (dropout ``p``, ``drop_prob``,
+    ``attention_dropout``, ``drop_path`` rates, ...): numbers whose name says dropout."""
+    return tuple(name for name, value in vars(module).items()
+                 if isinstance(value, numbers.Number) and not isinstance(value, bool)
+                 and (name == "p" or "drop" in name))
+
+
+def _tensor_identity(value):
+    return (id(value), value.requires_grad) if isinstance(value, torch.Tensor) else None
+
+
+class LayerPlan:
+    """One layer of a segment as the engine uses it."""
+
+    __slots__ = ("layer", "is_block", "coupling", "fsdp", "params", "modules", "buffers", "running_stats",
+                 "cond_f", "cond_g", "draws")
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.is_block = is_reversible_block(layer)
+        self.coupling = coupling_of(layer) if self.is_block else None
+        self.fsdp = _is_fsdp_module(layer)
+        self.params = None if self.fsdp else list(layer.parameters())
+        self.modules = list(layer.modules())
+        self.buffers = [(m, name, b) for m in self.modules for name, b in m._buffers.items() if b is not None]
+        # Batch norms update their running statistics inside the kernel, without bumping the buffers'
+        # version counters: they are known to change in a training forward.
+        self.running_stats = [(m, name) for m in self.modules
+                              if isinstance(m, _NormBase) and m.training and m.track_running_stats
+                              for name in ("running_mean", "running_var", "num_batches_tracked")
+                              if m._buffers.get(name) is not None]
+        halves = layer.coupling_halves() if self.is_block else (None, None)
+        self.cond_f, self.cond_g = takes_cond(halves[0]), takes_cond(halves[1])
+        self.draws = None  # (F draws, G draws) once a recording forward has probed them
+
+    def parameters(self):
+        return list(self.layer.parameters()) if self.params is None else self.params
+
+
+class SegmentPlan:
+    __slots__ = ("first_index", "layers", "captured_checked")
+
+    def __init__(self, first_index, layers):
+        self.first_index = first_index
+        self.layers = [LayerPlan(layer) for layer in layers]
+        self.captured_checked = set()  # (layer, half, key) whose rebuilt graph reached no foreign leaf
+
+    @property
+    def modules(self):
+        return [layer.layer for layer in self.layers]
+
+    def draws_known(self) -> bool:
+        return all(lp.draws is not None for lp in self.layers if lp.is_block)
+
+    def draws_any(self) -> bool:
+        return any(any(lp.draws) for lp in self.layers if lp.is_block and lp.draws is not None)
+
+
+class StackPlan:
+    """The segments of a stack (``("segment", first_index, SegmentPlan)`` or ``("transition", index,
+    module)``), built once per structure, with the signature that says when to build it again."""
+
+    def __init__(self, stack):
+        self.epoch = structure_epoch
+        self.layers = list(stack._modules.values())
+        self.parts = []
+        current, start = [], 0
+        for i, layer in enumerate(self.layers):
+            if is_reversible_block(layer) or is_invertible_layer(layer):
+                if not current:
+                    start = i
+                current.append(layer)
+                continue
+            if current:
+                self.parts.append(("segment", start, SegmentPlan(start, current)))
+                current = []
+            self.parts.append(("transition", i, layer))
+        if current:
+            self.parts.append(("segment", start, SegmentPlan(start, current)))
+        self.modules = list(stack.modules())
+        self.random_settings = [(m, name) for m in self.modules for name in _random_settings(m)]
+        # Plain attributes holding a tensor or None (a slot for one): a half may read a tensor that
+        # requires grad from one (a captured tensor), so assigning one, or one starting to require
+        # grad, must bring the captured-tensor walk back. (A new attribute changes len(__dict__).)
+        self.tensor_attributes = [(m, name) for m in self.modules for name, value in vars(m).items()
+                                  if value is None or isinstance(value, torch.Tensor)]
+        self.first_param = next(stack.parameters(), None)
+        self.signature = self._signature()
+
+    def _signature(self):
+        modules = self.modules
+        return ([m.__class__ for m in modules], [m.training for m in modules],
+                [len(m._modules) + len(m._parameters) + len(m._buffers) + len(m.__dict__) for m in modules],
+                [getattr(m, name, None) for m, name in self.random_settings],
+                [_tensor_identity(getattr(m, name, None)) for m, name in self.tensor_attributes])
+
+    def valid(self) -> bool:
+        return self.epoch == structure_epoch and self._signature() == self.signature
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_of(stack) -> StackPlan:
+    """The stack's plan, rebuilt if anything it depends on changed since it was built."""
+    plan = _plans.get(stack)
+    if plan is None or not plan.valid():
+        plan = _plans[stack] = StackPlan(stack)
+    return plan
+
+
+def forget_plan(stack):
+    _plans.pop(stack, None)
