@@ -25,7 +25,8 @@ and records:
 
 Results go to ``<out>/<device>-<date>[-<suite>].json`` and ``.csv`` (schema: ``RESULTS_SCHEMA``
 in perf.schema, checked by :func:`validate_results`), a Markdown table is printed (and saved as ``.md``),
-and two PNG plots are written: memory vs depth and throughput vs batch.
+and two PNG plots are written: memory vs depth and throughput vs batch. A run never overwrites
+another's files: ``-2``, ``-3``, ... follow the name when it is taken; the last line lists every file.
 
 Under ``torchrun`` every rank runs the same points on its own GPU (the model wrapped in DDP),
 rank 0 gathers the rows (one per rank and point) and writes the files.
@@ -383,6 +384,16 @@ def run_sweep(points, cfg, device, ddp, progress=True, on_row=None, heartbeat_li
     return rows
 
 
+def unique_stem(out_dir: Path, stem: str) -> str:
+    """``stem``, or ``stem-2``, ``stem-3``, ...: the first that no earlier run's results use, so a
+    sweep never overwrites another's files (every run writes ``<stem>.json``, ``.csv`` and ``.md``)."""
+    candidate, n = stem, 1
+    while any((out_dir / f"{candidate}.{kind}").exists() for kind in ("json", "csv", "md")):
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -401,8 +412,8 @@ def main(argv=None) -> int:
     tag = args.tag if args.tag is not None else ("" if cfg.suite == "full" else cfg.suite)
     if ddp.active:
         tag = "-".join(t for t in (tag, f"ws{ddp.world_size}") if t)
-    stem = "-".join(t for t in (info["slug"], created[:10], tag) if t)
     out_dir = Path(args.out)
+    stem = unique_stem(out_dir, "-".join(t for t in (info["slug"], created[:10], tag) if t))
     points = build_grid(cfg)
     if ddp.rank == 0:
         print(f"perf.sweep: {cfg.suite} sweep on {info['name']} ({device}), {len(points)} points, "
@@ -444,7 +455,7 @@ def main(argv=None) -> int:
         print("\nper-rank extremes:\n" + rank_summary(rows))
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     print(f"\n{len(rows)} rows ({', '.join(f'{n} {s}' for s, n in counts.items() if n)}) in "
-          f"{doc['wall_s']:.1f} s -> {paths['json']} {paths['csv']}"
+          f"{doc['wall_s']:.1f} s -> {paths['json']} {paths['csv']} {paths['md']}"
           + "".join(f" {out_dir / p['file']}" for p in plots.values()))
     for row in rows:
         if row["status"] == "error":

@@ -854,6 +854,25 @@ def test_perf_command_dispatches(tmp_path, capsys):
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
+def test_a_sweep_never_overwrites_an_earlier_runs_files(tmp_path, capsys):
+    """Issue 38: the same command twice (same device, date and tag) writes a second set of files
+    beside the first, and its last line names every file it wrote."""
+    argv = ["--quick", "--device", "cpu", "--presets", "gpt2", "--depths", "2", "--batches", "1",
+            "--variants", "vanilla", "--no-progress", "--out", str(tmp_path), "--tag", "again"]
+    assert sweep.main(argv) == 0
+    first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    capsys.readouterr()
+    assert sweep.main(argv) == 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert all(tmp_path.joinpath(name).read_bytes() == data for name, data in first.items())  # untouched
+    (stem,) = {p.name[:-len(".json")] for p in tmp_path.glob("*.json")} - {n[:-len(".json")] for n in first
+                                                                         if n.endswith(".json")}
+    assert stem.endswith("-again-2")
+    written = sorted(p for p in tmp_path.iterdir() if p.name.startswith(stem + ".") or p.name.startswith(stem + "-"))
+    assert {p.suffix for p in written} == {".json", ".csv", ".md", ".png"}
+    assert all(str(p) in last_line for p in written), last_line
+
+
 def test_built_wheel_runs_the_sweep_outside_the_checkout(tmp_path):
     """The wheel ships perf as revtriton.perf with its console script; it runs from another folder."""
     setuptools = pytest.importorskip("setuptools")

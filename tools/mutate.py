@@ -663,6 +663,12 @@ MUTANTS = [
            "        stream_end = tl.minimum(end, seq_len)\n", "        stream_end = tl.minimum(end, seq_len) - 16\n",
            ("tests/test_fused_attention.py", "-k", "skipped_blocks and packed"),
            "the dk/dv pass stops a block before the last query that may see its keys"),
+    # ---- the newcomer's findings (issue 38)
+    Mutant("sweep-overwrites-an-earlier-run", "perf/sweep.py",
+           "    while any((out_dir / f\"{candidate}.{kind}\").exists()",
+           "    while False and any((out_dir / f\"{candidate}.{kind}\").exists()",
+           ("tests/test_perf.py", "-k", "never_overwrites"),
+           "a second sweep with the same device, date and tag overwrites the first one's files"),
     # ---- session 14: runs of packed rows, a fresh process's projections, checkpoint's early stop
     Mutant("run-end-ignored", "kernels/attention.py",
            "    free_hi = tl.minimum(tl.maximum((run_end // BLOCK) * BLOCK, free_lo), hi)\n",
