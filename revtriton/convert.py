@@ -190,16 +190,15 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
             raise ValueError(f"cannot tell the model class of {path} from its config (architectures="
                              f"{architectures!r}): pass model_class=")
         model_class = getattr(transformers, architectures[0])
-    import logging
-
-    # The plain class does not know the adapters' weights: they are loaded below, so its warning is noise.
+    # The plain class does not know the adapters' weights: they are loaded below, so its warning is
+    # noise. A filter, not a raised level: at WARNING or above, the library also checks a tensor-
+    # parallel plan that a single-device model has none of and warns about every layer.
     logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.addFilter(_only_errors)
     try:
         model = model_class.from_pretrained(path, **kwargs)
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(_only_errors)
     revify(model, **options)
     state = _checkpoint_state(path)
     missing = set(model.state_dict()) - set(state) - _tied_keys(model)
@@ -207,6 +206,11 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
         raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]} (of {len(missing)})")
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _only_errors(record) -> bool:
+    """A logging filter: keep errors, drop warnings and below."""
+    return record.levelno >= 40  # logging.ERROR
 
 
 def _tied_keys(model) -> set:

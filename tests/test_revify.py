@@ -5,6 +5,7 @@ The timm model is ViT-S (width 384, 6 heads) with 3 blocks instead of 12 and 32 
 """
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -606,6 +607,30 @@ def test_save_pretrained_then_revtriton_from_pretrained_gives_the_converted_mode
     model.eval(), loaded.eval()
     with torch.no_grad():
         assert torch.equal(loss_of(family, model, batch), loss_of(family, loaded, batch))
+
+
+def test_loading_converting_and_a_preset_step_print_no_stray_line(seeded, tmp_path, capfd):
+    """Issue 38: revtriton.from_pretrained of a preserving conversion (the plain class does not know the
+    adapters' weights), revify and a rev_causal_lm training step write nothing to stdout / stderr
+    but the library's own progress bars (tqdm). from_pretrained used to raise the library logger's
+    level, which made it check a tensor-parallel plan and warn "layers were not sharded"."""
+    from revtriton import from_pretrained, rev_causal_lm
+
+    model = revify(hf_llama(seed=seeded), preserve="meft1")
+    model.save_pretrained(tmp_path)
+    gpt2 = hf_gpt2(seed=seeded)  # (its tiny config warns of its token ids: the test's, not revtriton's)
+    capfd.readouterr()
+    loaded = from_pretrained(tmp_path)
+    revify(gpt2)
+    lm = rev_causal_lm("gpt2", depth=1).train()
+    ids = torch.randint(0, 100, (1, 8))
+    lm(input_ids=ids, labels=ids).loss.backward()
+    out, err = capfd.readouterr()
+    progress_bar = re.compile(r"\d+%\|.*\|")
+    stray = [line for line in (out + err).replace("\r", "\n").splitlines()
+             if line.strip() and not progress_bar.search(line)]
+    assert not stray, stray
+    assert any("revtriton_adapters" in n for n, _ in loaded.named_parameters())
 
 
 def test_from_pretrained_refuses_a_model_that_was_not_revified(seeded, tmp_path):

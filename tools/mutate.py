@@ -669,6 +669,10 @@ MUTANTS = [
            "    while False and any((out_dir / f\"{candidate}.{kind}\").exists()",
            ("tests/test_perf.py", "-k", "never_overwrites"),
            "a second sweep with the same device, date and tag overwrites the first one's files"),
+    Mutant("from-pretrained-raises-the-log-level", "revtriton/convert.py",
+           "    logger.addFilter(_only_errors)\n", "    logger.setLevel(40)\n",
+           ("tests/test_revify.py", "-k", "stray_line"),
+           "from_pretrained quiets the library by its logger's level: the library then warns of a TP plan"),
     # ---- session 14: runs of packed rows, a fresh process's projections, checkpoint's early stop
     Mutant("run-end-ignored", "kernels/attention.py",
            "    free_hi = tl.minimum(tl.maximum((run_end // BLOCK) * BLOCK, free_lo), hi)\n",
