@@ -1,5 +1,7 @@
 """The reversible engine on the CPU reference path (issue 2)."""
 import copy
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -569,6 +571,14 @@ def test_compiled_model_treats_the_stack_as_one_eager_region():
     model.zero_grad(set_to_none=True)
     model(x).sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(got, model.parameters()))
+
+
+def test_import_revtriton_does_not_import_torch_dynamo():
+    """Issue 38: the stack's graph break (torch._disable_dynamo) imports torch._dynamo at its first
+    call, not at import: that import was about 1.5 s of `import revtriton`'s 1.6 s after torch."""
+    script = "import sys, revtriton, revtriton.models; assert 'torch._dynamo' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_readme_example_runs():

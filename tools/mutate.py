@@ -673,6 +673,10 @@ MUTANTS = [
            "    logger.addFilter(_only_errors)\n", "    logger.setLevel(40)\n",
            ("tests/test_revify.py", "-k", "stray_line"),
            "from_pretrained quiets the library by its logger's level: the library then warns of a TP plan"),
+    Mutant("import-pulls-in-dynamo", "revtriton/engine/stack.py",
+           "    @torch._disable_dynamo\n", "    @torch.compiler.disable\n",
+           ("tests/test_engine.py", "-k", "import_revtriton"),
+           "the stack's graph break imports torch._dynamo at import: `import revtriton` 1.5 s longer"),
     # ---- session 14: runs of packed rows, a fresh process's projections, checkpoint's early stop
     Mutant("run-end-ignored", "kernels/attention.py",
            "    free_hi = tl.minimum(tl.maximum((run_end // BLOCK) * BLOCK, free_lo), hi)\n",

@@ -220,8 +220,10 @@ class ReversibleStack(nn.Module):
         return False
 
     # One deliberate graph break under torch.compile: the engine's Function (its RNG tape, guards and
-    # nested backward) stays eager; users compile F and G regionally.
-    @torch.compiler.disable
+    # nested backward) stays eager; users compile F and G regionally. torch._disable_dynamo is
+    # torch.compiler.disable applied at the first call: the decorator itself imports torch._dynamo,
+    # about 1.5 s of `import revtriton` on a CPU (torch uses it the same way in its own modules).
+    @torch._disable_dynamo
     def _run(self, x1, x2, cond=None, plan=None, join=False):
         inputs = (x1, x2)
         guards = ForwardGuards()
