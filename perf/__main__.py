@@ -10,6 +10,8 @@ COMMANDS = {
     "sweep": ("sweep", "memory and speed sweeps of the presets or your own model (the default command)"),
     "autotune": ("autotune", "warm Triton's autotune cache for the presets' or your model's shapes (GPU)"),
     "engine-bench": ("engine_bench", "the engine's CPU benchmark against plain autograd, checkpointing and RevTorch"),
+    "launchers": ("launchers", "the fused halves' host work per Triton launch, the launches stubbed"),
+    "lm-loss": ("lm_loss", "the fused linear + cross-entropy against the full-logits loss (memory, time)"),
     "kernels": ("kernels", "per-kernel microbenchmarks (GPU)"),
     "kernels-attention": ("kernels_attention", "flash attention and the fused attention block (GPU)"),
     "reconstruction": ("reconstruction", "inverse error vs depth of scaled (MEFT) couplings, float vs exact (CPU)"),

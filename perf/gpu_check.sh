@@ -177,6 +177,8 @@ steps=(
     # issue 18: flash attention forward / backward vs SDPA's flash backend (head dims 64, 128, 80)
     "attention|50|$py -m perf.kernels_attention --cases gpt2,llama-d128,phi-d80 --csv \$OUT/attention.csv"
     "pareprop|80|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"
+    # issue 44: the fused halves' host work per launch, the launches stubbed (first calls compile and autotune)
+    "launchers|45|$py -m perf.launchers --repeats 100 --json \$OUT/launchers.json"
     # issue 36: the fused linear + cross-entropy against the eager head + loss, 8192 tokens, GPT-2 and LLaMA-3 vocabularies
     "lm-loss|30|$py -m perf.lm_loss --op --repeats 3 --check --json \$OUT/lm-loss.json"
     # issue 19: the dispatcher's measured choice per half (fused Triton, cuBLAS + SDPA, and the attention

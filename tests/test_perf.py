@@ -482,6 +482,29 @@ def test_engine_bench_host_rows_time_every_variant_interleaved(tmp_path, capsys)
         assert len(r["steps_ms"]) == len(r["cpu_steps_ms"]) == 3 and r["step_ms"] > 0 and r["cpu_ms"] > 0
 
 
+def test_launchers_bench_stubs_every_launch_and_reports_us_per_launch(tmp_path, capsys):
+    """perf.launchers (issue 44, step 5): each half's couple timed with its Triton launches counted
+    and skipped, after a first real call pinned the Triton candidate; the launch stub put back."""
+    from perf import launchers
+    from revtriton.ops import dispatch
+
+    real_launch = dispatch.launch
+    out = tmp_path / "launchers.json"
+    launchers.main(["--repeats", "2", "--json", str(out)])
+    assert dispatch.launch is real_launch
+    text, _ = capsys.readouterr()
+    assert "| gpt2 | G | float |" in text and "| llama | F | float+backward |" in text
+    assert "forward couples: worst" in text and ("PASS" in text or "MISS" in text)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {f"{f}/{h}/{k}" for f in launchers.FAMILIES for h in "FG" for k in launchers.KINDS}
+    for key, r in results.items():
+        # forward: the norm, then the GEMMs (attention: QKV, the attention kernel, the projection)
+        assert r["launches"] >= 3 and len(r["us_all"]) == 2, key
+        assert r["us_per_launch"] == pytest.approx(r["us"] / r["launches"])
+    for f in launchers.FAMILIES:  # a backward launches more than its forward
+        assert results[f"{f}/G/float+backward"]["launches"] > results[f"{f}/G/float"]["launches"]
+
+
 def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
     """perf.lm_loss (issue 36): model rows (a revified GPT-2 head, full logits and fused) and op rows."""
     from perf import lm_loss
