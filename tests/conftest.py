@@ -7,6 +7,12 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# pytest-xdist (the README's `-n auto`): its workers share the cores, and torch's default of a thread
+# per core in each worker would oversubscribe them (N workers x N threads).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.fixture
 def seeded():
