@@ -159,7 +159,7 @@ def test_fastest_candidate_is_chosen_cached_and_read_by_a_second_process(tmp_pat
     assert second["decisions"][0]["source"] == "cache" and second["decisions"][0]["choice"] == "fake_a"
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "stale", "not a dict"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "stale", "not a dict", "nested too deep"])
 def test_a_bad_cache_file_warns_and_gives_a_fresh_choice(tmp_path, damage):
     ms = {"torch": 3.0, "fake_a": 1.0, "fake_b": 2.0}
     with fake_candidates(("fake_a", 0.0), ("fake_b", 0.0)), backend.use_timer(FakeTimer(ms)):
@@ -171,6 +171,8 @@ def test_a_bad_cache_file_warns_and_gives_a_fresh_choice(tmp_path, damage):
         path.write_bytes(b"\x00\xffnot json{{{")
     elif damage == "truncated":
         path.write_text(path.read_text()[:40])
+    elif damage == "nested too deep":  # valid JSON that json.load cannot parse (RecursionError)
+        path.write_text("[" * 100_000 + "]" * 100_000)
     elif damage == "stale":  # made for another GPU / torch, still naming a choice
         doc["fingerprint"]["torch"] = "0.0.1"
         for entry in doc["entries"].values():
@@ -191,6 +193,32 @@ def test_a_bad_cache_file_warns_and_gives_a_fresh_choice(tmp_path, damage):
     rebuilt = json.loads(path.read_text())  # rewritten, valid, with the fresh choice
     assert rebuilt["fingerprint"] == backend.fingerprint(torch.device("cpu"))
     assert [e["choice"] for e in rebuilt["entries"].values()] == ["fake_b"]
+
+
+def write_entries(path, first, count, start):
+    """Write ``count`` cache entries one by one, as a process that measures ``count`` shapes, from
+    when both writers are ready (``start``: a barrier)."""
+    fp = backend.fingerprint(torch.device("cpu"))
+    start.wait()
+    for i in range(first, first + count):
+        backend._write_cache(path, fp, f"key {i}", {"choice": "torch"})
+
+
+def test_two_processes_writing_the_cache_at_once_lose_no_entry(tmp_path):
+    """Issue 39: each write is a read-modify-write of the whole file; two writers at once, unlocked,
+    lost up to 45% of one writer's entries (a re-measurement each). Under the file lock, none."""
+    path = str(tmp_path / "cache" / "backend-cpu-test.json")
+    count = 200
+    ctx = torch.multiprocessing.get_context("spawn")
+    start = ctx.Barrier(2)
+    writers = [ctx.Process(target=write_entries, args=(path, w * count, count, start)) for w in range(2)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in writers)
+    entries = json.loads(open(path).read())["entries"]
+    assert set(entries) == {f"key {i}" for i in range(2 * count)}
 
 
 def test_a_cached_choice_that_cannot_run_here_is_measured_again(tmp_path):
@@ -415,7 +443,7 @@ def gloo_worker(rank, init_file, out_dir):
                 couple(*mlp_call(exact=exact))
             dist.barrier()
         result = {"timed": timer.calls, "ran": list(RAN), "decisions": backend.decisions(),
-                  "cache": os.listdir(os.environ[backend.ENV_CACHE_DIR])
+                  "cache": cache_files(os.environ[backend.ENV_CACHE_DIR])
                   if os.path.isdir(os.environ[backend.ENV_CACHE_DIR]) else []}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
             json.dump(result, handle)

@@ -677,6 +677,15 @@ MUTANTS = [
            "    @torch._disable_dynamo\n", "    @torch.compiler.disable\n",
            ("tests/test_engine.py", "-k", "import_revtriton"),
            "the stack's graph break imports torch._dynamo at import: `import revtriton` 1.5 s longer"),
+    # ---- nothing silently wrong, round two (issue 39)
+    Mutant("backend-cache-written-unlocked", "revtriton/ops/backend.py",
+           "        fcntl.flock(lock, fcntl.LOCK_EX)\n", "        pass\n",
+           ("tests/test_dispatch_choice.py", "-k", "two_processes"),
+           "two processes writing the backend cache at once: one loses the other's new entries"),
+    Mutant("backend-cache-recursion-uncaught", "revtriton/ops/backend.py",
+           "    except (OSError, ValueError, RecursionError) as error:", "    except (OSError, ValueError) as error:",
+           ("tests/test_dispatch_choice.py", "-k", "bad_cache"),
+           "a cache file of deeply nested JSON crashes the forward with RecursionError"),
     # ---- session 14: runs of packed rows, a fresh process's projections, checkpoint's early stop
     Mutant("run-end-ignored", "kernels/attention.py",
            "    free_hi = tl.minimum(tl.maximum((run_end // BLOCK) * BLOCK, free_lo), hi)\n",

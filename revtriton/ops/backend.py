@@ -306,7 +306,7 @@ def _read_cache(path: str, fp: dict) -> dict:
             doc = json.load(handle)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep to parse
         warnings.warn(f"revtriton: backend cache {path} is corrupt ({error}); ignoring it, measuring again "
                       f"and rewriting it", RuntimeWarning, stacklevel=4)
         return {}
@@ -319,19 +319,35 @@ def _read_cache(path: str, fp: dict) -> dict:
     return doc["entries"]
 
 
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock (``flock`` on ``<path>.lock``) around a read-modify-write of the cache file:
+    other processes write it too (the ranks of one machine, two jobs), and without the lock one
+    writer's new entries are lost when the other replaces the file with what it read before."""
+    import fcntl  # POSIX: revtriton runs on Linux
+
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _write_cache(path: str, fp: dict, key: str, record: dict):
-    entries = {}
-    if os.path.exists(path):
-        with warnings.catch_warnings():  # already warned about when it was read
-            warnings.simplefilter("ignore")
-            entries = _read_cache(path, fp)
-    entries[key] = record
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".backend-", suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump({"fingerprint": fp, "entries": entries}, out, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with _locked(path):
+            entries = {}
+            if os.path.exists(path):
+                with warnings.catch_warnings():  # already warned about when it was read
+                    warnings.simplefilter("ignore")
+                    entries = _read_cache(path, fp)
+            entries[key] = record
+            handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".backend-", suffix=".tmp")
+            with os.fdopen(handle, "w") as out:
+                json.dump({"fingerprint": fp, "entries": entries}, out, indent=1, sort_keys=True)
+            os.replace(tmp, path)
     except OSError as error:
         warnings.warn(f"revtriton: cannot write the backend cache {path} ({error}); choices are kept in memory "
                       f"only", RuntimeWarning, stacklevel=4)
