@@ -170,22 +170,25 @@ def plot(curves, window, path, title):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama")
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama",
+                        help="the Hugging Face model: LlamaForCausalLM or GPT2LMHeadModel")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)} (original is always run)")
-    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="steps of the plain-autograd pretraining")
     parser.add_argument("--steps", type=int, default=100, help="fine-tuning steps")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=96)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--pretrain-lr", type=float, default=2e-3)
+    parser.add_argument("--batch", type=int, default=8, help="sequences a batch")
+    parser.add_argument("--seq", type=int, default=96, help="bytes a sequence (the context length)")
+    parser.add_argument("--dim", type=int, default=128, help="model width")
+    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (LLaMA: half as many key / value heads)")
+    parser.add_argument("--pretrain-lr", type=float, default=2e-3, help="pretraining learning rate")
     parser.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate (every variant)")
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="steps of linear learning-rate warm-up (pretraining and fine-tuning)")
     parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
     parser.add_argument("--scale-bits", type=int, default=6, help="coupling scale 2**-scale_bits (preserving variants)")
-    parser.add_argument("--adapter-size", type=int, default=64)
+    parser.add_argument("--adapter-size", type=int, default=64,
+                        help="hidden width of the preserving variants' adapters")
     parser.add_argument("--ordinary-top", type=int, default=0, help="top blocks left ordinary (preserving variants)")
     parser.add_argument("--anchor-every", type=int, default=None,
                         help="default: revify's (none for exact streams; float preserving conversions anchor)")
@@ -193,13 +196,14 @@ def main(argv=None):
                         help="the preserving variants train their adapters only (train_adapters_only); "
                              "original and none train everything")
     parser.add_argument("--data-bytes", type=int, default=2_000_000, help="bytes of each corpus")
-    parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-batches", type=int, default=8, help="fixed validation batches a loss is averaged over")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and batches (every variant gets the same)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: no oversubscription on a busy machine; 0: torch's default)")
     parser.add_argument("--window", type=int, default=0, help="steps in the plotted trailing mean (0: steps / 15)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the fine-tuning curves to this image")
-    parser.add_argument("--no-bar", action="store_true")
+    parser.add_argument("--no-bar", action="store_true", help="no progress bar: a line every 50 steps instead")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
     if args.threads:

@@ -107,22 +107,26 @@ def evaluate(model, data, args, batches=8):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--style", choices=["gpt2", "llama"], default="gpt2",
+                        help="gpt2: LayerNorm, GELU MLP, learned positions; llama: RMSNorm, SwiGLU, RoPE, "
+                             "grouped-query attention")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (each model)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences a batch")
+    parser.add_argument("--seq", type=int, default=128, help="bytes a sequence (the context length)")
+    parser.add_argument("--dim", type=int, default=128, help="model width")
+    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    parser.add_argument("--warmup", type=int, default=30, help="steps of linear learning-rate warm-up")
     parser.add_argument("--cosine", action="store_true", help="cosine decay after warmup")
     parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
-    parser.add_argument("--data-bytes", type=int, default=4_000_000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-bytes", type=int, default=4_000_000,
+                        help="bytes of standard-library source to train on")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and batches (both models get the same)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add_common_args(parser)
-    parser.add_argument("--no-bar", action="store_true")
+    parser.add_argument("--no-bar", action="store_true", help="no progress bar: a line every 50 steps instead")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
     if args.threads:

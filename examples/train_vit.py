@@ -107,20 +107,23 @@ def accuracy(model, images, labels, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["vit", "mvit"], default="vit")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--drop-path", type=float, default=0.1)
+    parser.add_argument("--model", choices=["vit", "mvit"], default="vit",
+                        help="vit: RevViT; mvit: RevMViT (reversible stages joined by stage transitions)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (each model)")
+    parser.add_argument("--batch", type=int, default=128, help="images a batch")
+    parser.add_argument("--dim", type=int, default=64, help="model width")
+    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
+    parser.add_argument("--drop-path", type=float, default=0.1,
+                        help="stochastic depth rate (both models draw the same masks)")
     parser.add_argument("--float-streams", action="store_true", help="exact=False (default: exact int32 streams)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the data split, weights and batches (both models get the same)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     add_common_args(parser)
-    parser.add_argument("--no-bar", action="store_true")
+    parser.add_argument("--no-bar", action="store_true", help="no progress bar: a line every 50 steps instead")
     parser.add_argument("--smoke", action="store_true", help="a few small steps (tests)")
     args = parser.parse_args(argv)
     if args.threads:

@@ -130,3 +130,25 @@ def test_finetune_pretrained_smoke_gpt2_adapters_only_float_streams():
     # Only the adapters train: far fewer trainable parameters than the whole model.
     original = int(rows["original"][1].replace(",", ""))
     assert all(int(rows[v][1].replace(",", "")) < original // 2 for v in ("meft1", "meft2", "meft3")), stdout
+
+
+@pytest.mark.parametrize("script", ["train_lm", "train_vit", "finetune_pretrained"])
+def test_every_example_option_has_a_description(script, monkeypatch):
+    """Issue 38: each option of an example's --help says what it does (many had none)."""
+    import argparse
+    import importlib
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    parsers = []
+
+    def capture(self, args=None, namespace=None):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).main([])
+    (parser,) = parsers
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 10
+    assert [a.option_strings[0] for a in options if not a.help] == []
