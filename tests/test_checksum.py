@@ -50,6 +50,23 @@ def test_checksum_sees_any_one_changed_element(seeded, checksum):
             assert moved[stream] != base[stream] and moved[1 - stream] == base[1 - stream], (position, stream)
 
 
+@pytest.mark.parametrize("checksum", [stream_checksum_reference, stream_checksum_triton], ids=["torch", "triton"])
+def test_checksum_sees_swapped_rows_of_equal_sums(seeded, checksum):
+    """Issue 39: with weights linear in the position, swapping two rows whose sums are equal, at an
+    even distance, left the checksum as it was (gradients off by 1.07, no error). Rows here: one row
+    and a permutation of it (the same sum, other values), swapped with each other at distances 2
+    and 4 rows and across a CHECKSUM_BLOCK boundary."""
+    width = 64
+    for trial, (rows, a, b) in enumerate([(8, 1, 3), (8, 2, 6), (2 * CHECKSUM_BLOCK // width, 60, 66)]):
+        s1 = torch.randint(-2**20, 2**20, (rows, width), dtype=torch.int32)
+        s1[b] = s1[a][torch.randperm(width)]
+        assert s1[a].sum() == s1[b].sum() and not torch.equal(s1[a], s1[b])
+        swapped = s1.clone()
+        swapped[[a, b]] = s1[[b, a]]
+        s2 = torch.zeros_like(s1)
+        assert checksum(swapped, s2)[0] != checksum(s1, s2)[0], trial
+
+
 def test_checksum_refuses_what_it_cannot_sum():
     with pytest.raises(TypeError, match="int32"):
         stream_checksum_reference(torch.zeros(3), torch.zeros(3))

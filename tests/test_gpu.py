@@ -533,3 +533,14 @@ def test_the_fused_lm_loss_on_cuda_equals_the_full_logits_and_stays_bounded(dtyp
     weight.grad = torch.zeros_like(weight)
     peak = peak_memory(lambda: linear_cross_entropy(hidden, weight, labels).backward(), "cuda")
     assert peak - 4 * weight.numel() <= 0.15 * tokens * vocab * 4
+
+
+def test_the_compiled_checksum_is_bitwise_the_reference():
+    """Issue 39: the checksum's non-linear weights (a multiply, an arithmetic right shift, an xor,
+    a multiply) give the torch reference's bits in the compiled kernel too, across blocks."""
+    from revtriton.ops.streams import CHECKSUM_BLOCK, stream_checksum_reference, stream_checksum_triton
+
+    for numel in (1, 77, CHECKSUM_BLOCK, 5 * CHECKSUM_BLOCK + 3):
+        s1 = torch.randint(-2**31, 2**31 - 1, (numel,), dtype=torch.int32, device="cuda")
+        s2 = torch.randint(-2**29, 2**29, (numel,), dtype=torch.int32, device="cuda")
+        assert torch.equal(stream_checksum_triton(s1, s2), stream_checksum_reference(s1, s2)), numel

@@ -403,8 +403,10 @@ def scale_launch_args(scale: ResidualScale | None, sign: int, frac_bits: int | N
 
 # ---------------------------------------------------------------- recompute checksum
 
-# An odd multiplier (2**32 / golden ratio): x -> x * C mod 2**32 is a bijection, so the weights spread.
-CHECKSUM_MULTIPLIER = -1640531535  # 0x9E3779B1 as a signed int32
+# Odd multipliers: x -> x * C mod 2**32 is a bijection, so the weights spread; the xor-shift between
+# them makes the weights non-linear in the position (see stream_checksum_reference).
+CHECKSUM_MULTIPLIER = -1640531535  # 0x9E3779B1 (2**32 / golden ratio) as a signed int32
+CHECKSUM_MIX = -2048144789  # 0x85EBCA6B (MurmurHash3's finaliser) as a signed int32
 CHECKSUM_BLOCK = 4096
 
 
@@ -425,11 +427,12 @@ _checksum_weights_cache: dict = {}
 
 
 def _checksum_weights(numel: int, device: torch.device) -> torch.Tensor:
-    """int32 [numel]: (position * CHECKSUM_MULTIPLIER) | 1, wrapping (cached for small streams)."""
+    """int32 [numel]: mix(position) | 1, wrapping (kernels/checksum.py; cached for small streams)."""
     key = (numel, device)
     weights = _checksum_weights_cache.get(key)
     if weights is None:
-        weights = torch.arange(numel, dtype=torch.int32, device=device).mul_(CHECKSUM_MULTIPLIER).bitwise_or_(1)
+        h = torch.arange(numel, dtype=torch.int32, device=device).mul_(CHECKSUM_MULTIPLIER)
+        weights = h.bitwise_xor_(h >> 16).mul_(CHECKSUM_MIX).bitwise_or_(1)
         if numel <= CHECKSUM_CACHE_MAX_NUMEL and not torch.compiler.is_compiling():
             while len(_checksum_weights_cache) >= CHECKSUM_CACHE_ENTRIES:
                 _checksum_weights_cache.pop(next(iter(_checksum_weights_cache)))
@@ -438,10 +441,14 @@ def _checksum_weights(numel: int, device: torch.device) -> torch.Tensor:
 
 
 def stream_checksum_reference(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
-    """int32 [2]: sum(s * w) mod 2**32 for each stream, w = (position * CHECKSUM_MULTIPLIER) | 1.
+    """int32 [2]: sum(s * w) mod 2**32 for each stream, w = mix(position) | 1 (kernels/checksum.py).
 
-    Position-sensitive (moving values between positions changes it, where a plain sum would not),
-    and any one changed element changes it (w is odd: a bijection mod 2**32). Products and sums
+    What it catches: any one changed element, always (w is odd: a bijection mod 2**32). Values moved
+    between positions (rows or blocks swapped, shifted), or several changed at once: the sum changes
+    by sum_k (w[a_k] - w[b_k]) * change_k, a linear form whose coefficients are differences of
+    pseudo-random odd weights, so it vanishes mod 2**32 only by chance (about one in 2**31, for data
+    not built against the weights); with weights linear in the position it vanished for every
+    swap of two equal-sum rows at an even distance (issue 39). Products and sums
     wrap in int32 (two's complement): an int32 sum is one vectorised pass where an int64 one
     widens every element (about 5x slower on a CPU). The weights are cached per element count and
     device; both products share one buffer."""
@@ -466,7 +473,7 @@ def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
     programs = cdiv(numel, CHECKSUM_BLOCK)
     partials = torch.empty(programs, 2, dtype=torch.int32, device=s1.device)  # every program writes its row
     dispatch.launch(kernels.weighted_checksum_kernel, (programs,), s1, s2, partials, numel, CHECKSUM_MULTIPLIER,
-                    BLOCK=CHECKSUM_BLOCK, num_warps=8)
+                    CHECKSUM_MIX, BLOCK=CHECKSUM_BLOCK, num_warps=8)
     return partials.sum(0, dtype=torch.int32)
 
 
