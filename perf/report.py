@@ -103,7 +103,14 @@ def make_plots(rows, cfg, out_dir: Path, stem: str) -> dict:
     except ImportError:
         print("perf.sweep: matplotlib is not installed: no plots (pip install revtriton[perf])", file=sys.stderr)
         return {}
+    from matplotlib.ticker import NullFormatter
+
     units = {row["preset"]: row["throughput_unit"] for row in rows}
+    labels = sorted({_label(row) for row in rows})
+    # Each label its own marker and line style, markers shrinking down the list: series that lie on
+    # one another (coupled-stored and prenorm-stored memory) stay visible, a ring around a dot.
+    styles = {label: (PLOT_MARKERS[i % len(PLOT_MARKERS)], PLOT_LINES[i % len(PLOT_LINES)],
+                      max(3.0, 10.0 - 1.5 * i)) for i, label in enumerate(labels)}
     plots = {}
     for name, (x, y, fixed, ylabel, scale) in specs.items():
         series = plot_series(rows, cfg, x, y, fixed)
@@ -112,15 +119,24 @@ def make_plots(rows, cfg, out_dir: Path, stem: str) -> dict:
         file = f"{stem}-{name.replace('_', '-')}.png"
         fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4), squeeze=False)
         ordered = [(p, series[p]) for p in cfg.presets if p in series]
+        titles = {}
         for ax, (preset, by_label) in zip(axes[0], ordered):
             xs = set()
             for label, pts in sorted(by_label.items()):
-                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o", label=label)
+                marker, line, size = styles[label]
+                ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker=marker, linestyle=line,
+                        markersize=size, markerfacecolor="none" if size > 5 else None, label=label)
                 xs.update(p[0] for p in pts)
             if x == "batch":
                 ax.set_xscale("log", base=2)
             ax.set_xticks(sorted(xs), [str(v) for v in sorted(xs)])
-            ax.set_title(preset)
+            ax.xaxis.set_minor_formatter(NullFormatter())  # no "2.8x10^0" between the named ticks
+            seq = next(row["seq_len"] for row in rows if row["preset"] == preset and row[x] in xs
+                       and all(row[k] == (v(row) if callable(v) else v) for k, v in fixed.items()))
+            held = ", ".join(f"{'seq' if k == 'seq_len' else k} {seq if k == 'seq_len' else v}"
+                             for k, v in fixed.items())
+            titles[preset] = f"{preset} ({held})"
+            ax.set_title(titles[preset])
             ax.set_xlabel(x)
             ax.set_ylabel(ylabel if y != "throughput" else f"throughput ({units.get(preset, 'samples/s')})")
             ax.grid(alpha=0.3)
@@ -129,8 +145,14 @@ def make_plots(rows, cfg, out_dir: Path, stem: str) -> dict:
         fig.tight_layout()
         fig.savefig(out_dir / file, dpi=100)
         plt.close(fig)
-        plots[name] = {"file": file, "x": x, "y": y, "series": series}
+        plots[name] = {"file": file, "x": x, "y": y, "series": series, "titles": titles,
+                       "styles": {label: list(styles[label][:2]) for label in sorted(
+                           {label for by_label in series.values() for label in by_label})}}
     return plots
+
+
+PLOT_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+PLOT_LINES = ("-", "--", ":", "-.")
 
 
 def _fmt(value, kind):

@@ -298,6 +298,13 @@ def test_memory_vs_depth_plot_shows_reversible_flat_and_vanilla_growing(quick):
     for series in throughput.values():
         for points in series.values():
             assert [b for b, _ in points] == sorted(doc["config"]["batches"])
+    # Issue 38: every series visible (its own marker and line style: coupled-stored and prenorm-stored
+    # memory lie on one another), each panel naming what it holds fixed.
+    for name, held in (("memory_vs_depth", "batch"), ("throughput_vs_batch", "depth")):
+        styles = doc["plots"][name]["styles"]
+        assert set(styles) == set(VARIANTS) and len({tuple(s) for s in styles.values()}) == len(styles)
+        for preset, title in doc["plots"][name]["titles"].items():
+            assert title.startswith(preset) and f"{held} " in title and "seq " in title, title
 
 
 # --------------------------------------------------------------------------------------------
