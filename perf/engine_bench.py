@@ -177,6 +177,16 @@ def interleaved_times(steps: dict, repeats: int) -> tuple[dict, dict]:
     return times, cpu_times
 
 
+def warmed_and_timed(models: dict, x, grad, args) -> tuple[dict, dict]:
+    """Each model's training step warmed up (``args.warmup`` times), then timed in interleaved
+    rounds (:func:`interleaved_times`): wall-clock and CPU ms per key."""
+    steps = {key: step_of(model, x, grad) for key, model in models.items()}
+    for step in steps.values():
+        for _ in range(max(1, args.warmup)):
+            step()
+    return interleaved_times(steps, args.repeats)
+
+
 def bench_depth(depth: int, args, labels) -> dict:
     """{label: {"step_ms", "steps_ms", "peak_bytes", "saved_bytes"}} for one depth."""
     preset = preset_of(args)
@@ -184,17 +194,13 @@ def bench_depth(depth: int, args, labels) -> dict:
     models = {label: build(label, preset, depth, revtorch) for label in labels}
     x = torch.randn(args.batch, args.seq, 2 * args.dim, requires_grad=True)
     grad = torch.randn_like(x)
-    steps = {label: step_of(model, x, grad) for label, model in models.items()}
-    for step in steps.values():
-        for _ in range(max(1, args.warmup)):
-            step()
-    times, cpu_times = interleaved_times(steps, args.repeats)
+    times, cpu_times = warmed_and_timed(models, x, grad, args)
     out = {}
     for label, model in models.items():
         saved = saved_bytes(lambda: model(x), model)
         out[label] = {"step_ms": statistics.median(times[label]), "steps_ms": times[label],
                       "cpu_ms": statistics.median(cpu_times[label]), "cpu_steps_ms": cpu_times[label],
-                      "peak_bytes": int(peak_memory(steps[label])), "saved_bytes": int(saved)}
+                      "peak_bytes": int(peak_memory(step_of(model, x, grad))), "saved_bytes": int(saved)}
     return out
 
 
@@ -235,11 +241,7 @@ def bench_host(args, keys) -> dict:
     models = {key: build_host(*key, depth, revtorch) for key in keys}
     x = torch.randn(1, HOST_TOKENS, 2 * HOST_DIM, requires_grad=True)
     grad = torch.randn_like(x)
-    steps = {key: step_of(model, x, grad) for key, model in models.items()}
-    for step in steps.values():
-        for _ in range(max(1, args.warmup)):
-            step()
-    times, cpu_times = interleaved_times(steps, args.repeats)
+    times, cpu_times = warmed_and_timed(models, x, grad, args)
     return {key: {"step_ms": statistics.median(times[key]), "steps_ms": times[key],
                   "cpu_ms": statistics.median(cpu_times[key]), "cpu_steps_ms": cpu_times[key]} for key in keys}
 
