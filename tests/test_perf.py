@@ -500,7 +500,7 @@ def test_launchers_bench_stubs_every_launch_and_reports_us_per_launch(tmp_path, 
     launchers.main(["--repeats", "2", "--json", str(out)])
     assert dispatch.launch is real_launch
     text, _ = capsys.readouterr()
-    assert "| gpt2 | G | float |" in text and "| llama | F | float+backward |" in text
+    assert "| gpt2 | G | float |" in text and "| llama | F | rebuild+backward |" in text
     assert "forward couples: worst" in text and ("PASS" in text or "MISS" in text)
     results = json.loads(out.read_text())["results"]
     assert set(results) == {f"{f}/{h}/{k}" for f in launchers.FAMILIES for h in "FG" for k in launchers.KINDS}
@@ -509,7 +509,7 @@ def test_launchers_bench_stubs_every_launch_and_reports_us_per_launch(tmp_path, 
         assert r["launches"] >= 3 and len(r["us_all"]) == 2, key
         assert r["us_per_launch"] == pytest.approx(r["us"] / r["launches"])
     for f in launchers.FAMILIES:  # a backward launches more than its forward
-        assert results[f"{f}/G/float+backward"]["launches"] > results[f"{f}/G/float"]["launches"]
+        assert results[f"{f}/G/rebuild+backward"]["launches"] > results[f"{f}/G/float"]["launches"]
 
 
 def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
