@@ -86,6 +86,21 @@ def jit_function(kernel):
     return fn
 
 
+def _launcher_name(frame) -> str:
+    """The launcher a launch came from: the first caller that is not a GEMM launch helper (a
+    ``_launch*`` function or a GemmLaunch), a launch plan's entry named by its ``launcher``
+    attribute (``gemm.LinearCoupleLaunch`` is ``linear_couple``). Frames, not inspect.stack(),
+    which reads source files: slow."""
+    while frame.f_back is not None:
+        name = frame.f_code.co_name
+        if name == "__call__":
+            name = getattr(frame.f_locals.get("self"), "launcher", None)
+        if name and not name.startswith("_launch"):
+            return name
+        frame = frame.f_back
+    return frame.f_code.co_name
+
+
 @contextlib.contextmanager
 def recording_launches(autocast_dtype: torch.dtype | None = torch.bfloat16):
     """Record every ``dispatch.launch`` instead of running it; ``meta`` tensors act as if under
@@ -94,10 +109,7 @@ def recording_launches(autocast_dtype: torch.dtype | None = torch.bfloat16):
     real_enabled, real_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def record(kernel, grid, *args, **meta):
-        frame = sys._getframe(1)  # the launcher (inspect.stack() reads source files: slow)
-        if frame.f_code.co_name.startswith("_launch"):
-            frame = frame.f_back
-        launches.append(Launch(kernel, grid, args, meta, frame.f_code.co_name))
+        launches.append(Launch(kernel, grid, args, meta, _launcher_name(sys._getframe(1))))
 
     def enabled(device_type=None):
         if device_type == "meta":

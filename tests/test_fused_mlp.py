@@ -245,6 +245,49 @@ def test_no_grad_forward_keeps_nothing_and_float_port_is_the_stream(seeded):
     assert port is stream and stream.requires_grad
 
 
+@pytest.mark.parametrize("kind", ["layer", "swiglu"])
+def test_a_kept_launch_plan_serves_only_calls_of_its_signature(seeded, kind):
+    """A repeated couple call runs the launch plan its first call kept (issue 44 step 5: no checks,
+    the launch arguments prebuilt): bitwise the first call's stream, forward and with grad. A call
+    that differs in strides, dtype or shape gets a plan of its own (one keyed without the strides
+    would read a strided input with the first call's row stride), and bad inputs still raise."""
+    from revtriton.ops import fused_mlp
+
+    dim, hidden, shape = 64, 96, (2, 6)
+    params = make_params(kind, dim, hidden)
+    fn = couple_fn(kind)
+    x, res = rand(*shape, dim), rand(*shape, dim)
+    wide = rand(*shape, 3 * dim)
+    strided = wide[..., dim:2 * dim]  # x's shape and values, rows 3 * dim apart
+    strided.copy_(x)
+    fused_mlp._plans.clear()
+    with dispatch.force_triton(), torch.no_grad():
+        first, _ = fn(res, x, 1, None, params, None)
+        kept = len(fused_mlp._plans.plans)
+        assert kept == 1
+        assert torch.equal(fn(res.clone(), x.clone(), 1, None, params, None)[0], first)
+        assert len(fused_mlp._plans.plans) == kept  # the same signature: the kept plan ran
+        assert torch.equal(fn(res, strided, 1, None, params, None)[0], first)
+        assert len(fused_mlp._plans.plans) == kept + 1
+        longer_x, longer_res = rand(2, 9, dim), rand(2, 9, dim)
+        want = longer_res + reference_h(kind, "gelu_tanh", longer_x, params, None)
+        assert rel_err(fn(longer_res, longer_x, 1, None, params, None)[0], want) <= TOL[torch.float32]
+        half = fn(res.half(), x.half(), 1, None, [None if p is None else p.half() for p in params], None)[0]
+        assert half.dtype == torch.float16 and rel_err(half, first) <= TOL[torch.float16]
+        with pytest.raises(ValueError, match="does not match the half's dim"):
+            fn(res, rand(*shape, dim + 1), 1, None, params, None)
+        with pytest.raises(TypeError, match="must be int32"):
+            fn(res, x, 1, 16, params, None)
+    grads = []
+    for _ in range(2):  # with grad: the second call's plan is the first one's
+        leaf = x.clone().requires_grad_(True)
+        with dispatch.force_triton():
+            stream, port = fn(res, leaf, -1, None, params, None)
+            port.backward(x)
+        grads.append((stream.detach(), leaf.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def launch_operand_dtypes(monkeypatch, *modules):
     """Record the dtypes of the tensors every Triton launch receives (through ``modules.launch``)."""
     seen, real = set(), dispatch.launch

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm
+from .launches import LaunchPlan, PlanCache, call_signature
 from .reference import ACTIVATIONS, NORMS
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -77,15 +78,34 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def _plan_key(op, scale, needs_grad, res, x, *values):
+    """The key of a couple call's launch plan: the metadata of its tensors, its options, the grad
+    mode's choice (the pre-activation saved or not) and autocast's dtype; None for a scaled
+    coupling (its scale's checks and arguments are each call's)."""
+    if scale is not None or not isinstance(x, torch.Tensor):
+        return None
+    device_type = x.device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return call_signature(op, needs_grad, autocast, res, x, *values)
+
+
+# Launch plans by call signature: a repeated call skips the checks and the launch arguments'
+# arithmetic of the couple and of its launchers (launches.LaunchPlan).
+_plans = PlanCache()
+
+
 # ---------------------------------------------------------------- LayerNorm / RMSNorm + MLP
 
-def _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation, eps,
-                      row_scale, dot_dtype, save, scale):
-    n, mean, rstd = gemm.normalize(x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
-                                   out_dtype=dot_dtype)
-    a1, z1 = gemm.linear(n, w1.to(dot_dtype), b1, activation=activation, save_preact=save)
-    stream = gemm.linear_couple(a1, w2.to(dot_dtype), b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
-                                scale=scale)
+def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
+                      eps, row_scale, dot_dtype, save, scale):
+    n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
+        x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias, out_dtype=dot_dtype))(
+        x2, norm_weight, norm_bias)
+    w1, w2 = w1.to(dot_dtype), w2.to(dot_dtype)
+    a1, z1 = plan.launch(1, lambda: gemm.LinearLaunch(n, w1, b1, activation=activation, save_preact=save))(n, w1, b1)
+    stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
+        a1, w2, b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale))(a1, w2, b2, res2, row_scale,
+                                                                                          scale)
     return stream, (n, mean, rstd, a1, z1)
 
 
@@ -100,11 +120,11 @@ def _scaled_grad(grads, frac_bits, res_scale, sign, row_scale, dim, dot_dtype, b
 class FusedNormMLPCouple(torch.autograd.Function):
     @staticmethod
     def forward(ctx, res, x, norm_weight, norm_bias, w1, b1, w2, b2, row_scale, sign, frac_bits, norm, activation,
-                eps, dot_dtype, scale):
+                eps, dot_dtype, scale, plan):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)
         res2 = gemm.as_rows(res, dim)
-        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(res2, x2, sign, frac_bits, norm_weight,
+        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight,
                                                             norm_bias, w1, b1, w2, b2, norm, activation, eps,
                                                             row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
@@ -142,56 +162,68 @@ class FusedNormMLPCouple(torch.autograd.Function):
         if dbeta is not None and dbeta.dtype != norm_bias.dtype:
             dbeta = dbeta.to(norm_bias.dtype)
         return (grad_res, dx, dgamma, dbeta, dw1, None if db1 is None else db1.out, dw2,
-                None if db2 is None else db2.out, None, None, None, None, None, None, None, None)
+                None if db2 is None else db2.out, None, None, None, None, None, None, None, None, None)
 
 
 def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
                           activation="gelu_tanh", eps=1e-6, row_scale=None, scale: ResidualScale | None = None):
     """``res + sign * fc2(act(fc1(norm(x))))`` (times row_scale) as ``(stream, port)``, fused; a
     ``scale``: ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse (streams.couple_output)."""
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if norm == "rms" and norm_bias is not None:
-        raise ValueError("RMSNorm has no bias")
-    dim = w1.shape[1]
-    _check_common(res, x, sign, frac_bits, dim)
-    if w2.shape != (dim, w1.shape[0]):
-        raise ValueError(f"w2 shape {tuple(w2.shape)} must be {(dim, w1.shape[0])} for w1 {tuple(w1.shape)}")
-    scale = check_residual_scale(scale, sign, frac_bits, res)
-    dot_dtype = _dot_dtype(x, [("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)])
-    rs = _flat_row_scale(row_scale, x)
     params = (norm_weight, norm_bias, w1, b1, w2, b2)
-    if _needs_grad(res, x, *params):
-        out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype, scale)
+    needs_grad = _needs_grad(res, x, *params)
+    key = _plan_key("norm_mlp", scale, needs_grad, res, x, sign, frac_bits, *params, norm, activation, eps, row_scale)
+    plan = _plans.get(key)
+    if plan is None:  # the checks (a later call of this signature would pass them too)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if norm == "rms" and norm_bias is not None:
+            raise ValueError("RMSNorm has no bias")
+        dim = w1.shape[1]
+        _check_common(res, x, sign, frac_bits, dim)
+        if w2.shape != (dim, w1.shape[0]):
+            raise ValueError(f"w2 shape {tuple(w2.shape)} must be {(dim, w1.shape[0])} for w1 {tuple(w1.shape)}")
+        scale = check_residual_scale(scale, sign, frac_bits, res)
+        plan = LaunchPlan(_dot_dtype(x, [("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)]))
+    dot_dtype, dim = plan.options, x.shape[-1]
+    rs = _flat_row_scale(row_scale, x)
+    if needs_grad:
+        out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype, scale,
+                                       plan)
+        _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
         res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
-        stream, _ = _norm_mlp_forward(res2, x2, sign, frac_bits, *params, norm, activation,
+        stream, _ = _norm_mlp_forward(plan, res2, x2, sign, frac_bits, *params, norm, activation,
                                       eps, rs, dot_dtype, False, scale)
+    _plans.keep(key, plan)
     return stream.view(res.shape), None
 
 
 # ---------------------------------------------------------------- RMSNorm + SwiGLU
 
-def _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype, save,
-                    scale):
-    n, mean, rstd = gemm.normalize(x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype)
-    a1, z = gemm.linear(n, w_gate.to(dot_dtype), None, activation="swiglu", weight_up=w_up.to(dot_dtype),
-                        save_preact=save)
-    stream = gemm.linear_couple(a1, w_down.to(dot_dtype), None, res2, sign, frac_bits=frac_bits, row_scale=row_scale,
-                                scale=scale)
+def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
+                    save, scale):
+    n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
+        x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
+    w_gate, w_up, w_down = w_gate.to(dot_dtype), w_up.to(dot_dtype), w_down.to(dot_dtype)
+    a1, z = plan.launch(1, lambda: gemm.LinearLaunch(n, w_gate, None, activation="swiglu", weight_up=w_up,
+                                                     save_preact=save))(n, w_gate, None, w_up)
+    stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
+        a1, w_down, None, res2, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale))(
+        a1, w_down, None, res2, row_scale, scale)
     return stream, (n, mean, rstd, a1, z)
 
 
 class FusedSwiGLUCouple(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype, scale):
+    def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype, scale,
+                plan):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)
         res2 = gemm.as_rows(res, dim)
-        stream, (n, mean, rstd, a1, z) = _swiglu_forward(res2, x2, sign, frac_bits, norm_weight, w_gate,
+        stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate,
                                                          w_up, w_down, eps, row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.options = (sign, frac_bits, dot_dtype)
@@ -223,28 +255,35 @@ class FusedSwiGLUCouple(torch.autograd.Function):
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(norm_part, *pending)
         dgamma, _ = gemm.norm_param_grads(norm_part, norm_weight, False)
-        return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None, None
+        return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None, None, None
 
 
 def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6,
                             row_scale=None, scale: ResidualScale | None = None):
     """``res + sign * down(silu(gate(n)) * up(n))``, n = rmsnorm(x), as ``(stream, port)``, fused
     (a ``scale`` as in :func:`fused_norm_mlp_couple`)."""
-    dim = w_gate.shape[1]
-    _check_common(res, x, sign, frac_bits, dim)
-    if w_up.shape != w_gate.shape:
-        raise ValueError(f"w_up shape {tuple(w_up.shape)} != w_gate shape {tuple(w_gate.shape)}")
-    if w_down.shape != (dim, w_gate.shape[0]):
-        raise ValueError(f"w_down shape {tuple(w_down.shape)} must be {(dim, w_gate.shape[0])}")
-    scale = check_residual_scale(scale, sign, frac_bits, res)
-    dot_dtype = _dot_dtype(x, [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)])
-    rs = _flat_row_scale(row_scale, x)
     params = (norm_weight, w_gate, w_up, w_down)
-    if _needs_grad(res, x, *params):
-        out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype, scale)
+    needs_grad = _needs_grad(res, x, *params)
+    key = _plan_key("swiglu_mlp", scale, needs_grad, res, x, sign, frac_bits, *params, eps, row_scale)
+    plan = _plans.get(key)
+    if plan is None:  # the checks (a later call of this signature would pass them too)
+        dim = w_gate.shape[1]
+        _check_common(res, x, sign, frac_bits, dim)
+        if w_up.shape != w_gate.shape:
+            raise ValueError(f"w_up shape {tuple(w_up.shape)} != w_gate shape {tuple(w_gate.shape)}")
+        if w_down.shape != (dim, w_gate.shape[0]):
+            raise ValueError(f"w_down shape {tuple(w_down.shape)} must be {(dim, w_gate.shape[0])}")
+        scale = check_residual_scale(scale, sign, frac_bits, res)
+        plan = LaunchPlan(_dot_dtype(x, [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]))
+    dot_dtype, dim = plan.options, x.shape[-1]
+    rs = _flat_row_scale(row_scale, x)
+    if needs_grad:
+        out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype, scale, plan)
+        _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
         res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
-        stream, _ = _swiglu_forward(res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
+        stream, _ = _swiglu_forward(plan, res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
                                     False, scale)
+    _plans.keep(key, plan)
     return stream.view(res.shape), None

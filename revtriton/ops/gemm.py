@@ -62,7 +62,7 @@ from . import dispatch
 from .launches import cdiv, unused_pointer
 from .reference import activation_reference
 from .streams import ResidualScale, check_frac_bits, check_residual_scale, exact_add_reference, scale_launch_args
-from .tma import ensure_descriptor_allocator, matrix_tma_ready
+from .tma import ensure_descriptor_allocator, matrix_strides_tma_ready, tma_aligned
 
 from revtriton.kernels import gemm as gemm_kernels  # kernels/ (revtriton/__init__.py maps it in a checkout)
 from revtriton.kernels import norm as norm_kernels
@@ -186,61 +186,99 @@ def row_partial_programs(rows: int) -> int:
 
 # ---------------------------------------------------------------- the GEMM launch
 
+class GemmLaunch:
+    """One launch of kernels.gemm's GEMM with what depends only on the call's signature worked out
+    once: the kernel variant, its grid, its constexpr switches, its scalar arguments and whether the
+    strides allow tensor descriptors. Built from the operands' metadata (A [M, K] and B [K, N] read
+    through the given strides; C [M, N] with ``c_strides``, or the [split_k, M, N] fp32 partials),
+    then called with each call's tensors: the forward plans (ops/fused_mlp.py,
+    ops/fused_attention.py) keep one per launch, so a repeated call does none of this again."""
+
+    __slots__ = ("kernel", "grid", "sizes", "aux_stride", "res_stride", "epilogue", "tail", "has_scale",
+                 "scale_args", "tma_possible", "second_k_offset", "meta", "meta_tma")
+
+    def __init__(self, a, a_strides, b, b_strides, c_strides, M, N, K, *, b2=None, bias=None,
+                 row_scale=None, aux_stride=None, store_aux=False, res_stride=None, col_sum=None, alpha=1.0, sign=1,
+                 frac_bits=0, dual_b=False, second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0,
+                 scale=None):
+        stride_am, stride_ak = a_strides
+        stride_bk, stride_bn = b_strides
+        stride_cm, stride_cn = (N, 1) if split_k > 1 else c_strides  # split-K: the partial buffer
+        self.sizes = (M, N, K, k_per_split, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn)
+        self.aux_stride = 0 if aux_stride is None else aux_stride  # rows of the aux / residual tiles
+        self.res_stride = 0 if res_stride is None else res_stride
+        self.epilogue = (float(alpha), int(sign), float(2.0 ** frac_bits))
+        self.tail = (int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K))
+        # The coupling scale's arguments: its factor and shift are the scale's; its dropped bits
+        # (an exact inverse) are each call's, so a scaled launch asks streams.scale_launch_args again.
+        self.has_scale = scale is not None
+        self.scale_args = (sign, None if residual == gemm_kernels.RES_FLOAT else frac_bits)
+        # The sm_90 configs load tiles by TMA when every operand can be described (16-bit operands;
+        # B is seen as [N, K]); the pointer path otherwise, and on sm_80. The strides decide here, the
+        # base addresses at each call.
+        size = a.element_size()
+        self.tma_possible = size == 2 and matrix_strides_tma_ready(size, stride_am, stride_ak) and \
+            matrix_strides_tma_ready(size, stride_bn, stride_bk)
+        self.second_k_offset = K * stride_ak if second_k else None
+        device = a.device
+
+        def grid(meta):
+            tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+            return (persistent_programs(tiles, device) if meta["PERSISTENT"] else tiles, split_k)
+
+        self.grid = grid
+        if dual_b:
+            self.kernel = gemm_kernels.fused_gemm_dual_kernel
+        elif act_bwd in ("swiglu", "gelu"):
+            self.kernel = gemm_kernels.fused_gemm_act_grad_kernel
+        else:
+            self.kernel = gemm_kernels.fused_gemm_kernel
+        self.meta, self.meta_tma = (dict(
+            DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
+            TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1,
+            ALIGNED_8=tma and _aligned_8_only(
+                M, N, K, stride_am * stride_ak, stride_bk * stride_bn, stride_cm,
+                16 if aux_stride is None else aux_stride, 16 if res_stride is None else res_stride),
+            HAS_BIAS=bias is not None,
+            ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
+            HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
+            INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ) for tma in (False, True))
+
+    def _tma(self, a, b, b2) -> bool:
+        """Whether this call's operands can be described (their strides could: the base addresses)."""
+        return tma_aligned(a) and tma_aligned(b) and (b2 is None or tma_aligned(b2)) and (
+            self.second_k_offset is None or tma_aligned(a, self.second_k_offset))
+
+    def __call__(self, a, b, c, *, b2=None, bias=None, row_scale=None, aux=None, res=None, col_sum=None, scale=None):
+        # Unused pointers: null pointers of c's dtype (a fixed choice per variant keeps the tuning key
+        # and the compiled kernel those of the launch that passes a tensor there).
+        unused = unused_pointer(c)
+        if self.has_scale:
+            scale_args = scale_launch_args(scale, *self.scale_args, c)
+        else:
+            scale_args = (1.0, 0, unused, 0)
+        tma = self.tma_possible and self._tma(a, b, b2)
+        if tma:
+            ensure_descriptor_allocator(a.device)
+        dispatch.launch(
+            self.kernel, self.grid,
+            a, b, unused if b2 is None else b2, c, *self.sizes,
+            unused if bias is None else bias, unused if row_scale is None else row_scale,
+            unused if aux is None else aux, self.aux_stride, unused if res is None else res, self.res_stride,
+            unused if col_sum is None else col_sum, *self.epilogue, *scale_args, *self.tail,
+            **(self.meta_tma if tma else self.meta))
+        return c
+
+
 def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, row_scale=None, aux=None,
-                 store_aux=False, res=None, col_sum=None, alpha=1.0, sign=1, frac_bits=0, dual_b=False,
-                 second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0, scale=None):
-    """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides."""
-    # Unused pointers: null pointers of c's dtype (a fixed choice per variant keeps the tuning key
-    # and the compiled kernel those of the launch that passes a tensor there).
-    unused = unused_pointer(c)
-    res_scale, res_shift, low_bits, low_bits_plane = scale_launch_args(
-        scale, sign, None if residual == gemm_kernels.RES_FLOAT else frac_bits, c)
-    stride_am, stride_ak = a_strides
-    stride_bk, stride_bn = b_strides
-    if split_k > 1:
-        stride_cm, stride_cn = N, 1  # c is the [split_k, M, N] fp32 partial buffer
-    else:
-        stride_cm, stride_cn = c.stride(0), c.stride(1)
-
-    # The sm_90 configs load tiles by TMA when every operand can be described (16-bit operands;
-    # B is seen as [N, K]); the pointer path otherwise, and on sm_80.
-    tma = a.element_size() == 2 and matrix_tma_ready(a, stride_am, stride_ak) and matrix_tma_ready(
-        b, stride_bn, stride_bk) and (b2 is None or matrix_tma_ready(b2, stride_bn, stride_bk)) and (
-        not second_k or matrix_tma_ready(a, stride_am, stride_ak, offset=K * stride_ak))
-    if tma:
-        ensure_descriptor_allocator(a.device)
-
-    def grid(meta):
-        tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-        return (persistent_programs(tiles, a.device) if meta["PERSISTENT"] else tiles, split_k)
-
-    if dual_b:
-        kernel = gemm_kernels.fused_gemm_dual_kernel
-    elif act_bwd in ("swiglu", "gelu"):
-        kernel = gemm_kernels.fused_gemm_act_grad_kernel
-    else:
-        kernel = gemm_kernels.fused_gemm_kernel
-    dispatch.launch(
-        kernel, grid,
-        a, b, unused if b2 is None else b2, c, M, N, K, k_per_split,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        unused if bias is None else bias, unused if row_scale is None else row_scale,
-        unused if aux is None else aux, 0 if aux is None else aux.stride(0),
-        unused if res is None else res, 0 if res is None else res.stride(0),
-        unused if col_sum is None else col_sum,
-        float(alpha), int(sign), float(2.0 ** frac_bits), res_scale, res_shift, low_bits, low_bits_plane,
-        int(bool(store_aux)), next_power_of_2(M), next_power_of_2(K),
-        DUAL_B=dual_b, SECOND_K=second_k, SPLIT_K=split_k,
-        TMA_READY=tma, A_K_MAJOR=tma and stride_ak == 1, B_K_MAJOR=tma and stride_bk == 1,
-        ALIGNED_8=tma and _aligned_8_only(
-            M, N, K, stride_am * stride_ak, stride_bk * stride_bn, stride_cm,
-            16 if aux is None else aux.stride(0), 16 if res is None else res.stride(0)),
-        HAS_BIAS=bias is not None,
-        ACT=ACTIVATION_CODES[act], ACT_BWD=ACTIVATION_CODES[act_bwd], COL_SUM=col_sum is not None,
-        HAS_ROW_SCALE=row_scale is not None, RESIDUAL=residual, RES_SCALED=scale is not None,
-        INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-    )
-    return c
+                 res=None, col_sum=None, scale=None, **switches):
+    """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides
+    (a :class:`GemmLaunch` built and called once)."""
+    tensors = dict(b2=b2, bias=bias, row_scale=row_scale, col_sum=col_sum, scale=scale)
+    launch = GemmLaunch(a, a_strides, b, b_strides, c.stride(), M, N, K, aux_stride=None if aux is None else aux.stride(0),
+                        res_stride=None if res is None else res.stride(0), **tensors, **switches)
+    return launch(a, b, c, aux=aux, res=res, **tensors)
 
 
 def _aligned_8_only(*sizes) -> bool:
@@ -301,35 +339,52 @@ def normalize_reference(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bia
     return (normalize_with_stats(x, stats, norm_weight, norm_bias, norm, out_dtype),) + stats
 
 
+class NormalizeLaunch:
+    """:func:`normalize` for one signature: its checks at construction (on the first call's
+    tensors), then called with each call's ``(x, norm_weight, norm_bias)`` of that signature."""
+
+    launcher = "normalize"  # the public launcher it is (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "dim", "out_dtype", "device", "args", "meta")
+
+    def __init__(self, x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
+        _check_matrix(x, "x", unit_col_stride=True)
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        M, D = x.shape
+        _check_vector(norm_weight, "norm_weight", D)
+        _check_vector(norm_bias, "norm_bias", D)
+        if norm == "rms" and norm_bias is not None:
+            raise ValueError("RMSNorm has no bias")
+        if D > MAX_NORM_DIM:
+            raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
+        _check_same_device(("x", x), ("norm_weight", norm_weight), ("norm_bias", norm_bias))
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype {out_dtype} not supported")
+        self.rows, self.dim, self.out_dtype, self.device = M, D, out_dtype, x.device
+        block_n = next_power_of_2(D)
+        self.args = (M, D, x.stride(0), D, float(eps))  # n is a fresh [M, D]: row stride D
+        self.meta = dict(IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None,
+                         BLOCK_N=block_n, num_warps=norm_num_warps(block_n))
+
+    def __call__(self, x, norm_weight=None, norm_bias=None):
+        M, D = self.rows, self.dim
+        n = torch.empty(M, D, dtype=self.out_dtype, device=self.device)
+        mean = torch.empty(M, dtype=torch.float32, device=self.device)  # the kernel writes 0 for RMSNorm
+        rstd = torch.empty(M, dtype=torch.float32, device=self.device)
+        if M == 0 or D == 0:
+            return n, mean.zero_(), rstd
+        unused = unused_pointer(x)
+        dispatch.launch(norm_kernels.normalize_kernel, (M,), x, n, mean, rstd,
+                        unused if norm_weight is None else norm_weight, unused if norm_bias is None else norm_bias,
+                        *self.args, **self.meta)
+        return n, mean, rstd
+
+
 def normalize(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
     """(n, mean, rstd): n = norm(x) * gamma + beta in out_dtype (default x's), fp32 stats; one launch."""
-    _check_matrix(x, "x", unit_col_stride=True)
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    M, D = x.shape
-    _check_vector(norm_weight, "norm_weight", D)
-    _check_vector(norm_bias, "norm_bias", D)
-    if norm == "rms" and norm_bias is not None:
-        raise ValueError("RMSNorm has no bias")
-    if D > MAX_NORM_DIM:
-        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
-    _check_same_device(("x", x), ("norm_weight", norm_weight), ("norm_bias", norm_bias))
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} not supported")
-    n = torch.empty(M, D, dtype=out_dtype, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)  # the kernel writes 0 for RMSNorm
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M == 0 or D == 0:
-        return n, mean.zero_(), rstd
-    block_n = next_power_of_2(D)
-    unused = unused_pointer(x)
-    dispatch.launch(norm_kernels.normalize_kernel, (M,), x, n, mean, rstd,
-                    unused if norm_weight is None else norm_weight, unused if norm_bias is None else norm_bias,
-                    M, D, x.stride(0), n.stride(0), float(eps), IS_RMS=norm == "rms",
-                    HAS_GAMMA=norm_weight is not None, HAS_BETA=norm_bias is not None, BLOCK_N=block_n,
-                    num_warps=norm_num_warps(block_n))
-    return n, mean, rstd
+    launch = NormalizeLaunch(x, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias, out_dtype=out_dtype)
+    return launch(x, norm_weight, norm_bias)
 
 
 # ---------------------------------------------------------------- forward GEMMs
@@ -357,35 +412,54 @@ def _check_forward_gemm(a, weight, bias):
     return a.shape[0], a.shape[1], weight.shape[0]
 
 
+class LinearLaunch:
+    """:func:`linear` for one signature: its checks at construction, then called with each call's
+    ``(a, weight, bias, weight_up)`` of that signature."""
+
+    launcher = "linear"  # the public launcher it is (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "cols", "out_dtype", "device", "preact_cols", "save_preact", "gemm")
+
+    def __init__(self, a, weight, bias=None, *, activation=None, weight_up=None, save_preact=False, out_dtype=None):
+        M, K, N = _check_forward_gemm(a, weight, bias)
+        if activation not in ACTIVATION_CODES:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
+        if (activation == "swiglu") != (weight_up is not None):
+            raise ValueError("activation='swiglu' and weight_up go together")
+        if weight_up is not None:
+            _check_matrix(weight_up, "weight_up", rows=N, cols=K)
+            if weight_up.dtype != weight.dtype or weight_up.stride() != weight.stride():
+                raise TypeError("weight_up must have the dtype and strides of weight")
+            if bias is not None:
+                raise ValueError("the SwiGLU GEMM takes no bias")
+        _check_same_device(("a", a), ("weight", weight), ("weight_up", weight_up), ("bias", bias))
+        out_dtype = weight.dtype if out_dtype is None else out_dtype
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype {out_dtype} not supported")
+        self.rows, self.cols, self.out_dtype, self.device = M, N, out_dtype, a.device
+        self.save_preact = save_preact
+        self.preact_cols = 2 * N if weight_up is not None else N
+        b, b_strides = _weight_as_b(weight)
+        # The aux pointer is always `out`-typed, saved or not: forward and recompute share one tuning key.
+        self.gemm = None if M == 0 or N == 0 else GemmLaunch(
+            a, a.stride(), b, b_strides, (N, 1), M, N, K, b2=weight_up, bias=bias,
+            aux_stride=self.preact_cols if save_preact else N, store_aux=save_preact, dual_b=weight_up is not None,
+            act=activation)
+
+    def __call__(self, a, weight, bias=None, weight_up=None):
+        out = torch.empty(self.rows, self.cols, dtype=self.out_dtype, device=self.device)
+        preact = None
+        if self.save_preact:
+            preact = torch.empty(self.rows, self.preact_cols, dtype=self.out_dtype, device=self.device)
+        if self.gemm is not None:
+            self.gemm(a, weight, out, b2=weight_up, bias=bias, aux=preact if self.save_preact else out)
+        return out, preact
+
+
 def linear(a, weight, bias=None, *, activation=None, weight_up=None, save_preact=False, out_dtype=None):
     """act(a @ weight.T + bias) in one launch; see the module doc."""
-    M, K, N = _check_forward_gemm(a, weight, bias)
-    if activation not in ACTIVATION_CODES:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATION_CODES)}, got {activation!r}")
-    if (activation == "swiglu") != (weight_up is not None):
-        raise ValueError("activation='swiglu' and weight_up go together")
-    if weight_up is not None:
-        _check_matrix(weight_up, "weight_up", rows=N, cols=K)
-        if weight_up.dtype != weight.dtype or weight_up.stride() != weight.stride():
-            raise TypeError("weight_up must have the dtype and strides of weight")
-        if bias is not None:
-            raise ValueError("the SwiGLU GEMM takes no bias")
-    _check_same_device(("a", a), ("weight", weight), ("weight_up", weight_up), ("bias", bias))
-    out_dtype = weight.dtype if out_dtype is None else out_dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype {out_dtype} not supported")
-    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
-    preact = None
-    if save_preact:
-        preact = torch.empty(M, 2 * N if weight_up is not None else N, dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
-        return out, preact
-    b, b_strides = _weight_as_b(weight)
-    # The aux pointer is always `out`-typed, saved or not: forward and recompute share one tuning key.
-    _launch_gemm(a, a.stride(), b, b_strides, out, M, N, K, b2=weight_up, bias=bias,
-                 aux=preact if save_preact else out, store_aux=save_preact, dual_b=weight_up is not None,
-                 act=activation)
-    return out, preact
+    launch = LinearLaunch(a, weight, bias, activation=activation, weight_up=weight_up, save_preact=save_preact,
+                          out_dtype=out_dtype)
+    return launch(a, weight, bias, weight_up)
 
 
 def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale=None):
@@ -401,29 +475,46 @@ def linear_couple_reference(a, weight, bias, res, sign, *, frac_bits=None, row_s
     return scale.undo(res.float() - h, None).to(res.dtype)
 
 
+class LinearCoupleLaunch:
+    """:func:`linear_couple` for one signature: its checks at construction, then called with each
+    call's ``(a, weight, bias, res, row_scale, scale)`` of that signature."""
+
+    launcher = "linear_couple"  # the public launcher it is (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "cols", "out_dtype", "device", "gemm")
+
+    def __init__(self, a, weight, bias, res, sign, *, frac_bits=None, row_scale=None,
+                 scale: ResidualScale | None = None):
+        M, K, N = _check_forward_gemm(a, weight, bias)
+        _check_row_scale(row_scale, M)
+        if sign not in (1, -1):
+            raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+        if frac_bits is None:
+            _check_matrix(res, "res", rows=M, cols=N, unit_col_stride=True)
+            residual = gemm_kernels.RES_FLOAT
+        else:
+            check_frac_bits(frac_bits)
+            _check_matrix(res, "res", dtypes=(torch.int32,), rows=M, cols=N, unit_col_stride=True)
+            residual = gemm_kernels.RES_EXACT
+        _check_same_device(("a", a), ("weight", weight), ("bias", bias), ("res", res), ("row_scale", row_scale))
+        check_residual_scale(scale, sign, frac_bits, res)
+        self.rows, self.cols, self.out_dtype, self.device = M, N, res.dtype, res.device
+        b, b_strides = _weight_as_b(weight)
+        self.gemm = None if M == 0 or N == 0 else GemmLaunch(
+            a, a.stride(), b, b_strides, (N, 1), M, N, K, bias=bias, row_scale=row_scale, res_stride=res.stride(0),
+            sign=sign, frac_bits=0 if frac_bits is None else frac_bits, residual=residual, scale=scale)
+
+    def __call__(self, a, weight, bias, res, row_scale=None, scale: ResidualScale | None = None):
+        out = torch.empty(self.rows, self.cols, dtype=self.out_dtype, device=self.device)
+        if self.gemm is not None:
+            self.gemm(a, weight, out, bias=bias, row_scale=row_scale, res=res, scale=scale)
+        return out
+
+
 def linear_couple(a, weight, bias, res, sign, *, frac_bits=None, row_scale=None, scale: ResidualScale | None = None):
     """res + sign * (a @ weight.T + bias) * row_scale, float or exact, in one launch; with a
     ``scale`` (a scaled coupling) the residual is scaled in the same epilogue (module doc)."""
-    M, K, N = _check_forward_gemm(a, weight, bias)
-    _check_row_scale(row_scale, M)
-    if sign not in (1, -1):
-        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    if frac_bits is None:
-        _check_matrix(res, "res", rows=M, cols=N, unit_col_stride=True)
-        residual = gemm_kernels.RES_FLOAT
-    else:
-        check_frac_bits(frac_bits)
-        _check_matrix(res, "res", dtypes=(torch.int32,), rows=M, cols=N, unit_col_stride=True)
-        residual = gemm_kernels.RES_EXACT
-    _check_same_device(("a", a), ("weight", weight), ("bias", bias), ("res", res), ("row_scale", row_scale))
-    scale = check_residual_scale(scale, sign, frac_bits, res)
-    out = torch.empty(M, N, dtype=res.dtype, device=res.device)
-    if M == 0 or N == 0:
-        return out
-    b, b_strides = _weight_as_b(weight)
-    _launch_gemm(a, a.stride(), b, b_strides, out, M, N, K, bias=bias, row_scale=row_scale, res=res, sign=sign,
-                 frac_bits=0 if frac_bits is None else frac_bits, residual=residual, scale=scale)
-    return out
+    launch = LinearCoupleLaunch(a, weight, bias, res, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale)
+    return launch(a, weight, bias, res, row_scale, scale)
 
 
 # ---------------------------------------------------------------- backward: scale, GEMMs

@@ -87,3 +87,66 @@ def count_launches():
         yield counter
     finally:
         _counters.remove(counter)
+
+
+# ---------------------------------------------------------------- launch plans
+
+PLANS_PER_OP = 64  # signatures kept per op (a training run has a handful: forward, rebuild, eval)
+
+
+def call_signature(*values) -> tuple:
+    """A hashable key of a call: each tensor's shape, strides, dtype and device (what the launchers'
+    checks and launch arguments depend on; not its data, nor its address: the launches check their
+    base addresses themselves), each other value as it is."""
+    return tuple((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v for v in values)
+
+
+class LaunchPlan:
+    """The launches of one op call signature: each built at the first call that makes it (its
+    launcher's checks passed, its arguments but the tensors worked out) and reused by every later
+    call of the signature, which then only allocates its outputs and launches."""
+
+    __slots__ = ("launches", "options")
+
+    def __init__(self, options=None):
+        self.launches = []
+        self.options = options  # what the op worked out with the checks (e.g. the operand dtype)
+
+    def launch(self, index: int, build):
+        """The plan's ``index``-th launch, built by ``build()`` at the first call."""
+        if index < len(self.launches):
+            return self.launches[index]
+        if index != len(self.launches):
+            raise RuntimeError(f"launch plan built out of order: launch {index} after {len(self.launches)}")
+        made = build()
+        self.launches.append(made)
+        return made
+
+
+class PlanCache:
+    """An op's launch plans by call signature (at most PLANS_PER_OP; all dropped when full). Under
+    torch.compile no plan is kept: the op is traced, its Python runs once."""
+
+    def __init__(self):
+        self.plans: dict = {}
+
+    def get(self, key):
+        if key is None or torch.compiler.is_compiling():
+            return None
+        try:
+            return self.plans.get(key)
+        except TypeError:  # an unhashable argument: the op's checks will say what is wrong with it
+            return None
+
+    def keep(self, key, plan: LaunchPlan):
+        if key is None or torch.compiler.is_compiling():
+            return
+        if len(self.plans) >= PLANS_PER_OP:
+            self.plans.clear()
+        try:
+            self.plans[key] = plan
+        except TypeError:
+            pass
+
+    def clear(self):
+        self.plans.clear()

@@ -18,14 +18,24 @@ def tma_ready(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGNMENT == 0 and all((stride * size) % ALIGNMENT == 0 for stride in t.stride()[:-1])
 
 
-def matrix_tma_ready(t: torch.Tensor, stride_rows: int, stride_cols: int, offset: int = 0) -> bool:
-    """Whether a matrix read through (stride_rows, stride_cols) from ``offset`` elements past
-    ``t``'s data can be described: one unit stride, the other a 16-byte multiple, an aligned base."""
-    size = t.element_size()
+def matrix_strides_tma_ready(element_size: int, stride_rows: int, stride_cols: int) -> bool:
+    """Whether a matrix's strides can be described: one unit stride, the other a 16-byte multiple
+    (the base address is the other condition: :func:`tma_aligned`)."""
     if 1 not in (stride_rows, stride_cols):
         return False
     other = stride_rows if stride_cols == 1 else stride_cols
-    return (t.data_ptr() + offset * size) % ALIGNMENT == 0 and (other * size) % ALIGNMENT == 0
+    return (other * element_size) % ALIGNMENT == 0
+
+
+def tma_aligned(t: torch.Tensor, offset: int = 0) -> bool:
+    """Whether the data ``offset`` elements past ``t``'s start is 16-byte aligned."""
+    return (t.data_ptr() + offset * t.element_size()) % ALIGNMENT == 0
+
+
+def matrix_tma_ready(t: torch.Tensor, stride_rows: int, stride_cols: int, offset: int = 0) -> bool:
+    """Whether a matrix read through (stride_rows, stride_cols) from ``offset`` elements past
+    ``t``'s data can be described: one unit stride, the other a 16-byte multiple, an aligned base."""
+    return matrix_strides_tma_ready(t.element_size(), stride_rows, stride_cols) and tma_aligned(t, offset)
 
 
 def _descriptor_scratch(size: int, alignment: int, stream):
