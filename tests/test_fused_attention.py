@@ -444,6 +444,52 @@ def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded, monkeypatch):
 # Errors
 
 
+@pytest.mark.parametrize("norm,rope_theta", [("layer", None), ("rms", 10000.0)])
+def test_a_kept_couple_plan_serves_only_calls_of_its_signature(seeded, norm, rope_theta):
+    """A repeated couple call runs the plan (and forward launches) its first call kept (issue 44
+    step 5): bitwise the first call's stream, forward and with grad. A strided input of the same
+    shape gets a plan of its own; a token layout (positions, segments) is the call's own and never
+    kept; bad inputs still raise after a plan was kept."""
+    dim, heads, kv_heads, tokens = 64, 4, 2, 8
+    params = make_half_params(dim, heads, kv_heads, norm, bias=norm == "layer")
+    args = half_args(params)
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=rope_theta, norm=norm)
+    x, res = torch.randn(2, tokens, dim), torch.randn(2, tokens, dim)
+    wide = torch.randn(2, tokens, 3 * dim)
+    strided = wide[..., dim:2 * dim]  # x's shape and values, rows 3 * dim apart
+    strided.copy_(x)
+
+    def call(res, x, sign=1, **extra):
+        with force_triton():
+            return fa.fused_norm_attention_couple(res, x, sign, None, *args, **options, **extra)
+
+    fa._plans.clear()
+    with torch.no_grad():
+        first, _ = call(res, x)
+        assert len(fa._plans.plans) == 1
+        assert torch.equal(call(res.clone(), x.clone())[0], first)
+        assert len(fa._plans.plans) == 1  # the same signature: the kept plan ran
+        assert torch.equal(call(res, strided)[0], first)
+        assert len(fa._plans.plans) == 2
+        positions = torch.arange(tokens).repeat(2, 1)
+        segments = torch.ones(2, tokens, dtype=torch.int64)
+        for layout in (dict(positions=positions), dict(segments=segments)):
+            assert rel_err(call(res, x, **layout)[0], first) <= 1e-5  # the default layout, given
+        assert len(fa._plans.plans) == 2
+        with pytest.raises(ValueError, match="must have the shape of x"):
+            call(res[:, :-1], x)
+        with pytest.raises(TypeError, match="must be int32"):
+            with force_triton():
+                fa.fused_norm_attention_couple(res, x, 1, 16, *args, **options)
+    grads = []
+    for _ in range(2):  # with grad: the second call's plan is the first one's
+        leaf = x.clone().requires_grad_(True)
+        stream, port = call(res, leaf, -1)
+        port.backward(x)
+        grads.append((stream.detach(), leaf.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_fused_half_bad_inputs_raise_clearly():
     from revtriton.ops.attention import norm_attention_couple
 

@@ -625,8 +625,8 @@ MUTANTS = [
            "cu_seq_lens that mark other sequences than the position_ids are ignored silently"),
     # ---- padded and packed rows in the fused attention kernels (issue 15)
     Mutant("fused-forward-ignores-segments", "revtriton/ops/fused_attention.py",
-           "        o, lse = attention_fwd(q, k, v, causal=plan.causal, segments=plan.segments)",
-           "        o, lse = attention_fwd(q, k, v, causal=plan.causal)",
+           "            q, k, v, causal=plan.causal, segments=plan.segments))(q, k, v, None, plan.segments)",
+           "            q, k, v, causal=plan.causal))(q, k, v, None, None)",
            ("tests/test_token_layouts.py", "-k", "fused_kernels"),
            "the fused half's attention forward sees across sequences and padding"),
     Mutant("fused-rope-ignores-positions", "revtriton/ops/fused_attention.py",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import dispatch, gemm, limits
 from .graph import backward_keeps_graph
-from .launches import cdiv, unused_pointer
+from .launches import LaunchPlan, PlanCache, cdiv, plan_key, unused_pointer
 from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -233,6 +233,59 @@ def segment_runs(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(real, run_first, tokens), torch.where(real, run_end, 0)
 
 
+class AttentionForwardLaunch:
+    """:func:`attention_fwd` for one signature (q, k, v and ``out``'s shapes, strides, dtype and
+    device; causal; segments or not): its checks and arguments worked out at construction, then
+    called with each call's tensors."""
+
+    launcher = "attention_fwd"  # (aot.recording_launches names launches by it)
+    __slots__ = ("out_shape", "dtype", "device", "lse_shape", "grid", "qkv_strides", "out_strides", "tail", "meta",
+                 "causal", "segments")
+
+    def __init__(self, q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
+        _check_attention_inputs(q, k, v)
+        batch, tokens, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+            raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
+        self.out_shape, self.dtype, self.device = (batch, tokens, heads, head_dim), q.dtype, q.device
+        self.lse_shape = (batch, heads, tokens)
+        self.causal, self.segments = bool(causal), segments is not None
+        kernels = _attention_kernels()
+        grid = lambda meta: (cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
+        limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
+        self.grid = grid
+        # K / V may be copied at a call (to an aligned layout): their strides are then the copy's.
+        self.qkv_strides = (_strides_bth(q), _strides_bth(k), _strides_bth(v))
+        self.out_strides = _strides_bth(out) if out is not None else (tokens * heads * head_dim, heads * head_dim,
+                                                                      head_dim)
+        self.tail = (batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale)
+        self.meta = dict(HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=bool(causal),
+                         SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
+
+    def __call__(self, q, k, v, out=None, segments=None):
+        if out is None:
+            out = torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
+        q_strides, k_strides, v_strides = self.qkv_strides
+        if self.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
+            # K / V arrive by TMA on sm_90: odd views are copied once to an aligned layout.
+            if not tma_ready(k):
+                k = k.contiguous()
+                k_strides = _strides_bth(k)
+            if not tma_ready(v):
+                v = v.contiguous()
+                v_strides = _strides_bth(v)
+            ensure_descriptor_allocator(self.device)
+        lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
+        batch, heads, _, tokens = self.tail[:4]
+        seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, self.causal, lse)
+        dispatch.launch(_attention_kernels().attention_fwd_kernel, self.grid, q, k, v, out, lse, seg, self_until,
+                        spans, *q_strides, *k_strides, *v_strides, *self.out_strides, stride_segb, *self.tail,
+                        **self.meta)
+        return out, lse
+
+
 def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
     """Flash attention forward: (o [B, T, H, D], lse [B, H, T] fp32). One launch.
 
@@ -240,29 +293,8 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
     input buffer). ``segments`` [B, T] (optional): padded / packed rows (see :func:`_segment_args`),
     masked in the kernel (no T x T mask).
     """
-    _check_attention_inputs(q, k, v)
-    batch, tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    if out is None:
-        out = torch.empty(batch, tokens, heads, head_dim, device=q.device, dtype=q.dtype)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor with unit stride on head_dim")
-    if q.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
-        # K / V arrive by TMA on sm_90: odd views are copied once to an aligned layout.
-        k, v = (t if tma_ready(t) else t.contiguous() for t in (k, v))
-        ensure_descriptor_allocator(q.device)
-    lse = torch.empty(batch, heads, tokens, device=q.device, dtype=torch.float32)
-    seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
-    kernels = _attention_kernels()
-    grid = lambda meta: (cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
-    limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
-    dispatch.launch(kernels.attention_fwd_kernel, grid, q, k, v, out, lse, seg, self_until, spans,
-                    *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(out), stride_segb,
-                    batch, heads, kv_heads, tokens, kernels.seq_bucket(tokens), sm_scale,
-                    HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=bool(causal),
-                    SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
-    return out, lse
+    launch = AttentionForwardLaunch(q, k, v, causal=causal, sm_scale=sm_scale, out=out, segments=segments)
+    return launch(q, k, v, out, segments)
 
 
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
@@ -422,6 +454,66 @@ def qkv_projection_reference(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=N
     return qkv.to(w_qkv.dtype)
 
 
+class QKVLaunch:
+    """:func:`qkv_projection` for one signature (n, w_qkv, b_qkv and the RoPE tables' metadata, the
+    head counts, tokens): its checks and arguments at construction, then called with each call's
+    tensors."""
+
+    launcher = "qkv_projection"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "cols", "dtype", "device", "grid", "args", "tma_possible", "meta", "meta_tma")
+
+    def __init__(self, n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
+        if not isinstance(n, torch.Tensor) or n.dim() != 2 or n.stride(1) != 1:
+            raise ValueError(f"n must be a 2-D [tokens, dim] tensor with unit column stride, got "
+                             f"{tuple(n.shape) if isinstance(n, torch.Tensor) else type(n).__name__}")
+        M, dim = n.shape
+        N = w_qkv.shape[0]
+        if w_qkv.dim() != 2 or w_qkv.shape[1] != dim or N % (heads + 2 * kv_heads):
+            raise ValueError(f"w_qkv {tuple(w_qkv.shape)} is not [(heads + 2 kv_heads) * head_dim, {dim}]")
+        head_dim = N // (heads + 2 * kv_heads)
+        check_head_dim(head_dim)
+        if n.dtype != w_qkv.dtype:
+            raise TypeError(f"n dtype {n.dtype} != w_qkv dtype {w_qkv.dtype}: GEMM operands are raw, in one dtype")
+        if M % tokens:
+            raise ValueError(f"{M} rows are not a whole number of {tokens}-token sequences")
+        if b_qkv is not None and (b_qkv.shape != (N,) or b_qkv.stride(0) != 1):
+            raise ValueError(f"b_qkv must be a contiguous [{N}] vector, got {tuple(b_qkv.shape)}")
+        table_rows = tokens
+        if rope is not None:
+            cos, sin = rope
+            if cos.shape not in ((tokens, head_dim // 2), (M, head_dim // 2)) or sin.shape != cos.shape \
+                    or cos.dtype != torch.float32:
+                raise ValueError(f"rope tables must be fp32 [{tokens} or {M}, {head_dim // 2}]")
+            table_rows = cos.shape[0]  # the kernel reads row r's angles at r % table_rows
+        self.rows, self.cols, self.dtype, self.device = M, N, w_qkv.dtype, n.device
+        total_heads = heads + 2 * kv_heads
+        column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
+        self.grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
+        self.args = (M, N, dim, table_rows, total_heads, heads + kv_heads, next_power_of_2(M),
+                     n.stride(0), w_qkv.stride(0), w_qkv.stride(1), N)  # the output: a fresh [M, N]
+        # sm_90 configs load by TMA where both operands can be described: 16-bit, W read K-major ([N, K]
+        # rows of an nn.Linear weight), 16-byte aligned rows (the kernel also needs a power-of-two head
+        # dim). The strides decide here, the base addresses at each call.
+        self.tma_possible = n.element_size() == 2 and w_qkv.stride(1) == 1
+        self.meta, self.meta_tma = (dict(
+            HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
+            HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype),
+            TMA_READY=tma) for tma in (False, True))
+
+    def __call__(self, n, w_qkv, b_qkv, rope=None):
+        out = torch.empty(self.rows, self.cols, device=self.device, dtype=self.dtype)
+        if self.rows == 0:
+            return out
+        cos, sin = rope if rope is not None else (unused_pointer(out),) * 2
+        tma = self.tma_possible and tma_ready(n) and tma_ready(w_qkv)
+        if tma:
+            ensure_descriptor_allocator(self.device)
+        bias = unused_pointer(out) if b_qkv is None else b_qkv
+        dispatch.launch(_qkv_kernels().qkv_rope_gemm_kernel, self.grid, n, w_qkv, bias, out, cos, sin, *self.args,
+                        **(self.meta_tma if tma else self.meta))
+        return out
+
+
 def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     """One launch: ``rope(n @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in w_qkv's dtype.
 
@@ -429,49 +521,7 @@ def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     (rows are batch-major tokens, M = B * tokens); rope = (cos, sin) [tokens, D/2] (shared by the
     sequences), [M, D/2] (a table per row: packed or padded rows' positions) or None.
     """
-    if not isinstance(n, torch.Tensor) or n.dim() != 2 or n.stride(1) != 1:
-        raise ValueError(f"n must be a 2-D [tokens, dim] tensor with unit column stride, got "
-                         f"{tuple(n.shape) if isinstance(n, torch.Tensor) else type(n).__name__}")
-    M, dim = n.shape
-    N = w_qkv.shape[0]
-    if w_qkv.dim() != 2 or w_qkv.shape[1] != dim or N % (heads + 2 * kv_heads):
-        raise ValueError(f"w_qkv {tuple(w_qkv.shape)} is not [(heads + 2 kv_heads) * head_dim, {dim}]")
-    head_dim = N // (heads + 2 * kv_heads)
-    check_head_dim(head_dim)
-    if n.dtype != w_qkv.dtype:
-        raise TypeError(f"n dtype {n.dtype} != w_qkv dtype {w_qkv.dtype}: GEMM operands are raw, in one dtype")
-    if M % tokens:
-        raise ValueError(f"{M} rows are not a whole number of {tokens}-token sequences")
-    if b_qkv is not None and (b_qkv.shape != (N,) or b_qkv.stride(0) != 1):
-        raise ValueError(f"b_qkv must be a contiguous [{N}] vector, got {tuple(b_qkv.shape)}")
-    table_rows = tokens
-    if rope is not None:
-        cos, sin = rope
-        if cos.shape not in ((tokens, head_dim // 2), (M, head_dim // 2)) or sin.shape != cos.shape \
-                or cos.dtype != torch.float32:
-            raise ValueError(f"rope tables must be fp32 [{tokens} or {M}, {head_dim // 2}]")
-        table_rows = cos.shape[0]  # the kernel reads row r's angles at r % table_rows
-    out = torch.empty(M, N, device=n.device, dtype=w_qkv.dtype)
-    if M == 0:
-        return out
-    kernels = _qkv_kernels()
-    cos, sin = rope if rope is not None else (unused_pointer(out),) * 2
-    total_heads = heads + 2 * kv_heads
-    # sm_90 configs load by TMA where both operands can be described: 16-bit, W read K-major ([N, K]
-    # rows of an nn.Linear weight), 16-byte aligned rows (the kernel also needs a power-of-two head dim).
-    tma = n.element_size() == 2 and w_qkv.stride(1) == 1 and tma_ready(n) and tma_ready(w_qkv)
-    if tma:
-        ensure_descriptor_allocator(n.device)
-    column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
-    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
-    bias = unused_pointer(out) if b_qkv is None else b_qkv
-    dispatch.launch(kernels.qkv_rope_gemm_kernel, grid, n, w_qkv, bias, out, cos, sin,
-                    M, N, dim, table_rows, total_heads, heads + kv_heads, next_power_of_2(M),
-                    n.stride(0), w_qkv.stride(0), w_qkv.stride(1), out.stride(0),
-                    HAS_BIAS=b_qkv is not None, ROPE=rope is not None, HEAD_DIM=head_dim,
-                    HEAD_PAD=_attention_kernels().head_pad(head_dim), DOT_PRECISION=_dot_precision(w_qkv.dtype),
-                    TMA_READY=tma)
-    return out
+    return QKVLaunch(n, w_qkv, b_qkv, heads=heads, kv_heads=kv_heads, tokens=tokens, rope=rope)(n, w_qkv, b_qkv, rope)
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,6 +573,10 @@ def _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm,
 
 ATTENTION_CORES = ("triton", "sdpa")
 
+# Couple plans (each with its forward's launches) by call signature: a repeated call skips the
+# checks and the launch arguments' arithmetic (launches.LaunchPlan).
+_plans = PlanCache()
+
 
 def _check_layout(x, positions, segments):
     for name, t in (("positions", positions), ("segments", segments)):
@@ -553,30 +607,36 @@ class _Plan:
             self.rope = (cached_rope_tables(self.tokens, self.head_dim, rope_theta, x.device) if positions is None
                          else rope_tables_at(positions.to(x.device), self.head_dim, rope_theta))
         self.segments = segments  # [B, T] padded / packed rows (ops.attention.sequence_mask), or None
+        # The forward's launches, built at its first call (kept with the plan: launches.LaunchPlan).
+        self.launches = LaunchPlan()
 
 
 def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale,
                    keep_graph=False):
     """The four launches (a coupling ``scale`` in the last one's epilogue). Returns (stream
     [B, T, dim], saved tensors for backward, SDPA's graph when the core is SDPA and ``keep_graph``)."""
+    launches = plan.launches
     x2 = gemm.as_rows(x, plan.dim)
-    n, mean, rstd = gemm.normalize(x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight,  # launch 1
-                                   norm_bias=norm_bias, out_dtype=plan.dot_dtype)
+    n, mean, rstd = launches.launch(0, lambda: gemm.NormalizeLaunch(                               # launch 1
+        x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight, norm_bias=norm_bias,
+        out_dtype=plan.dot_dtype))(x2, norm_weight, norm_bias)
     rope = plan.rope
     if rope is not None and rope[0].dim() == 3:  # a table per row (positions): [B * T, D/2]
         rope = tuple(t.view(plan.rows, -1) for t in rope)
-    qkv = qkv_projection(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,              # launch 2
-                         tokens=plan.tokens, rope=rope)
+    qkv = launches.launch(1, lambda: QKVLaunch(n, w_qkv, b_qkv, heads=plan.heads, kv_heads=plan.kv_heads,  # launch 2
+                                               tokens=plan.tokens, rope=rope))(n, w_qkv, b_qkv, rope)
     graph = lse = None
     if plan.core == "sdpa":
         o, graph = _sdpa_core(qkv, plan, keep_graph)
     else:
         q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-        o, lse = attention_fwd(q, k, v, causal=plan.causal, segments=plan.segments)             # launch 3
+        o, lse = launches.launch(2, lambda: AttentionForwardLaunch(                                # launch 3
+            q, k, v, causal=plan.causal, segments=plan.segments))(q, k, v, None, plan.segments)
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
     res2 = gemm.as_rows(res, plan.dim)
-    stream = gemm.linear_couple(o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits,   # launch 4
-                                row_scale=row_scale, scale=scale)
+    stream = launches.launch(3, lambda: gemm.LinearCoupleLaunch(                                    # launch 4
+        o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits, row_scale=row_scale, scale=scale))(
+        o2, w_proj, b_proj, res2, row_scale, scale)
     return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse), graph
 
 
@@ -687,16 +747,24 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     with fp32 accumulation.
     """
     kv_heads = kv_heads or heads
-    if sign not in (1, -1):
-        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    if frac_bits is not None:
-        check_frac_bits(frac_bits)
-    _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
-    scale = check_residual_scale(scale, sign, frac_bits, res)
-    dot_dtype = _compute_dtype(x, w_qkv)
-    _check_layout(x, positions, segments)
-    plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, dot_dtype, core, positions,
-                 segments)
+    # A plan kept per call signature (its launches with it) unless the token layout makes it the
+    # call's own (RoPE tables at the positions, the segments' arguments).
+    key = None
+    if positions is None and segments is None:
+        key = plan_key("norm_attention", scale, res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv,
+                       w_proj, b_proj, heads, kv_heads, causal, rope_theta, norm, eps, row_scale, core)
+    plan = _plans.get(key)
+    if plan is None:  # the checks (a later call of this signature would pass them too)
+        if sign not in (1, -1):
+            raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+        if frac_bits is not None:
+            check_frac_bits(frac_bits)
+        _check_fused_inputs(res, x, frac_bits, w_qkv, w_proj, heads, kv_heads, norm, rope_theta, row_scale)
+        scale = check_residual_scale(scale, sign, frac_bits, res)
+        _check_layout(x, positions, segments)
+        plan = _Plan(x, sign, frac_bits, heads, kv_heads, causal, rope_theta, norm, eps, _compute_dtype(x, w_qkv),
+                     core, positions, segments)
+    dot_dtype = plan.dot_dtype
     if row_scale is not None:
         row_scale = row_scale.reshape(plan.rows).to(torch.float32).contiguous()
     # Weights in the operand dtype (a no-op without autocast); autograd takes the cast back.
@@ -706,7 +774,9 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     if not needs_grad:
         stream, _, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
                                       row_scale, scale)
+        _plans.keep(key, plan)
         return stream, None
     out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj,
                                          row_scale, scale)
+    _plans.keep(key, plan)
     return couple_result(out, frac_bits, scaled=scale is not None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm
-from .launches import LaunchPlan, PlanCache, call_signature
+from .launches import LaunchPlan, PlanCache, plan_key
 from .reference import ACTIVATIONS, NORMS
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
@@ -76,17 +76,6 @@ def _flat_row_scale(row_scale, x):
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-def _plan_key(op, scale, needs_grad, res, x, *values):
-    """The key of a couple call's launch plan: the metadata of its tensors, its options, the grad
-    mode's choice (the pre-activation saved or not) and autocast's dtype; None for a scaled
-    coupling (its scale's checks and arguments are each call's)."""
-    if scale is not None or not isinstance(x, torch.Tensor):
-        return None
-    device_type = x.device.type
-    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    return call_signature(op, needs_grad, autocast, res, x, *values)
 
 
 # Launch plans by call signature: a repeated call skips the checks and the launch arguments'
@@ -171,7 +160,7 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
     ``scale``: ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse (streams.couple_output)."""
     params = (norm_weight, norm_bias, w1, b1, w2, b2)
     needs_grad = _needs_grad(res, x, *params)
-    key = _plan_key("norm_mlp", scale, needs_grad, res, x, sign, frac_bits, *params, norm, activation, eps, row_scale)
+    key = plan_key("norm_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, norm, activation, eps, row_scale)
     plan = _plans.get(key)
     if plan is None:  # the checks (a later call of this signature would pass them too)
         if norm not in NORMS:
@@ -264,7 +253,7 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
     (a ``scale`` as in :func:`fused_norm_mlp_couple`)."""
     params = (norm_weight, w_gate, w_up, w_down)
     needs_grad = _needs_grad(res, x, *params)
-    key = _plan_key("swiglu_mlp", scale, needs_grad, res, x, sign, frac_bits, *params, eps, row_scale)
+    key = plan_key("swiglu_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, eps, row_scale)
     plan = _plans.get(key)
     if plan is None:  # the checks (a later call of this signature would pass them too)
         dim = w_gate.shape[1]

@@ -109,18 +109,26 @@ class LaunchPlan:
     __slots__ = ("launches", "options")
 
     def __init__(self, options=None):
-        self.launches = []
+        self.launches = {}
         self.options = options  # what the op worked out with the checks (e.g. the operand dtype)
 
     def launch(self, index: int, build):
-        """The plan's ``index``-th launch, built by ``build()`` at the first call."""
-        if index < len(self.launches):
-            return self.launches[index]
-        if index != len(self.launches):
-            raise RuntimeError(f"launch plan built out of order: launch {index} after {len(self.launches)}")
-        made = build()
-        self.launches.append(made)
+        """The plan's launch at call site ``index``, built by ``build()`` at the first call."""
+        made = self.launches.get(index)
+        if made is None:
+            made = self.launches[index] = build()
         return made
+
+
+def plan_key(op: str, scale, res, x, *values):
+    """The key of a couple call's launch plan: the op, autocast's dtype, the metadata of its tensors
+    and its other arguments as they are; None for a scaled coupling (its scale's checks and
+    arguments are each call's) or a non-tensor input (the op's checks say what is wrong)."""
+    if scale is not None or not isinstance(x, torch.Tensor):
+        return None
+    device_type = x.device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return call_signature(op, autocast, res, x, *values)
 
 
 class PlanCache:
