@@ -96,6 +96,27 @@ def fresh_backend(tmp_path, monkeypatch):
 # 1. Fastest eligible candidate; cache written; read by a second process; corrupt / stale files
 
 
+def test_a_choice_key_is_built_once_per_call_signature(monkeypatch):
+    """The dispatch builds an op's key string once per call signature (issue 44 step 5: about as
+    much host time as the rest of the dispatch), and a call that differs in what the key says
+    (here autocast's dtype, a shape bucket) still gets a key, and a choice, of its own."""
+    op = backend.ops()["norm_mlp"]
+    real, built = op.key, []
+    monkeypatch.setattr(op, "key", lambda args, options: built.append(options) or real(args, options))
+    half, res, x, frac_bits = mlp_call(exact=False, grad=False)
+    with backend.use_timer(FakeTimer({"torch": 1.0})):
+        for _ in range(3):
+            couple(half, res, x, frac_bits)
+        assert len(built) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            couple(half, res, x, frac_bits)
+        couple(half, torch.cat([res] * 3), torch.cat([x] * 3), frac_bits)
+        couple(half, res, x, frac_bits)
+    assert len(built) == 3
+    keys = sorted(d["key"] for d in backend.decisions())
+    assert len(keys) == 3 and sum("autocast bfloat16" in k for k in keys) == 1, keys
+
+
 def test_a_hiccup_in_one_round_does_not_decide():
     """The choice is each candidate's median over rounds that alternate the candidates: one slow
     round of the fastest one (a host stall, a clock ramp) does not hand the choice to another."""

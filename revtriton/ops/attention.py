@@ -189,9 +189,9 @@ def _triton_supports(args, options) -> bool:
 
 backend.register_op("norm_attention", lambda args, options: backend.couple_key(args, options, tokens=True))
 backend.register_candidate("norm_attention", "triton", _norm_attention_triton, available=triton_runs_on,
-                           supports=_triton_supports)
+                           supports=_triton_supports, planned=True)
 backend.register_candidate("norm_attention", "torch", _norm_attention_torch)
 backend.register_candidate("norm_attention", "triton_gemm_sdpa", _norm_attention_triton_gemm_sdpa,
-                           available=triton_runs_on, supports=_triton_supports)
+                           available=triton_runs_on, supports=_triton_supports, planned=True)
 backend.register_candidate("norm_attention", "torch_gemm_flash", _norm_attention_torch_gemm_flash,
                            available=triton_runs_on, supports=_triton_supports)

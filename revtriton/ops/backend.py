@@ -70,6 +70,7 @@ class Candidate:
     run: Callable
     available: Callable = lambda args, options: True
     supports: Callable = lambda args, options: True
+    planned: bool = False  # run takes ``call_key=``: its call signature, for its launch plans (dispatch.run_op)
 
 
 @dataclasses.dataclass
@@ -97,12 +98,13 @@ def register_op(name: str, key: Callable) -> Op:
     return _ops[name]
 
 
-def register_candidate(op: str, name: str, run: Callable, *, available=None, supports=None) -> Candidate:
+def register_candidate(op: str, name: str, run: Callable, *, available=None, supports=None,
+                       planned: bool = False) -> Candidate:
     if op not in _ops:
         raise KeyError(f"unknown op {op!r} (registered: {sorted(_ops)})")
     if name in _ops[op].candidates:
         raise ValueError(f"op {op!r} already has a candidate {name!r}")
-    cand = Candidate(name, run)
+    cand = Candidate(name, run, planned=planned)
     if available is not None:
         cand.available = available
     if supports is not None:
@@ -544,8 +546,43 @@ def _default(op: Op, args, options) -> Candidate:
     raise RuntimeError(f"revtriton: no implementation of {op.name} runs on these tensors")
 
 
-def choose(op_name: str, args, options) -> Candidate:
-    """The candidate that runs ``op_name`` on these arguments (see the module doc)."""
+def call_signature(op_name: str, args, options):
+    """A hashable key of an op call: the op, autocast's dtype, its tensors' shapes, strides, dtypes
+    and devices, its other arguments and options as they are (launches.call_signature); None for a
+    scaled coupling (a scale object per call) or an unhashable argument."""
+    if options.get("scale") is not None or not isinstance(args[1], torch.Tensor):
+        return None
+    device_type = args[1].device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    signature = launches.call_signature(op_name, autocast, *args, *options, *options.values())
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
+
+
+_keys: dict = {}  # call signature -> the op's key string (see _key)
+KEYS_KEPT = 256
+
+
+def _key(op: Op, args, options, signature) -> str:
+    """``op.key(args, options)``, built once per call signature: an op's key is a function of its
+    arguments' metadata and options (couple_key), and building its string costs about as much
+    host time as the rest of the dispatch."""
+    if signature is None:
+        return op.key(args, options)
+    key = _keys.get(signature)
+    if key is None:
+        if len(_keys) >= KEYS_KEPT:
+            _keys.clear()
+        key = _keys[signature] = op.key(args, options)
+    return key
+
+
+def choose(op_name: str, args, options, signature=None) -> Candidate:
+    """The candidate that runs ``op_name`` on these arguments (see the module doc); ``signature``:
+    the call's :func:`call_signature`, when the caller has it."""
     op = _ops[op_name]
     mode = current_backend()
     if mode != "auto":
@@ -561,7 +598,7 @@ def choose(op_name: str, args, options) -> Candidate:
     if not _measurable(x):
         return _default(op, args, options)
     device = x.device
-    pin = (str(device), op_name, op.key(args, options))
+    pin = (str(device), op_name, _key(op, args, options, signature))
     name = _pins.get(pin)
     if name is None:
         record = _decide_everywhere(op, pin[2], args, options, device)

@@ -56,10 +56,18 @@ def scale_option(scale) -> dict:
 
 
 def run_op(op: str, *args, **options):
-    """Run op ``op`` (registered in ``ops.backend``) on ``args`` with the chosen implementation."""
+    """Run op ``op`` (registered in ``ops.backend``) on ``args`` with the chosen implementation.
+
+    The call's signature is worked out once: the choice's key comes from it, and a candidate that
+    keeps launch plans (``planned``) gets it as ``call_key`` (with its name: candidates of one op
+    keep different plans)."""
     from . import backend
 
-    return backend.choose(op, args, options).run(*args, **options)
+    signature = backend.call_signature(op, args, options)
+    cand = backend.choose(op, args, options, signature)
+    if cand.planned and signature is not None:
+        return cand.run(*args, call_key=(cand.name, signature), **options)
+    return cand.run(*args, **options)
 
 
 def capture_state():

@@ -731,7 +731,7 @@ class FusedNormAttentionCouple(torch.autograd.Function):
 def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, *,
                                 heads, kv_heads=None, causal=False, rope_theta=None, norm="layer", eps=1e-6,
                                 row_scale=None, scale: ResidualScale | None = None, core: str = "triton",
-                                positions=None, segments=None):
+                                positions=None, segments=None, call_key=None):
     """``res + sign * proj(attention(qkv(norm(x))))`` as ``(stream, port)`` with the Triton kernels.
 
     Same semantics as ``ops.attention.norm_attention_reference`` + ``streams.couple_output``
@@ -744,15 +744,17 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     rows, ``ops.attention.sequence_mask``'s): the token layout, in the kernels (no T x T mask).
     Tensors for backward are kept only when something requires grad. Under autocast the GEMM and
     attention operands are in the autocast dtype (weights cast, x normalized from its own dtype),
-    with fp32 accumulation.
+    with fp32 accumulation. ``call_key``: this call's signature when the dispatch has it
+    (``dispatch.run_op``), so the plan's key is not worked out twice.
     """
     kv_heads = kv_heads or heads
     # A plan kept per call signature (its launches with it) unless the token layout makes it the
     # call's own (RoPE tables at the positions, the segments' arguments).
     key = None
     if positions is None and segments is None:
-        key = plan_key("norm_attention", scale, res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv,
-                       w_proj, b_proj, heads, kv_heads, causal, rope_theta, norm, eps, row_scale, core)
+        key = call_key if call_key is not None else plan_key(
+            "norm_attention", scale, res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj,
+            heads, kv_heads, causal, rope_theta, norm, eps, row_scale, core)
     plan = _plans.get(key)
     if plan is None:  # the checks (a later call of this signature would pass them too)
         if sign not in (1, -1):

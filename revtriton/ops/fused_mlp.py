@@ -155,12 +155,16 @@ class FusedNormMLPCouple(torch.autograd.Function):
 
 
 def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, *, norm="layer",
-                          activation="gelu_tanh", eps=1e-6, row_scale=None, scale: ResidualScale | None = None):
+                          activation="gelu_tanh", eps=1e-6, row_scale=None, scale: ResidualScale | None = None,
+                          call_key=None):
     """``res + sign * fc2(act(fc1(norm(x))))`` (times row_scale) as ``(stream, port)``, fused; a
-    ``scale``: ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse (streams.couple_output)."""
+    ``scale``: ``scale * res + H(x)`` forward, ``(res - H(x)) / scale`` inverse (streams.couple_output).
+    ``call_key``: this call's signature when the dispatch has it (``dispatch.run_op``), so the
+    launch plan's key is not worked out twice."""
     params = (norm_weight, norm_bias, w1, b1, w2, b2)
     needs_grad = _needs_grad(res, x, *params)
-    key = plan_key("norm_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, norm, activation, eps, row_scale)
+    key = (call_key, needs_grad) if call_key is not None else plan_key(
+        "norm_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, norm, activation, eps, row_scale)
     plan = _plans.get(key)
     if plan is None:  # the checks (a later call of this signature would pass them too)
         if norm not in NORMS:
@@ -248,12 +252,13 @@ class FusedSwiGLUCouple(torch.autograd.Function):
 
 
 def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, *, eps=1e-6,
-                            row_scale=None, scale: ResidualScale | None = None):
+                            row_scale=None, scale: ResidualScale | None = None, call_key=None):
     """``res + sign * down(silu(gate(n)) * up(n))``, n = rmsnorm(x), as ``(stream, port)``, fused
-    (a ``scale`` as in :func:`fused_norm_mlp_couple`)."""
+    (a ``scale`` and ``call_key`` as in :func:`fused_norm_mlp_couple`)."""
     params = (norm_weight, w_gate, w_up, w_down)
     needs_grad = _needs_grad(res, x, *params)
-    key = plan_key("swiglu_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, eps, row_scale)
+    key = (call_key, needs_grad) if call_key is not None else plan_key(
+        "swiglu_mlp", scale, res, x, needs_grad, sign, frac_bits, *params, eps, row_scale)
     plan = _plans.get(key)
     if plan is None:  # the checks (a later call of this signature would pass them too)
         dim = w_gate.shape[1]

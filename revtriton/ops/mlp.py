@@ -54,5 +54,5 @@ def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
 for _op, _triton, _torch in (("norm_mlp", _norm_mlp_triton, _norm_mlp_torch),
                              ("swiglu_mlp", _swiglu_mlp_triton, _swiglu_mlp_torch)):
     backend.register_op(_op, backend.couple_key)
-    backend.register_candidate(_op, "triton", _triton, available=triton_runs_on, supports=triton_dtypes)
+    backend.register_candidate(_op, "triton", _triton, available=triton_runs_on, supports=triton_dtypes, planned=True)
     backend.register_candidate(_op, "torch", _torch)
