@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -126,11 +128,23 @@ def bench(args) -> dict:
                     raise RuntimeError(f"{key}: no Triton launch (the Triton candidate was not chosen)")
             times = {key: [] for key in calls}
             keys = list(calls)
-            for r in range(args.repeats):
-                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-                    begin = time.perf_counter()
-                    calls[key]()
-                    times[key].append((time.perf_counter() - begin) * 1e6)
+            # Each round in another order: a call right after a backward (its frees) runs slower,
+            # and in a fixed cycle that would always be the same case. The collector off while
+            # timing, as timeit has it (a collection would land in whichever call comes next).
+            order = random.Random(0)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                for _ in range(args.repeats):
+                    gc.collect()
+                    order.shuffle(keys)
+                    for key in keys:
+                        begin = time.perf_counter()
+                        calls[key]()
+                        times[key].append((time.perf_counter() - begin) * 1e6)
+            finally:
+                if collecting:
+                    gc.enable()
     return {key: {"us": statistics.median(ts), "launches": launches[key],
                   "us_per_launch": statistics.median(ts) / launches[key], "us_all": ts}
             for key, ts in times.items()}
