@@ -278,14 +278,33 @@ def test_a_kept_launch_plan_serves_only_calls_of_its_signature(seeded, kind):
             fn(res, rand(*shape, dim + 1), 1, None, params, None)
         with pytest.raises(TypeError, match="must be int32"):
             fn(res, x, 1, 16, params, None)
-    grads = []
-    for _ in range(2):  # with grad: the second call's plan is the first one's
+
+    def rebuild_grads(g, frozen=None):
+        """The stream and every gradient of a rebuild (sign -1, with grad) given the stream's gradient."""
         leaf = x.clone().requires_grad_(True)
+        ps = [None if p is None else p.detach().clone().requires_grad_(i != frozen) for i, p in enumerate(params)]
         with dispatch.force_triton():
-            stream, port = fn(res, leaf, -1, None, params, None)
-            port.backward(x)
-        grads.append((stream.detach(), leaf.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+            stream, port = fn(res, leaf, -1, None, ps, None)
+            port.backward(g)
+        return [stream.detach(), leaf.grad] + [p.grad for p in ps if p is not None]
+
+    # With grad: the forward's and the backward's launches are kept, per gradient layout and per set
+    # of inputs that need a gradient; each call below against one made with no plan kept.
+    g = rand(*shape, dim)
+    wide_g = rand(*shape, 3 * dim)
+    strided_g = wide_g[..., :dim]
+    strided_g.copy_(g)
+    frozen = 3 if kind == "layer" else 1  # fc1's bias / the gate weight
+    calls = (lambda: rebuild_grads(g), lambda: rebuild_grads(strided_g), lambda: rebuild_grads(g, frozen))
+    fresh = []
+    for call in calls:
+        fused_mlp._plans.clear()
+        fresh.append(call())
+    for _ in range(2):  # now one after the other, the first call's plan kept
+        for call, want in zip(calls, fresh):
+            got = call()
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+    assert rebuild_grads(g, frozen)[2 + frozen] is None
 
 
 def launch_operand_dtypes(monkeypatch, *modules):

@@ -98,12 +98,20 @@ def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w
     return stream, (n, mean, rstd, a1, z1)
 
 
-def _scaled_grad(grads, frac_bits, res_scale, sign, row_scale, dim, dot_dtype, bias_dtype):
+def _backward_plan(ctx, grads, frac_bits, dim):
+    """(the output gradient as rows, the backward's launches): kept in the forward's plan per
+    gradient layout and per set of inputs that need a gradient (what the launches depend on
+    beyond the forward's signature)."""
+    g = gemm.as_rows(port_gradient(grads, frac_bits, ctx.res_scale), dim)
+    return g, ctx.plan.launch(("backward", ctx.needs_input_grad, g.stride(), g.dtype), LaunchPlan)
+
+
+def _scaled_grad(back, g, sign, row_scale, dot_dtype, bias_dtype):
     """The output gradient times sign and row_scale in the operand dtype (one launch), and the
     Partials of its column sums when the last layer has a bias to differentiate."""
-    g = port_gradient(grads, frac_bits, res_scale)
-    return gemm.scale_rows(gemm.as_rows(g, dim), alpha=sign, row_scale=row_scale, out_dtype=dot_dtype,
-                           col_sums=bias_dtype is not None, sums_dtype=bias_dtype)
+    return back.launch(0, lambda: gemm.ScaleRowsLaunch(g, alpha=sign, row_scale=row_scale, out_dtype=dot_dtype,
+                                                       col_sums=bias_dtype is not None, sums_dtype=bias_dtype))(
+        g, row_scale)
 
 
 class FusedNormMLPCouple(torch.autograd.Function):
@@ -117,6 +125,7 @@ class FusedNormMLPCouple(torch.autograd.Function):
                                                             norm_bias, w1, b1, w2, b2, norm, activation, eps,
                                                             row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
+        ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, norm, activation, dot_dtype)
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
@@ -133,18 +142,24 @@ class FusedNormMLPCouple(torch.autograd.Function):
         b1_dtype, b2_dtype = ctx.bias_dtypes
         dim = x2.shape[1]
         grad_res = residual_gradient(grads, frac_bits, sign, ctx.res_scale) if need[0] else None
-        gs, db2 = _scaled_grad(grads, frac_bits, ctx.res_scale, sign, row_scale, dim, dot_dtype,
-                               b2_dtype if need[7] else None)
-        dz1, db1 = gemm.linear_act_bwd(gs, w2.to(dot_dtype), z1, activation=activation,
-                                       col_sums=b1_dtype is not None and need[5], sums_dtype=b1_dtype)
+        g, back = _backward_plan(ctx, grads, frac_bits, dim)
+        gs, db2 = _scaled_grad(back, g, sign, row_scale, dot_dtype, b2_dtype if need[7] else None)
+        w1_dtype, w2_dtype = w1.dtype, w2.dtype
+        w1, w2 = w1.to(dot_dtype), w2.to(dot_dtype)
+        dz1, db1 = back.launch(1, lambda: gemm.LinearActBwdLaunch(
+            gs, w2, z1, activation=activation, col_sums=b1_dtype is not None and need[5], sums_dtype=b1_dtype))(
+            gs, w2, z1)
         pending = []
-        dw2 = gemm.linear_weight_grad(gs, a1, out_dtype=w2.dtype, pending=pending) if need[6] else None
-        dw1 = gemm.linear_weight_grad(dz1, n, out_dtype=w1.dtype, pending=pending) if need[4] else None
-        dx = norm_part = None
+        dw2 = dw1 = dx = norm_part = None
+        if need[6]:
+            dw2 = back.launch(2, lambda: gemm.LinearWeightGradLaunch(gs, a1, out_dtype=w2_dtype))(gs, a1, pending)
+        if need[4]:
+            dw1 = back.launch(3, lambda: gemm.LinearWeightGradLaunch(dz1, n, out_dtype=w1_dtype))(dz1, n, pending)
         if need[1] or need[2] or need[3]:
-            dn = gemm.linear_input_grad(dz1, w1.to(dot_dtype))
-            dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm=norm,
-                                                   has_bias=norm_bias is not None)
+            dn = back.launch(4, lambda: gemm.LinearInputGradLaunch(dz1, w1))(dz1, w1)
+            dx, norm_part = back.launch(5, lambda: gemm.NormBwdLaunch(
+                dn, x2, (mean, rstd), norm_weight, norm=norm, has_bias=norm_bias is not None))(
+                dn, x2, (mean, rstd), norm_weight)
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(db2, db1, norm_part, *pending)
         dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
@@ -219,6 +234,7 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate,
                                                          w_up, w_down, eps, row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
+        ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, dot_dtype)
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.x_shape = x.shape
@@ -233,18 +249,25 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         dim, hidden = x2.shape[1], w_gate.shape[0]
         need = ctx.needs_input_grad
         grad_res = residual_gradient(grads, frac_bits, sign, ctx.res_scale) if need[0] else None
-        gs, _ = _scaled_grad(grads, frac_bits, ctx.res_scale, sign, row_scale, dim, dot_dtype, None)
-        dz, _ = gemm.linear_act_bwd(gs, w_down.to(dot_dtype), z, activation="swiglu")
+        g, back = _backward_plan(ctx, grads, frac_bits, dim)
+        gs, _ = _scaled_grad(back, g, sign, row_scale, dot_dtype, None)
+        weight_dtypes = (w_gate.dtype, w_down.dtype)
+        w_gate, w_up, w_down = w_gate.to(dot_dtype), w_up.to(dot_dtype), w_down.to(dot_dtype)
+        dz, _ = back.launch(1, lambda: gemm.LinearActBwdLaunch(gs, w_down, z, activation="swiglu"))(gs, w_down, z)
         pending = []
-        d_down = gemm.linear_weight_grad(gs, a1, out_dtype=w_down.dtype, pending=pending) if need[5] else None
-        d_gate = d_up = dx = norm_part = None
+        d_down = d_gate = d_up = dx = norm_part = None
+        if need[5]:
+            d_down = back.launch(2, lambda: gemm.LinearWeightGradLaunch(gs, a1, out_dtype=weight_dtypes[1]))(
+                gs, a1, pending)
         if need[3] or need[4]:
             # [d gate | d up].T @ rmsnorm(x): both weight gradients in one pass.
-            d_gate_up = gemm.linear_weight_grad(dz, n, out_dtype=w_gate.dtype, pending=pending)
+            d_gate_up = back.launch(3, lambda: gemm.LinearWeightGradLaunch(dz, n, out_dtype=weight_dtypes[0]))(
+                dz, n, pending)
             d_gate, d_up = d_gate_up[:hidden], d_gate_up[hidden:]
         if need[1] or need[2]:
-            dn = gemm.linear_input_grad(dz, w_gate.to(dot_dtype), weight2=w_up.to(dot_dtype))
-            dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm="rms", has_bias=False)
+            dn = back.launch(4, lambda: gemm.LinearInputGradLaunch(dz, w_gate, weight2=w_up))(dz, w_gate, w_up)
+            dx, norm_part = back.launch(5, lambda: gemm.NormBwdLaunch(
+                dn, x2, (mean, rstd), norm_weight, norm="rms", has_bias=False))(dn, x2, (mean, rstd), norm_weight)
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(norm_part, *pending)
         dgamma, _ = gemm.norm_param_grads(norm_part, norm_weight, False)

@@ -528,39 +528,58 @@ def scale_rows_reference(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_su
     return (s.to(out_dtype) if store else None), sums
 
 
+class ScaleRowsLaunch:
+    """:func:`scale_rows` for one signature: its checks at construction, then called with each
+    call's ``(g, row_scale)``."""
+
+    launcher = "scale_rows"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "dim", "out_dtype", "sums_dtype", "device", "store", "col_sums", "programs", "args", "meta")
+
+    def __init__(self, g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True, sums_dtype=None):
+        _check_matrix(g, "g", unit_col_stride=True)
+        M, D = g.shape
+        _check_row_scale(row_scale, M)
+        if D > MAX_NORM_DIM:
+            raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
+        if not store and not col_sums:
+            raise ValueError("scale_rows with store=False needs col_sums=True")
+        _check_same_device(("g", g), ("row_scale", row_scale))
+        self.rows, self.dim, self.device = M, D, g.device
+        self.out_dtype = g.dtype if out_dtype is None else out_dtype
+        self.sums_dtype = sums_dtype or torch.float32
+        self.store, self.col_sums = store, col_sums
+        programs = row_partial_programs(M)
+        rows_per_program = math.ceil(M / programs) if M else 0
+        self.programs = math.ceil(M / rows_per_program) if M else 0
+        block_n = next_power_of_2(D)
+        self.args = (M, D, rows_per_program, g.stride(0), D if store else 0, float(alpha))  # out: a fresh [M, D]
+        self.meta = dict(HAS_ROW_SCALE=row_scale is not None, STORE=store, COL_SUM=col_sums, BLOCK_N=block_n,
+                         num_warps=norm_num_warps(block_n))
+
+    def __call__(self, g, row_scale=None):
+        M, D = self.rows, self.dim
+        out = torch.empty(M, D, dtype=self.out_dtype, device=self.device) if self.store else None
+        partials = None
+        if self.col_sums:
+            result = torch.empty(D, dtype=self.sums_dtype, device=self.device)
+            if M == 0:
+                result.zero_()
+            else:
+                partials = Partials(torch.empty(self.programs, D, dtype=torch.float32, device=self.device), result)
+        if M == 0 or D == 0:
+            return out, partials
+        unused = unused_pointer(g)
+        dispatch.launch(norm_kernels.scale_rows_kernel, (self.programs,), g, unused if out is None else out,
+                        unused if row_scale is None else row_scale, unused if partials is None else partials.part,
+                        *self.args, **self.meta)
+        return out, partials
+
+
 def scale_rows(g, *, alpha=1.0, row_scale=None, out_dtype=None, col_sums=False, store=True, sums_dtype=None):
     """(alpha * row_scale[:, None] * g in out_dtype, or None without ``store``; with ``col_sums``,
     the Partials of the scaled rows' column sums (a bias gradient, sums_dtype)); one launch."""
-    _check_matrix(g, "g", unit_col_stride=True)
-    M, D = g.shape
-    _check_row_scale(row_scale, M)
-    if D > MAX_NORM_DIM:
-        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
-    if not store and not col_sums:
-        raise ValueError("scale_rows with store=False needs col_sums=True")
-    _check_same_device(("g", g), ("row_scale", row_scale))
-    out_dtype = g.dtype if out_dtype is None else out_dtype
-    out = torch.empty(M, D, dtype=out_dtype, device=g.device) if store else None
-    partials = None
-    programs = row_partial_programs(M)
-    rows_per_program = math.ceil(M / programs) if M else 0
-    programs = math.ceil(M / rows_per_program) if M else 0
-    if col_sums:
-        result = torch.empty(D, dtype=sums_dtype or torch.float32, device=g.device)
-        if M == 0:
-            result.zero_()
-        else:
-            partials = Partials(torch.empty(programs, D, dtype=torch.float32, device=g.device), result)
-    if M == 0 or D == 0:
-        return out, partials
-    block_n = next_power_of_2(D)
-    unused = unused_pointer(g)
-    dispatch.launch(norm_kernels.scale_rows_kernel, (programs,), g, unused if out is None else out,
-                    unused if row_scale is None else row_scale, unused if partials is None else partials.part,
-                    M, D, rows_per_program, g.stride(0), 0 if out is None else out.stride(0), float(alpha),
-                    HAS_ROW_SCALE=row_scale is not None, STORE=store, COL_SUM=col_sums, BLOCK_N=block_n,
-                    num_warps=norm_num_warps(block_n))
-    return out, partials
+    return ScaleRowsLaunch(g, alpha=alpha, row_scale=row_scale, out_dtype=out_dtype, col_sums=col_sums, store=store,
+                           sums_dtype=sums_dtype)(g, row_scale)
 
 
 def _activation_grad_reference(z, activation):
@@ -583,38 +602,57 @@ def linear_act_bwd_reference(grad, weight, preact, *, activation, col_sums=False
     return out, (out.float().sum(0) if col_sums else None)
 
 
+class LinearActBwdLaunch:
+    """:func:`linear_act_bwd` for one signature: its checks at construction, then called with each
+    call's ``(grad, weight, preact)``."""
+
+    launcher = "linear_act_bwd"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "hidden", "width", "dtype", "sums_dtype", "device", "col_sums", "gemm")
+
+    def __init__(self, grad, weight, preact, *, activation, col_sums=False, sums_dtype=None):
+        _check_matrix(weight, "weight")
+        N_out, H = weight.shape
+        _check_matrix(grad, "grad", cols=N_out)
+        _check_operands(grad, weight, "grad")
+        M = grad.shape[0]
+        if activation not in ("gelu_tanh", "gelu", "relu", "swiglu"):
+            raise ValueError(f"activation must be gelu_tanh, gelu, relu or swiglu, got {activation!r}")
+        if col_sums and activation == "swiglu":
+            raise ValueError("the SwiGLU GEMM has no bias: col_sums does not apply")
+        width = 2 * H if activation == "swiglu" else H
+        _check_matrix(preact, "preact", dtypes=(grad.dtype,), rows=M, cols=width, unit_col_stride=True)
+        _check_same_device(("grad", grad), ("weight", weight), ("preact", preact))
+        self.rows, self.hidden, self.width, self.dtype, self.device = M, H, width, grad.dtype, grad.device
+        self.sums_dtype = sums_dtype or torch.float32
+        self.col_sums = col_sums
+        # B = weight [N_out, H] read as [K = N_out, N = H]: no transpose.
+        self.gemm = None if M == 0 or H == 0 else GemmLaunch(
+            grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), (width, 1), M, H, N_out,
+            aux_stride=preact.stride(0), act_bwd=activation, col_sum=True if col_sums else None)
+
+    def __call__(self, grad, weight, preact):
+        M, H = self.rows, self.hidden
+        out = torch.empty(M, self.width, dtype=self.dtype, device=self.device)
+        partials = col_sum_buffer = None
+        if self.col_sums:
+            result = torch.empty(H, dtype=self.sums_dtype, device=self.device)
+            if M == 0:
+                result.zero_()
+            else:
+                rows = cdiv(M, COL_SUM_ROWS)
+                part = torch.empty(rows + MAX_BLOCK_M // COL_SUM_ROWS - 1, H, dtype=torch.float32, device=self.device)
+                partials = Partials(part[:rows], result)
+                col_sum_buffer = part
+        if self.gemm is not None:
+            self.gemm(grad, weight, out, aux=preact, col_sum=col_sum_buffer)
+        return out, partials
+
+
 def linear_act_bwd(grad, weight, preact, *, activation, col_sums=False, sums_dtype=None):
     """(grad @ weight) * act'(preact) in one launch (the dH GEMM); ``col_sums``: the Partials of
     its column sums (the bias gradient of the layer whose pre-activation this is)."""
-    _check_matrix(weight, "weight")
-    N_out, H = weight.shape
-    _check_matrix(grad, "grad", cols=N_out)
-    _check_operands(grad, weight, "grad")
-    M = grad.shape[0]
-    if activation not in ("gelu_tanh", "gelu", "relu", "swiglu"):
-        raise ValueError(f"activation must be gelu_tanh, gelu, relu or swiglu, got {activation!r}")
-    if col_sums and activation == "swiglu":
-        raise ValueError("the SwiGLU GEMM has no bias: col_sums does not apply")
-    width = 2 * H if activation == "swiglu" else H
-    _check_matrix(preact, "preact", dtypes=(grad.dtype,), rows=M, cols=width, unit_col_stride=True)
-    _check_same_device(("grad", grad), ("weight", weight), ("preact", preact))
-    out = torch.empty(M, width, dtype=grad.dtype, device=grad.device)
-    partials = None
-    if col_sums:
-        result = torch.empty(H, dtype=sums_dtype or torch.float32, device=grad.device)
-        if M == 0:
-            result.zero_()
-        else:
-            rows = cdiv(M, COL_SUM_ROWS)
-            part = torch.empty(rows + MAX_BLOCK_M // COL_SUM_ROWS - 1, H, dtype=torch.float32, device=grad.device)
-            partials = Partials(part[:rows], result)
-            col_sum_buffer = part
-    if M == 0 or H == 0:
-        return out, partials
-    # B = weight [N_out, H] read as [K = N_out, N = H]: no transpose.
-    _launch_gemm(grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), out, M, H, N_out, aux=preact,
-                 act_bwd=activation, col_sum=col_sum_buffer if col_sums else None)
-    return out, partials
+    launch = LinearActBwdLaunch(grad, weight, preact, activation=activation, col_sums=col_sums, sums_dtype=sums_dtype)
+    return launch(grad, weight, preact)
 
 
 def linear_input_grad_reference(grad, weight, *, weight2=None, out_dtype=torch.float32):
@@ -627,26 +665,41 @@ def linear_input_grad_reference(grad, weight, *, weight2=None, out_dtype=torch.f
     return out.to(out_dtype)
 
 
+class LinearInputGradLaunch:
+    """:func:`linear_input_grad` for one signature: its checks at construction, then called with
+    each call's ``(grad, weight, weight2)``."""
+
+    launcher = "linear_input_grad"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "cols", "inner", "out_dtype", "device", "gemm")
+
+    def __init__(self, grad, weight, *, weight2=None, out_dtype=torch.float32):
+        _check_matrix(weight, "weight")
+        H, D = weight.shape
+        _check_matrix(grad, "grad", cols=2 * H if weight2 is not None else H)
+        _check_operands(grad, weight, "grad")
+        if weight2 is not None:
+            _check_matrix(weight2, "weight2", rows=H, cols=D)
+            if weight2.dtype != weight.dtype or weight2.stride() != weight.stride():
+                raise TypeError("weight2 must have the dtype and strides of weight")
+        M = grad.shape[0]
+        _check_same_device(("grad", grad), ("weight", weight), ("weight2", weight2))
+        self.rows, self.cols, self.inner, self.out_dtype, self.device = M, D, H, out_dtype, grad.device
+        self.gemm = None if M == 0 or D == 0 or H == 0 else GemmLaunch(
+            grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), (D, 1), M, D, H, b2=weight2,
+            second_k=weight2 is not None)
+
+    def __call__(self, grad, weight, weight2=None):
+        out = torch.empty(self.rows, self.cols, dtype=self.out_dtype, device=self.device)
+        if self.rows == 0 or self.cols == 0:
+            return out
+        if self.inner == 0:
+            return out.zero_()
+        return self.gemm(grad, weight, out, b2=weight2)
+
+
 def linear_input_grad(grad, weight, *, weight2=None, out_dtype=torch.float32):
     """grad @ weight (+ grad[:, H:] @ weight2), one launch; weight is [H, D] (the layer's [out, in])."""
-    _check_matrix(weight, "weight")
-    H, D = weight.shape
-    _check_matrix(grad, "grad", cols=2 * H if weight2 is not None else H)
-    _check_operands(grad, weight, "grad")
-    if weight2 is not None:
-        _check_matrix(weight2, "weight2", rows=H, cols=D)
-        if weight2.dtype != weight.dtype or weight2.stride() != weight.stride():
-            raise TypeError("weight2 must have the dtype and strides of weight")
-    M = grad.shape[0]
-    _check_same_device(("grad", grad), ("weight", weight), ("weight2", weight2))
-    out = torch.empty(M, D, dtype=out_dtype, device=grad.device)
-    if M == 0 or D == 0:
-        return out
-    if H == 0:
-        return out.zero_()
-    _launch_gemm(grad, grad.stride(), weight, (weight.stride(0), weight.stride(1)), out, M, D, H, b2=weight2,
-                 second_k=weight2 is not None)
-    return out
+    return LinearInputGradLaunch(grad, weight, weight2=weight2, out_dtype=out_dtype)(grad, weight, weight2)
 
 
 def linear_weight_grad_reference(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None):
@@ -682,40 +735,55 @@ def split_k_plan(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
     return cdiv(k, per_split), per_split
 
 
+class LinearWeightGradLaunch:
+    """:func:`linear_weight_grad` for one signature (split-K decided with it): its checks at
+    construction, then called with each call's ``(grad, inp)``."""
+
+    launcher = "linear_weight_grad"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "cols", "tokens", "out_dtype", "device", "splits", "gemm")
+
+    def __init__(self, grad, inp, *, out_dtype=torch.float32, split_k=None):
+        _check_matrix(grad, "grad")
+        M, N_out = grad.shape
+        _check_matrix(inp, "inp", rows=M)
+        _check_operands(grad, inp, "grad")
+        width = inp.shape[1]
+        _check_same_device(("grad", grad), ("inp", inp))
+        self.rows, self.cols, self.tokens, self.out_dtype, self.device = N_out, width, M, out_dtype, grad.device
+        if split_k is None:
+            splits, per_split = split_k_plan(N_out, width, M, sm_count(grad.device))
+        else:
+            if not isinstance(split_k, int) or split_k < 1:
+                raise ValueError(f"split_k must be a positive int, got {split_k!r}")
+            per_split = cdiv(cdiv(M, split_k), 16) * 16  # any size is correct; 256 is faster
+            splits = cdiv(M, per_split) if M else 1
+        self.splits = splits
+        # A = grad.T [N_out, M], B = inp [M, width]: K runs over tokens.
+        self.gemm = None if N_out == 0 or width == 0 or M == 0 else GemmLaunch(
+            grad, (grad.stride(1), grad.stride(0)), inp, (inp.stride(0), inp.stride(1)), (width, 1), N_out, width, M,
+            split_k=splits, k_per_split=per_split if splits > 1 else 0)
+
+    def __call__(self, grad, inp, pending=None):
+        dw = torch.empty(self.rows, self.cols, dtype=self.out_dtype, device=self.device)
+        if self.rows == 0 or self.cols == 0:
+            return dw
+        if self.tokens == 0:
+            return dw.zero_()
+        if self.splits == 1:
+            return self.gemm(grad, inp, dw)
+        part = torch.empty(self.splits, self.rows * self.cols, dtype=torch.float32, device=self.device)
+        self.gemm(grad, inp, part)
+        job = Partials(part, dw)
+        if pending is None:
+            reduce_partials(job)
+        else:
+            pending.append(job)
+        return dw
+
+
 def linear_weight_grad(grad, inp, *, out_dtype=torch.float32, split_k=None, pending=None):
     """dW = grad.T @ inp [N_out, width] over the M token rows; see the module doc for split-K."""
-    _check_matrix(grad, "grad")
-    M, N_out = grad.shape
-    _check_matrix(inp, "inp", rows=M)
-    _check_operands(grad, inp, "grad")
-    width = inp.shape[1]
-    _check_same_device(("grad", grad), ("inp", inp))
-    dw = torch.empty(N_out, width, dtype=out_dtype, device=grad.device)
-    if N_out == 0 or width == 0:
-        return dw
-    if M == 0:
-        return dw.zero_()
-    if split_k is None:
-        splits, per_split = split_k_plan(N_out, width, M, sm_count(grad.device))
-    else:
-        if not isinstance(split_k, int) or split_k < 1:
-            raise ValueError(f"split_k must be a positive int, got {split_k!r}")
-        per_split = cdiv(cdiv(M, split_k), 16) * 16  # any size is correct; 256 is faster
-        splits = cdiv(M, per_split)
-    # A = grad.T [N_out, M], B = inp [M, width]: K runs over tokens.
-    a_strides = (grad.stride(1), grad.stride(0))
-    b_strides = (inp.stride(0), inp.stride(1))
-    if splits == 1:
-        _launch_gemm(grad, a_strides, inp, b_strides, dw, N_out, width, M)
-        return dw
-    part = torch.empty(splits, N_out * width, dtype=torch.float32, device=grad.device)
-    _launch_gemm(grad, a_strides, inp, b_strides, part, N_out, width, M, split_k=splits, k_per_split=per_split)
-    job = Partials(part, dw)
-    if pending is None:
-        reduce_partials(job)
-    else:
-        pending.append(job)
-    return dw
+    return LinearWeightGradLaunch(grad, inp, out_dtype=out_dtype, split_k=split_k)(grad, inp, pending)
 
 
 # ---------------------------------------------------------------- norm backward
@@ -738,50 +806,68 @@ def norm_bwd_reference(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, 
     return dx, dgamma, dbeta
 
 
+class NormBwdLaunch:
+    """:func:`norm_bwd_partials` for one signature: its checks at construction, then called with
+    each call's ``(dn, x, stats, norm_weight, dres)``."""
+
+    launcher = "norm_bwd_partials"  # (aot.recording_launches names launches by it)
+    __slots__ = ("rows", "dim", "out_dtype", "param_dtype", "params", "device", "programs", "args", "meta")
+
+    def __init__(self, dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+        _check_matrix(x, "x", unit_col_stride=True)
+        M, D = x.shape
+        _check_matrix(dn, "dn", rows=M, cols=D, unit_col_stride=True)
+        if dres is not None:
+            _check_matrix(dres, "dres", rows=M, cols=D, unit_col_stride=True)
+        _check_stats(stats, norm_weight, M, D)
+        if has_bias and norm == "rms":
+            raise ValueError("RMSNorm has no bias")
+        if D > MAX_NORM_DIM:
+            raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
+        _check_same_device(("dn", dn), ("x", x), ("norm_weight", norm_weight), ("dres", dres))
+        self.rows, self.dim, self.device = M, D, x.device
+        self.out_dtype = x.dtype if out_dtype is None else out_dtype
+        self.params = int(norm_weight is not None) + int(has_bias)
+        self.param_dtype = norm_weight.dtype if norm_weight is not None else torch.float32
+        programs = row_partial_programs(M)
+        rows_per_program = math.ceil(M / programs) if M else 0
+        self.programs = math.ceil(M / rows_per_program) if M else 0
+        block_n = next_power_of_2(D)
+        self.args = (M, D, rows_per_program, dn.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0,
+                     D)  # dx: a fresh [M, D]
+        self.meta = dict(IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=has_bias,
+                         HAS_DRES=dres is not None, BLOCK_N=block_n, num_warps=norm_num_warps(block_n))
+
+    def __call__(self, dn, x, stats, norm_weight, dres=None):
+        M, D = self.rows, self.dim
+        dx = torch.empty(M, D, dtype=self.out_dtype, device=self.device)
+        partials = None
+        if self.params:
+            result = torch.empty(self.params * D, dtype=self.param_dtype, device=self.device)
+            if M == 0:
+                result.zero_()
+            else:
+                partials = Partials(torch.empty(self.programs, self.params * D, dtype=torch.float32,
+                                                device=self.device), result)
+        if M == 0 or D == 0:
+            return dx, partials
+        mean, rstd = stats
+        dispatch.launch(norm_kernels.norm_bwd_kernel, (self.programs,), dn, x, mean, rstd,
+                        norm_weight if norm_weight is not None else unused_pointer(x),
+                        dres if dres is not None else unused_pointer(dn), dx,
+                        partials.part if partials is not None else unused_pointer(dx), *self.args, **self.meta)
+        return dx, partials
+
+
 def norm_bwd_partials(dn, x, stats, norm_weight, *, norm, has_bias, dres=None, out_dtype=None):
     """(dx, Partials of [dgamma | dbeta] or None): the row kernel of the norm backward, one launch.
 
     The reduction's result is one buffer in the norm weight's dtype: dgamma is its first D
     elements (when there is a gamma), dbeta the next D (when there is a beta)."""
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    _check_matrix(x, "x", unit_col_stride=True)
-    M, D = x.shape
-    _check_matrix(dn, "dn", rows=M, cols=D, unit_col_stride=True)
-    if dres is not None:
-        _check_matrix(dres, "dres", rows=M, cols=D, unit_col_stride=True)
-    _check_stats(stats, norm_weight, M, D)
-    if has_bias and norm == "rms":
-        raise ValueError("RMSNorm has no bias")
-    if D > MAX_NORM_DIM:
-        raise ValueError(f"row kernels hold a row in registers: dim {D} > {MAX_NORM_DIM}")
-    _check_same_device(("dn", dn), ("x", x), ("norm_weight", norm_weight), ("dres", dres))
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    dx = torch.empty(M, D, dtype=out_dtype, device=x.device)
-    params = int(norm_weight is not None) + int(has_bias)
-    partials = None
-    programs = row_partial_programs(M)
-    rows_per_program = math.ceil(M / programs) if M else 0
-    programs = math.ceil(M / rows_per_program) if M else 0
-    if params:
-        param_dtype = norm_weight.dtype if norm_weight is not None else torch.float32
-        result = torch.empty(params * D, dtype=param_dtype, device=x.device)
-        if M == 0:
-            result.zero_()
-        else:
-            partials = Partials(torch.empty(programs, params * D, dtype=torch.float32, device=x.device), result)
-    if M == 0 or D == 0:
-        return dx, partials
-    block_n = next_power_of_2(D)
-    mean, rstd = stats
-    dispatch.launch(norm_kernels.norm_bwd_kernel, (programs,), dn, x, mean, rstd,
-                    norm_weight if norm_weight is not None else unused_pointer(x),
-                    dres if dres is not None else unused_pointer(dn), dx,
-                    partials.part if partials is not None else unused_pointer(dx),
-                    M, D, rows_per_program, dn.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0,
-                    dx.stride(0), IS_RMS=norm == "rms", HAS_GAMMA=norm_weight is not None, HAS_BETA=has_bias,
-                    HAS_DRES=dres is not None, BLOCK_N=block_n, num_warps=norm_num_warps(block_n))
-    return dx, partials
+    launch = NormBwdLaunch(dn, x, stats, norm_weight, norm=norm, has_bias=has_bias, dres=dres, out_dtype=out_dtype)
+    return launch(dn, x, stats, norm_weight, dres)
 
 
 def norm_param_grads(partials, norm_weight, has_bias):

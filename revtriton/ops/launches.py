@@ -98,7 +98,7 @@ def call_signature(*values) -> tuple:
     """A hashable key of a call: each tensor's shape, strides, dtype and device (what the launchers'
     checks and launch arguments depend on; not its data, nor its address: the launches check their
     base addresses themselves), each other value as it is."""
-    return tuple((v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v for v in values)
+    return tuple([(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v for v in values])
 
 
 class LaunchPlan:
