@@ -481,13 +481,32 @@ def test_a_kept_couple_plan_serves_only_calls_of_its_signature(seeded, norm, rop
         with pytest.raises(TypeError, match="must be int32"):
             with force_triton():
                 fa.fused_norm_attention_couple(res, x, 1, 16, *args, **options)
-    grads = []
-    for _ in range(2):  # with grad: the second call's plan is the first one's
+
+    def rebuild_grads(g, frozen=None, core="triton"):
+        """The stream and every gradient of a rebuild (sign -1, with grad) given the stream's gradient."""
         leaf = x.clone().requires_grad_(True)
-        stream, port = call(res, leaf, -1)
-        port.backward(x)
-        grads.append((stream.detach(), leaf.grad))
-    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+        ps = [None if p is None else p.detach().clone().requires_grad_(i != frozen) for i, p in enumerate(args)]
+        with force_triton():
+            stream, port = fa.fused_norm_attention_couple(res, leaf, -1, None, *ps, **options, core=core)
+            port.backward(g)
+        return [stream.detach(), leaf.grad] + [p.grad for p in ps if p is not None]
+
+    # With grad: the backward's launches are kept too, per gradient layout and per gradients asked
+    # for; each call below against one made with no plan kept.
+    g = torch.randn(2, tokens, dim)
+    wide_g = torch.randn(2, tokens, 3 * dim)
+    strided_g = wide_g[..., :dim]
+    strided_g.copy_(g)
+    calls = (lambda: rebuild_grads(g), lambda: rebuild_grads(strided_g), lambda: rebuild_grads(g, frozen=2),
+             lambda: rebuild_grads(g, core="sdpa"))
+    fresh = []
+    for one in calls:
+        fa._plans.clear()
+        fresh.append(one())
+    for _ in range(2):  # now one after the other, the first call's plan kept
+        for one, want in zip(calls, fresh):
+            got = one()
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_fused_half_bad_inputs_raise_clearly():

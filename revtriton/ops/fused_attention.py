@@ -649,15 +649,20 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
     dt, rows = plan.dot_dtype, plan.rows
     gamma_dtype, beta_dtype, w_qkv_dtype, b_qkv_dtype, w_proj_dtype, b_proj_dtype = param_dtypes
     g2 = gemm.as_rows(g, plan.dim)
+    # The backward's launches, kept in the plan per gradient layout and per gradients asked for.
+    back = plan.launches.launch(("backward", tuple(param_dtypes), need_dx, g2.stride(), g2.dtype), LaunchPlan)
     # out-projection: gs = sign * row_scale * g in the operand dtype (db_proj partials on the way),
     # dO = gs @ W_proj, dW_proj = gs^T @ o.
-    gs, db_proj = gemm.scale_rows(g2, alpha=plan.sign, row_scale=row_scale, out_dtype=dt,              # launch 1
-                                  col_sums=b_proj_dtype is not None, sums_dtype=b_proj_dtype)
-    do = gemm.linear_input_grad(gs, w_proj, out_dtype=dt)                                              # launch 2
+    gs, db_proj = back.launch(0, lambda: gemm.ScaleRowsLaunch(                                        # launch 1
+        g2, alpha=plan.sign, row_scale=row_scale, out_dtype=dt, col_sums=b_proj_dtype is not None,
+        sums_dtype=b_proj_dtype))(g2, row_scale)
+    do = back.launch(1, lambda: gemm.LinearInputGradLaunch(gs, w_proj, out_dtype=dt))(gs, w_proj)   # launch 2
     pending = []
     dw_proj = dw_qkv = None
     if w_proj_dtype is not None:
-        dw_proj = gemm.linear_weight_grad(gs, o.view(rows, -1), out_dtype=w_proj_dtype, pending=pending)  # launch 3
+        o2 = o.view(rows, -1)
+        dw_proj = back.launch(2, lambda: gemm.LinearWeightGradLaunch(gs, o2, out_dtype=w_proj_dtype))(  # launch 3
+            gs, o2, pending)
     # attention (+ RoPE backward), written straight into the packed dqkv buffer.
     if plan.core == "sdpa":
         dqkv = _sdpa_core_backward(sdpa_graph, do, plan, retain)
@@ -668,18 +673,23 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
         attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,         # launches 4, 5
                       dq=dq, dk=dk, dv=dv, segments=plan.segments)
     dqkv2 = dqkv.view(rows, -1)
+    layout = dqkv2.stride()  # (the SDPA core's gradient is autograd's: its layout keys the launches reading it)
     # QKV projection and the norm: dN = dqkv @ W_qkv, then the norm backward (dgamma / dbeta partials).
     dx = norm_part = None
     if need_dx or gamma_dtype is not None or beta_dtype is not None:
-        dn = gemm.linear_input_grad(dqkv2, w_qkv, out_dtype=torch.float32)                             # launch 6
-        dx, norm_part = gemm.norm_bwd_partials(dn, x2, (mean, rstd), norm_weight, norm=plan.norm,     # launch 7
-                                               has_bias=norm_bias is not None)
+        dn = back.launch((3, layout), lambda: gemm.LinearInputGradLaunch(                              # launch 6
+            dqkv2, w_qkv, out_dtype=torch.float32))(dqkv2, w_qkv)
+        dx, norm_part = back.launch(4, lambda: gemm.NormBwdLaunch(                                      # launch 7
+            dn, x2, (mean, rstd), norm_weight, norm=plan.norm, has_bias=norm_bias is not None))(
+            dn, x2, (mean, rstd), norm_weight)
         dx = dx.view(plan.batch, plan.tokens, plan.dim)
     if w_qkv_dtype is not None:
-        dw_qkv = gemm.linear_weight_grad(dqkv2, n, out_dtype=w_qkv_dtype, pending=pending)           # launch 8
+        dw_qkv = back.launch((5, layout), lambda: gemm.LinearWeightGradLaunch(                         # launch 8
+            dqkv2, n, out_dtype=w_qkv_dtype))(dqkv2, n, pending)
     db_qkv = None
     if b_qkv_dtype is not None:
-        _, db_qkv = gemm.scale_rows(dqkv2, store=False, col_sums=True, sums_dtype=b_qkv_dtype)         # launch 9
+        _, db_qkv = back.launch((6, layout), lambda: gemm.ScaleRowsLaunch(                             # launch 9
+            dqkv2, store=False, col_sums=True, sums_dtype=b_qkv_dtype))(dqkv2)
     gemm.reduce_partials(db_proj, db_qkv, norm_part, *pending)                                         # launch 10
     dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
     return (dx, dgamma, dbeta, dw_qkv, None if db_qkv is None else db_qkv.out, dw_proj,

@@ -199,8 +199,8 @@ class GemmLaunch:
 
     def __init__(self, a, a_strides, b, b_strides, c_strides, M, N, K, *, b2=None, bias=None,
                  row_scale=None, aux_stride=None, store_aux=False, res_stride=None, col_sum=None, alpha=1.0, sign=1,
-                 frac_bits=0, dual_b=False, second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None, residual=0,
-                 scale=None):
+                 frac_bits=0, dual_b=False, second_k=False, split_k=1, k_per_split=0, act=None, act_bwd=None,
+                 residual=0, scale=None):
         stride_am, stride_ak = a_strides
         stride_bk, stride_bn = b_strides
         stride_cm, stride_cn = (N, 1) if split_k > 1 else c_strides  # split-K: the partial buffer
@@ -276,7 +276,8 @@ def _launch_gemm(a, a_strides, b, b_strides, c, M, N, K, *, b2=None, bias=None, 
     """One launch of kernels.gemm.fused_gemm_kernel: A [M, K] and B [K, N] read through strides
     (a :class:`GemmLaunch` built and called once)."""
     tensors = dict(b2=b2, bias=bias, row_scale=row_scale, col_sum=col_sum, scale=scale)
-    launch = GemmLaunch(a, a_strides, b, b_strides, c.stride(), M, N, K, aux_stride=None if aux is None else aux.stride(0),
+    launch = GemmLaunch(a, a_strides, b, b_strides, c.stride(), M, N, K,
+                        aux_stride=None if aux is None else aux.stride(0),
                         res_stride=None if res is None else res.stride(0), **tensors, **switches)
     return launch(a, b, c, aux=aux, res=res, **tensors)
 
