@@ -549,9 +549,9 @@ def _default(op: Op, args, options) -> Candidate:
 def call_signature(op_name: str, args, options):
     """A hashable key of an op call: the op, autocast's dtype, its tensors' shapes, strides, dtypes
     and devices, its other arguments and options as they are (launches.call_signature); None for a
-    scaled coupling (a scale object per call) or an unhashable argument."""
-    if options.get("scale") is not None or not isinstance(args[1], torch.Tensor):
-        return None
+    scaled coupling (a scale object per call), an unhashable argument or under torch.compile."""
+    if options.get("scale") is not None or not isinstance(args[1], torch.Tensor) or torch.compiler.is_compiling():
+        return None  # (under torch.compile the call is traced once: nothing to keep)
     device_type = args[1].device.type
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     signature = launches.call_signature(op_name, autocast, *args, *options, *options.values())
