@@ -6,6 +6,8 @@ import torch
 from revtriton.ops import fused_attention as fa
 from revtriton.ops.dispatch import count_launches, force_triton
 
+from launch_plans import assert_kept_plans_change_nothing, strided_copy
+
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
 
 
@@ -455,9 +457,7 @@ def test_a_kept_couple_plan_serves_only_calls_of_its_signature(seeded, norm, rop
     args = half_args(params)
     options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=rope_theta, norm=norm)
     x, res = torch.randn(2, tokens, dim), torch.randn(2, tokens, dim)
-    wide = torch.randn(2, tokens, 3 * dim)
-    strided = wide[..., dim:2 * dim]  # x's shape and values, rows 3 * dim apart
-    strided.copy_(x)
+    strided = strided_copy(x)
 
     def call(res, x, sign=1, **extra):
         with force_triton():
@@ -494,19 +494,9 @@ def test_a_kept_couple_plan_serves_only_calls_of_its_signature(seeded, norm, rop
     # With grad: the backward's launches are kept too, per gradient layout and per gradients asked
     # for; each call below against one made with no plan kept.
     g = torch.randn(2, tokens, dim)
-    wide_g = torch.randn(2, tokens, 3 * dim)
-    strided_g = wide_g[..., :dim]
-    strided_g.copy_(g)
-    calls = (lambda: rebuild_grads(g), lambda: rebuild_grads(strided_g), lambda: rebuild_grads(g, frozen=2),
-             lambda: rebuild_grads(g, core="sdpa"))
-    fresh = []
-    for one in calls:
-        fa._plans.clear()
-        fresh.append(one())
-    for _ in range(2):  # now one after the other, the first call's plan kept
-        for one, want in zip(calls, fresh):
-            got = one()
-            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+    assert_kept_plans_change_nothing(fa._plans, (
+        lambda: rebuild_grads(g), lambda: rebuild_grads(strided_copy(g)), lambda: rebuild_grads(g, frozen=2),
+        lambda: rebuild_grads(g, core="sdpa")))
 
 
 def test_fused_half_bad_inputs_raise_clearly():

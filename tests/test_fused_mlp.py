@@ -10,6 +10,8 @@ from revtriton.ops.reference import apply_row_scale, normalize_reference
 from revtriton.ops.fused_mlp import fused_norm_mlp_couple, fused_swiglu_mlp_couple
 from revtriton.ops.streams import ResidualScale, couple_output, quantize_reference, to_fixed
 
+from launch_plans import assert_kept_plans_change_nothing, strided_copy
+
 pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -268,9 +270,7 @@ def test_a_kept_launch_plan_serves_only_calls_of_its_signature(seeded, kind):
     params = make_params(kind, dim, hidden)
     fn = couple_fn(kind)
     x, res = rand(*shape, dim), rand(*shape, dim)
-    wide = rand(*shape, 3 * dim)
-    strided = wide[..., dim:2 * dim]  # x's shape and values, rows 3 * dim apart
-    strided.copy_(x)
+    strided = strided_copy(x)
     fused_mlp._plans.clear()
     with dispatch.force_triton(), torch.no_grad():
         first, _ = fn(res, x, 1, None, params, None)
@@ -302,19 +302,9 @@ def test_a_kept_launch_plan_serves_only_calls_of_its_signature(seeded, kind):
     # With grad: the forward's and the backward's launches are kept, per gradient layout and per set
     # of inputs that need a gradient; each call below against one made with no plan kept.
     g = rand(*shape, dim)
-    wide_g = rand(*shape, 3 * dim)
-    strided_g = wide_g[..., :dim]
-    strided_g.copy_(g)
     frozen = 3 if kind == "layer" else 1  # fc1's bias / the gate weight
-    calls = (lambda: rebuild_grads(g), lambda: rebuild_grads(strided_g), lambda: rebuild_grads(g, frozen))
-    fresh = []
-    for call in calls:
-        fused_mlp._plans.clear()
-        fresh.append(call())
-    for _ in range(2):  # now one after the other, the first call's plan kept
-        for call, want in zip(calls, fresh):
-            got = call()
-            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+    assert_kept_plans_change_nothing(fused_mlp._plans, (
+        lambda: rebuild_grads(g), lambda: rebuild_grads(strided_copy(g)), lambda: rebuild_grads(g, frozen)))
     assert rebuild_grads(g, frozen)[2 + frozen] is None
 
 
