@@ -239,8 +239,8 @@ class AttentionForwardLaunch:
     called with each call's tensors."""
 
     launcher = "attention_fwd"  # (aot.recording_launches names launches by it)
-    __slots__ = ("out_shape", "dtype", "device", "lse_shape", "grid", "qkv_strides", "out_strides", "tail", "meta",
-                 "causal", "segments")
+    __slots__ = ("kernel", "out_shape", "dtype", "device", "lse_shape", "grid", "qkv_strides", "out_strides", "tail",
+                 "meta", "causal", "segments")
 
     def __init__(self, q, k, v, *, causal: bool, sm_scale: float | None = None, out=None, segments=None):
         _check_attention_inputs(q, k, v)
@@ -253,6 +253,7 @@ class AttentionForwardLaunch:
         self.lse_shape = (batch, heads, tokens)
         self.causal, self.segments = bool(causal), segments is not None
         kernels = _attention_kernels()
+        self.kernel = kernels.attention_fwd_kernel
         grid = lambda meta: (cdiv(tokens, meta["BLOCK_M"]) * batch * heads,)  # noqa: E731
         limits.check_grid("attention_fwd", grid({"BLOCK_M": 16}))
         self.grid = grid
@@ -280,9 +281,8 @@ class AttentionForwardLaunch:
         lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
         batch, heads, _, tokens = self.tail[:4]
         seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, self.causal, lse)
-        dispatch.launch(_attention_kernels().attention_fwd_kernel, self.grid, q, k, v, out, lse, seg, self_until,
-                        spans, *q_strides, *k_strides, *v_strides, *self.out_strides, stride_segb, *self.tail,
-                        **self.meta)
+        dispatch.launch(self.kernel, self.grid, q, k, v, out, lse, seg, self_until, spans, *q_strides, *k_strides,
+                        *v_strides, *self.out_strides, stride_segb, *self.tail, **self.meta)
         return out, lse
 
 
@@ -460,7 +460,7 @@ class QKVLaunch:
     tensors."""
 
     launcher = "qkv_projection"  # (aot.recording_launches names launches by it)
-    __slots__ = ("rows", "cols", "dtype", "device", "grid", "args", "tma_possible", "meta", "meta_tma")
+    __slots__ = ("kernel", "rows", "cols", "dtype", "device", "grid", "args", "tma_possible", "meta", "meta_tma")
 
     def __init__(self, n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
         if not isinstance(n, torch.Tensor) or n.dim() != 2 or n.stride(1) != 1:
@@ -486,6 +486,7 @@ class QKVLaunch:
                 raise ValueError(f"rope tables must be fp32 [{tokens} or {M}, {head_dim // 2}]")
             table_rows = cos.shape[0]  # the kernel reads row r's angles at r % table_rows
         self.rows, self.cols, self.dtype, self.device = M, N, w_qkv.dtype, n.device
+        self.kernel = _qkv_kernels().qkv_rope_gemm_kernel
         total_heads = heads + 2 * kv_heads
         column_tiles = lambda meta: cdiv(total_heads, meta["HEADS_PER_TILE"])  # noqa: E731
         self.grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * column_tiles(meta),)  # noqa: E731
@@ -509,7 +510,7 @@ class QKVLaunch:
         if tma:
             ensure_descriptor_allocator(self.device)
         bias = unused_pointer(out) if b_qkv is None else b_qkv
-        dispatch.launch(_qkv_kernels().qkv_rope_gemm_kernel, self.grid, n, w_qkv, bias, out, cos, sin, *self.args,
+        dispatch.launch(self.kernel, self.grid, n, w_qkv, bias, out, cos, sin, *self.args,
                         **(self.meta_tma if tma else self.meta))
         return out
 
