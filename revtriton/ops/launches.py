@@ -112,8 +112,9 @@ class LaunchPlan:
         self.launches = {}
         self.options = options  # what the op worked out with the checks (e.g. the operand dtype)
 
-    def launch(self, index: int, build):
-        """The plan's launch at call site ``index``, built by ``build()`` at the first call."""
+    def launch(self, index, build):
+        """The plan's launch at call site ``index`` (any hashable: a number, or a tuple with what
+        else the launch depends on), built by ``build()`` at the first call."""
         made = self.launches.get(index)
         if made is None:
             made = self.launches[index] = build()
