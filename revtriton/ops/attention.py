@@ -160,10 +160,22 @@ def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv
 # The candidates (ops.backend)
 
 
-def _norm_attention_triton(res, x, sign, frac_bits, *weights, **options):
-    from .fused_attention import fused_norm_attention_couple
+_fused_attention = None
 
-    return fused_norm_attention_couple(res, x, sign, frac_bits, *weights, **options)
+
+def _fused():
+    """ops.fused_attention, imported at the first fused call (it imports Triton) and kept: an import
+    statement at every call costs about 2 us of host time."""
+    global _fused_attention
+    if _fused_attention is None:
+        from . import fused_attention
+
+        _fused_attention = fused_attention
+    return _fused_attention
+
+
+def _norm_attention_triton(res, x, sign, frac_bits, *weights, **options):
+    return _fused().fused_norm_attention_couple(res, x, sign, frac_bits, *weights, **options)
 
 
 def _norm_attention_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
@@ -171,9 +183,7 @@ def _norm_attention_torch(res, x, sign, frac_bits, *weights, scale=None, **optio
 
 
 def _norm_attention_triton_gemm_sdpa(res, x, sign, frac_bits, *weights, **options):
-    from .fused_attention import fused_norm_attention_couple
-
-    return fused_norm_attention_couple(res, x, sign, frac_bits, *weights, core="sdpa", **options)
+    return _fused().fused_norm_attention_couple(res, x, sign, frac_bits, *weights, core="sdpa", **options)
 
 
 def _norm_attention_torch_gemm_flash(res, x, sign, frac_bits, *weights, scale=None, **options):

@@ -31,10 +31,22 @@ def swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down
 
 # ---------------------------------------------------------------- the candidates (ops.backend)
 
-def _norm_mlp_triton(res, x, sign, frac_bits, *weights, **options):
-    from .fused_mlp import fused_norm_mlp_couple
+_fused_mlp = None
 
-    return fused_norm_mlp_couple(res, x, sign, frac_bits, *weights, **options)
+
+def _fused():
+    """ops.fused_mlp, imported at the first fused call (it imports Triton) and kept: an import
+    statement at every call costs about 2 us of host time."""
+    global _fused_mlp
+    if _fused_mlp is None:
+        from . import fused_mlp
+
+        _fused_mlp = fused_mlp
+    return _fused_mlp
+
+
+def _norm_mlp_triton(res, x, sign, frac_bits, *weights, **options):
+    return _fused().fused_norm_mlp_couple(res, x, sign, frac_bits, *weights, **options)
 
 
 def _norm_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
@@ -42,9 +54,7 @@ def _norm_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
 
 
 def _swiglu_mlp_triton(res, x, sign, frac_bits, *weights, **options):
-    from .fused_mlp import fused_swiglu_mlp_couple
-
-    return fused_swiglu_mlp_couple(res, x, sign, frac_bits, *weights, **options)
+    return _fused().fused_swiglu_mlp_couple(res, x, sign, frac_bits, *weights, **options)
 
 
 def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
