@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend
-from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
+from .dispatch import kept_import, run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import (apply_row_scale, normalize_reference, packed_segments,  # noqa: F401 (re-exported)
                         repeat_kv_heads, rope_inv_freq, sequence_mask)
 from .streams import ResidualScale, library_couple_output
@@ -160,18 +160,7 @@ def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv
 # The candidates (ops.backend)
 
 
-_fused_attention = None
-
-
-def _fused():
-    """ops.fused_attention, imported at the first fused call (it imports Triton) and kept: an import
-    statement at every call costs about 2 us of host time."""
-    global _fused_attention
-    if _fused_attention is None:
-        from . import fused_attention
-
-        _fused_attention = fused_attention
-    return _fused_attention
+_fused = kept_import("fused_attention")  # its module, imported at the first fused call
 
 
 def _norm_attention_triton(res, x, sign, frac_bits, *weights, **options):

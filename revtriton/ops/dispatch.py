@@ -10,12 +10,27 @@ here), so :func:`count_launches` sees all of them (tests and perf/ assert launch
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
 from .launches import count_launches, interpreter_enabled, launch, uncounted  # noqa: F401 (the ops' launch point)
 
 _force_triton = False
+
+
+def kept_import(module: str):
+    """A getter of ``revtriton.ops.<module>``: imported at its first call (the fused modules import
+    Triton, which ``import revtriton`` does not) and kept, since an import statement at every call
+    of a candidate costs about 2 us of host time."""
+    kept = []
+
+    def get():
+        if not kept:
+            kept.append(importlib.import_module(f"{__package__}.{module}"))
+        return kept[0]
+
+    return get
 
 
 def triton_available() -> bool:

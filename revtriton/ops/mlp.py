@@ -9,7 +9,7 @@ F.linear, the exact epilogue in torch ops). On CPU: the reference, or Triton und
 from __future__ import annotations
 
 from . import backend
-from .dispatch import run_op, scale_option, triton_dtypes, triton_runs_on
+from .dispatch import kept_import, run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import (ACTIVATIONS, NORMS, activation_reference, norm_mlp_reference,  # noqa: F401 (re-exported)
                         normalize_reference, swiglu_mlp_reference)
 from .streams import ResidualScale, library_couple_output
@@ -31,18 +31,7 @@ def swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down
 
 # ---------------------------------------------------------------- the candidates (ops.backend)
 
-_fused_mlp = None
-
-
-def _fused():
-    """ops.fused_mlp, imported at the first fused call (it imports Triton) and kept: an import
-    statement at every call costs about 2 us of host time."""
-    global _fused_mlp
-    if _fused_mlp is None:
-        from . import fused_mlp
-
-        _fused_mlp = fused_mlp
-    return _fused_mlp
+_fused = kept_import("fused_mlp")  # its module, imported at the first fused call
 
 
 def _norm_mlp_triton(res, x, sign, frac_bits, *weights, **options):
