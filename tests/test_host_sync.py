@@ -60,12 +60,14 @@ def test_the_counter_sees_item_bool_and_nonzero():
 
 
 class CountRngReads:
-    """Counts reads of the RNG state (CPU state tensors, CUDA states and graph-safe snapshots)."""
+    """Counts reads of the RNG state: CPU state tensors, CUDA states, and the engine's forks of a
+    generator for a half that draws (``_OwnGenerators.source``: a snapshot of the generator)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
         for owner, name in ((torch, "get_rng_state"), (torch.random, "get_rng_state"),
-                            (torch.cuda, "get_rng_state"), (torch.cuda, "get_rng_state_all")):
+                            (torch.cuda, "get_rng_state"), (torch.cuda, "get_rng_state_all"),
+                            (engine.replay._OwnGenerators, "source")):
             real = getattr(owner, name)
             monkeypatch.setattr(owner, name, self._counted(real))
 

@@ -35,13 +35,13 @@ from .checks import StepChecks, check_step, deferred_checks
 from .guards import CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, ForwardGuards, StreamFormat, out_of_range
 from .hooks import BlockHooks
 from .protocol import Coupling, ReversibleBlock, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
-from .replay import AutocastState, RngTape
+from .replay import AutocastState, HalfRandomness
 from .segment import DOUBLE_BACKWARD_MESSAGE, ReversibleSegmentFunction, SegmentRun
 from .stack import ReversibleStack
 from .state import StateWatch
 
 __all__ = ["PHASE_METHOD", "AutocastState", "StepChecks", "check_step", "deferred_checks", "BlockHooks", "CAPTURED_TENSOR_HINT", "Coupling",
            "DOUBLE_BACKWARD_MESSAGE", "FIND_UNUSED_HINT", "ForwardGuards", "PhaseResult", "ReversibleBlock",
-           "ReversibleSegmentFunction", "ReversibleStack", "RngTape", "SegmentRun", "StateWatch", "StreamFormat",
+           "ReversibleSegmentFunction", "ReversibleStack", "HalfRandomness", "SegmentRun", "StateWatch", "StreamFormat",
            "block_phase", "coupled_forward", "coupling_of", "hook_phase_for_fsdp", "is_invertible_layer", "is_reversible_block", "out_of_range",
            "run_block_phase"]

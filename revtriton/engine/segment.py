@@ -20,12 +20,13 @@ from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, ForwardGuards, Stre
 from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .plan import SegmentPlan
-from .replay import AutocastState, RngTape
+from .replay import AutocastState, HalfRandomness
 from .state import (StateWatch, _buffer_versions, _check_input_untouched, _scratch_buffers, _updated_buffers,
                     _version_of)
 
 _engine = torch.autograd.Variable._execution_engine
 _NO_SCRATCH = contextlib.nullcontext()
+_NO_DRAWS = contextlib.nullcontext()  # a half known to draw no random number: run as it is
 
 
 DOUBLE_BACKWARD_MESSAGE = (
@@ -70,8 +71,7 @@ class SegmentRun:
     anchor_every: int
     schedule: str
     guards: ForwardGuards | None = None
-    rng: RngTape | None = None
-    rng_states: list = field(default_factory=list)  # per layer: (state_F, state_G) or None
+    rng_states: list = field(default_factory=list)  # per layer: (F's, G's HalfRandomness start states) or None
     low_bits: list = field(default_factory=list)  # per layer: the bits exact scaled couplings dropped, or None
     autocast: AutocastState | None = None
     dispatch: tuple | None = None  # where ops ran in forward (ops.dispatch.capture_state), replayed in backward
@@ -126,8 +126,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 hooks.forward_pre(hook_args, index)
 
             coupling = lp.coupling if lp is not None else coupling_of(layer)
-            # Which halves draw random numbers: known from the plan, or probed now (None: read the
-            # state around both halves and see which moved it).
+            # Which halves draw random numbers: known from the plan, or probed now (None: both run
+            # under HalfRandomness.recorded, which sees whether they draw).
             draws = (lp.draws if lp is not None else None) if record else (False, False)
 
             def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling, draws=draws, lp=lp):
@@ -137,22 +137,21 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 keep_bits = record and fmt.exact
                 low1 = scale1.dropped_bits(s1) if keep_bits and scale1 is not None else None
                 low2 = scale2.dropped_bits(s2) if keep_bits and scale2 is not None else None
-                state_f = run.rng.record() if draws is None or draws[0] else None
+                states = []  # what each half that may draw drew (HalfRandomness.recorded)
                 x = values.value(s2)
                 version = _version_of(x)
-                y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
+                with HalfRandomness.recorded(states) if draws is None or draws[0] else _NO_DRAWS:
+                    y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
+                state_f = states.pop() if states else None
                 _check_input_untouched(x, version, "F", index)
-                state_g = run.rng.record() if draws is None or draws[1] else None
                 x = values.value(y1)
                 version = _version_of(x)
-                y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
+                with HalfRandomness.recorded(states) if draws is None or draws[1] else _NO_DRAWS:
+                    y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
+                state_g = states.pop() if states else None
                 _check_input_untouched(x, version, "G", index)
-                if draws is None:  # probed: a half drew when the state moved across it
-                    after = run.rng.record()
-                    drew = (not RngTape.same(state_f, state_g), not RngTape.same(state_g, after))
-                    if lp is not None:
-                        lp.draws = drew
-                    state_f, state_g = (state_f if drew[0] else None), (state_g if drew[1] else None)
+                if draws is None and lp is not None:  # probed: later forwards record only the halves that drew
+                    lp.draws = (state_f is not None, state_g is not None)
                 if check_captured:
                     for half, port in (("F", port_f), ("G", port_g)):
                         if port is not None:
@@ -221,9 +220,6 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         y1, y2, anchors, checksums = _segment_forward(run, s1, s2, record=True, cond=run.cond_value(cond))
         if run.watch is not None:
             run.watch.record_versions()
-        # The backward replays (and so reads and restores the caller's RNG) only if a half drew.
-        run.rng.recorded = any(state is not None for states in run.rng_states if states is not None
-                               for state in states)
         ctx.run = run
         checksum = torch.stack(checksums) if checksums else None
         ctx.has_checksum = checksum is not None
@@ -300,8 +296,8 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         stepper._owned = tuple(grads)
         try:
             # Every block is rebuilt as the forward ran it: with grad, the forward's autocast and dispatch
-            # state, its RNG states (the caller's RNG is left as it was).
-            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch), run.rng.preserved():
+            # state, each half's random draws (replayed from its own generators: the caller's are untouched).
+            with torch.enable_grad(), run.autocast.restored(), replayed(run.dispatch):
                 n1, n2, rebuilt_checksums = run_backward_schedule(run.schedule, stepper, final, grads, run.trace)
         except RuntimeError as error:
             if "mark a variable ready only once" in str(error):  # DDP(find_unused_parameters=True)
@@ -454,10 +450,10 @@ class _SegmentBackward:
         """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook)."""
         run, fmt = self.run, self.run.fmt
         rb.token = token
-        run.rng.set(rb.state_g)
         rb.input_g = _HalfInput()
         y1_value = rb.input_g.attach(fmt.value(rb.y1), fmt.exact)
-        x2, rb.port_g = couple_half(g, rb.y2, y1_value, -1, fmt.frac_bits, self.cond, rb.scale2)
+        with HalfRandomness.replayed(rb.state_g):
+            x2, rb.port_g = couple_half(g, rb.y2, y1_value, -1, fmt.frac_bits, self.cond, rb.scale2)
         rb.x2, rb.y2 = x2.detach(), None  # the output stream G's rebuild consumed is not needed any more
         self._check_captured(rb, "G", rb.port_g, rb.input_g.leaf)
         return y1_value
@@ -465,12 +461,12 @@ class _SegmentBackward:
     def _rebuild_f(self, rb: _BlockRebuild, f):
         """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1."""
         run, fmt = self.run, self.run.fmt
-        run.rng.set(rb.state_f)
         rb.input_f = _HalfInput()
         x2_value = rb.input_f.attach(fmt.value(rb.x2), fmt.exact)
         if rb.token_leaf is not None:  # (only FSDP2's post-backward hook waits on the token)
             x2_value = _AfterToken.apply(x2_value, rb.token)
-        x1, rb.port_f = couple_half(f, rb.y1, x2_value, -1, fmt.frac_bits, self.cond, rb.scale1)
+        with HalfRandomness.replayed(rb.state_f):
+            x1, rb.port_f = couple_half(f, rb.y1, x2_value, -1, fmt.frac_bits, self.cond, rb.scale1)
         rb.x1, rb.y1 = x1.detach(), None
         # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
         self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, *(() if rb.token_leaf is None else (rb.token_leaf,)))

@@ -16,7 +16,7 @@ from .checks import StepChecks, deferring, resolve_leftovers
 from .guards import ForwardGuards, StreamFormat, out_of_range
 from .plan import plan_of
 from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
-from .replay import AutocastState, RngTape, _rng_devices
+from .replay import AutocastState, _rng_devices
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
 from .state import StateWatch
 
@@ -255,7 +255,7 @@ class ReversibleStack(nn.Module):
         """``(y1, y2, recorded)``; with ``join`` (float streams) possibly ``(cat([y1, y2], -1), None, True)``."""
         fmt = self._format(x1.dtype)
         run = SegmentRun(plan.modules, plan.first_index, fmt, self.anchor_every, self.schedule, guards=guards,
-                         rng=RngTape(_rng_devices(x1)), autocast=AutocastState.capture(), trace=self.trace,
+                         autocast=AutocastState.capture(), trace=self.trace,
                          checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple), plan=plan)
         cond_tensors = () if cond is None else (cond,) if isinstance(cond, torch.Tensor) else cond
         per_layer = [lp.parameters() for lp in plan.layers]
