@@ -69,6 +69,7 @@ HOST_DEPTH, HOST_DIM, HOST_HEADS, HOST_TOKENS = 24, 16, 2, 4
 HOST_FLOAT_VS_REVTORCH = 1.05  # revtriton float streams' step / RevTorch's
 HOST_EXACT_VS_FLOAT = 1.25  # exact streams' step / float streams'
 HOST_TRANSFORMER_VS_PLAIN = 1.5  # revtriton's transformer halves: float streams' step / plain autograd's
+HOST_DROP = 0.1  # the dropout / drop-path rate of the host rows whose halves draw
 # (halves, label): what it is
 HOST_VARIANTS = {
     ("generic", "plain"): "generic halves, plain autograd",
@@ -79,6 +80,12 @@ HOST_VARIANTS = {
     ("transformer", "plain"): "transformer halves, plain autograd",
     ("transformer", "revtriton-float"): "transformer halves, revtriton float streams",
     ("transformer", "revtriton"): "transformer halves, revtriton exact streams",
+    # Halves that draw random numbers (issue 45): nn.Dropout after each generic half (its draws routed to
+    # the half's generator by the engine's dispatch mode), drop-path in revtriton's (the half asks for it).
+    ("generic+dropout", "plain"): f"generic halves + dropout {HOST_DROP}, plain autograd",
+    ("generic+dropout", "revtriton-float"): f"generic halves + dropout {HOST_DROP}, revtriton float streams",
+    ("transformer+drop-path", "plain"): f"transformer halves + drop-path {HOST_DROP}, plain autograd",
+    ("transformer+drop-path", "revtriton-float"): f"transformer halves + drop-path {HOST_DROP}, revtriton float streams",
 }
 
 
@@ -214,11 +221,21 @@ def generic_halves(dim: int):
 def host_blocks(halves: str, depth: int) -> list:
     """``generic``: :func:`generic_halves`; ``transformer``: revtriton's LayerNormAttention /
     LayerNormMLP as dispatched (on a CPU their ops' reference path, through the engine's fused
-    couple), under plain autograd their forward (the same math)."""
+    couple), under plain autograd their forward (the same math). ``+dropout``: an ``nn.Dropout``
+    after each generic half; ``+drop-path``: the transformer halves' drop-path (both HOST_DROP)."""
+    kind, _, draws = halves.partition("+")
     preset = Preset("host", "vit", HOST_DIM, HOST_HEADS, HOST_HEADS, HOST_TOKENS, 4 * HOST_DIM, True, "tokens",
                     activation="gelu")
-    make = (lambda: generic_halves(HOST_DIM)) if halves == "generic" else (lambda: make_halves(preset))
-    return [ReversibleBlock(*make()) for _ in range(depth)]
+    make = (lambda: generic_halves(HOST_DIM)) if kind == "generic" else (lambda: make_halves(preset))
+    blocks = []
+    for _ in range(depth):
+        f, g = make()
+        if draws == "dropout":
+            f, g = nn.Sequential(*f, nn.Dropout(HOST_DROP)), nn.Sequential(*g, nn.Dropout(HOST_DROP))
+        elif draws == "drop-path":
+            f.drop_path = g.drop_path = HOST_DROP
+        blocks.append(ReversibleBlock(f, g))
+    return blocks
 
 
 def build_host(halves: str, label: str, depth: int, revtorch=None) -> nn.Module:

@@ -50,6 +50,7 @@ from torch import nn
 from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
 from .halves.adapter import Adapter
 from .halves.base import half_output
+from .halves.randomness import half_generator
 from .lm_loss import prepare_causal_lm
 from .ops.attention import multi_head_attention_reference, norm_attention_couple
 from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
@@ -546,12 +547,13 @@ def _convention_class(name: str):
 
 
 def _drop_path_scale(x: torch.Tensor, p: float, training: bool):
-    """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the global RNG)."""
+    """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the half's generator
+    inside a stack: halves.randomness, no routing needed; the global one outside)."""
     if not training or p == 0.0:
         return None
     keep = 1.0 - p
     mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 2), device=x.device, dtype=torch.float32)
-    return (mask.bernoulli_(keep) / keep).expand(x.shape[:-1])
+    return (mask.bernoulli_(keep, generator=half_generator(x.device)) / keep).expand(x.shape[:-1])
 
 
 def _scale_rows(h, row_scale):

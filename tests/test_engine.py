@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from revtriton import ReversibleBlock, ReversibleStack, engine
+from revtriton import LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, engine
 from revtriton.profiling import peak_memory, saved_bytes
 from revtriton.ops.streams import to_fixed
 from revtriton.models.common import stored_float_streams
@@ -343,6 +343,51 @@ def test_another_thread_drawing_during_a_step_changes_no_gradient(seeded, exact,
     steps("always")  # the forward's masks differ from alone's, and the recompute still draws them
     for (a_input, a_params), (b_input, b_params) in zip(alone, with_thread_in_recompute):
         assert torch.equal(a_input, b_input) and all(torch.equal(a, b) for a, b in zip(a_params, b_params))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["float", "exact"])
+def test_transformer_halves_draw_drop_path_from_their_own_generator_unrouted(seeded, exact, monkeypatch):
+    """revtriton's halves ask for the half's generator (halves.randomness.half_generator): after the
+    probe they run with no routing mode (a dispatch mode costs host time on every op), and another
+    thread drawing during the recompute still changes no gradient."""
+    dtype = torch.float32 if exact else torch.float64
+    routings = []
+
+    class CountedRouting(engine.replay._RoutedToHalf):
+        def __init__(self, half):
+            super().__init__(half)
+            routings.append(self)
+
+    monkeypatch.setattr(engine.replay, "_RoutedToHalf", CountedRouting)
+    real_couple_half = engine.segment.couple_half
+
+    def steps(other_thread):
+        def couple_half(*args, **kwargs):
+            if other_thread and torch.is_grad_enabled():
+                another_thread_draws(11)
+            return real_couple_half(*args, **kwargs)
+
+        monkeypatch.setattr(engine.segment, "couple_half", couple_half)
+        torch.manual_seed(seeded)
+        stack = ReversibleStack([ReversibleBlock(LayerNormAttention(DIM, 2, drop_path=0.5),
+                                                 LayerNormMLP(DIM, 2 * DIM, drop_path=0.5)) for _ in range(3)],
+                                exact=exact).to(dtype).train()
+        x = torch.randn(4, 3, DIM, dtype=dtype, requires_grad=True)
+        grads = []
+        for step in range(3):
+            torch.manual_seed(seeded + 1 + step)
+            routings.clear()
+            grads.append(grads_of(stack, x, lambda: loss_of(stack(x))))
+            if step == 0:
+                assert len(routings) == 6 and not any(mode.routed for mode in routings)  # the probe
+            else:
+                assert not routings
+        return grads
+
+    alone, with_thread = steps(False), steps(True)
+    for (a_input, a_params), (b_input, b_params) in zip(alone, with_thread):
+        assert torch.equal(a_input, b_input) and all(torch.equal(a, b) for a, b in zip(a_params, b_params))
+    assert not torch.equal(alone[1][0], alone[2][0])  # drop-path drew other rows in each step
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])

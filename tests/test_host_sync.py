@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import revtriton
 from revtriton import engine
+from revtriton.halves.randomness import HalfGenerators
 from test_pareprop import build
 
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "unique_consecutive", "_unique",
@@ -61,13 +62,13 @@ def test_the_counter_sees_item_bool_and_nonzero():
 
 class CountRngReads:
     """Counts reads of the RNG state: CPU state tensors, CUDA states, and the engine's forks of a
-    generator for a half that draws (``_OwnGenerators.source``: a snapshot of the generator)."""
+    generator for a half that draws (``HalfGenerators.source``, whose generator it snapshots)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
         for owner, name in ((torch, "get_rng_state"), (torch.random, "get_rng_state"),
                             (torch.cuda, "get_rng_state"), (torch.cuda, "get_rng_state_all"),
-                            (engine.replay._OwnGenerators, "source")):
+                            (HalfGenerators, "source")):
             real = getattr(owner, name)
             monkeypatch.setattr(owner, name, self._counted(real))
 

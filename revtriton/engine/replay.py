@@ -3,11 +3,12 @@ of its own, forked from the global ones) and the autocast settings (DESIGN.md se
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..halves.randomness import HalfGenerators, default_generator, device_key
 
 
 def _rng_devices(tensor: torch.Tensor):
@@ -15,32 +16,37 @@ def _rng_devices(tensor: torch.Tensor):
     return [tensor.device] if tensor.is_cuda else []
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
-    return torch.default_generator
+_PASS = "pass"
+_ROUTES: dict = {}  # aten overload -> _PASS, a _Swap or the overload that takes ``generator``
 
 
-def _device_key(device) -> torch.device | None:
-    """The device whose generator an op draws from: the CPU or one CUDA device (None: another kind,
-    left to its own generator)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    return device if device.type == "cpu" else None
+class _Swap:
+    """The route of a random op that takes no generator: the global generator's state swapped for the
+    half's around the call. Such ops say by an argument whether they draw at all (SDPA's
+    ``dropout_p``, ``native_dropout``'s ``p`` and ``train``): a call with a zero rate or ``train``
+    False draws nothing and passes."""
 
+    def __init__(self, schema):
+        # (position, name, default) of the arguments that say so
+        said = [(i, a.name, a.default_value if a.has_default_value() else None)
+                for i, a in enumerate(schema.arguments)]
+        self.rates = [arg for arg in said if arg[1] in ("p", "dropout_p", "dropout")]
+        self.train = [arg for arg in said if arg[1] == "train"]
 
-_active = threading.local()  # .modes: this thread's _OwnGenerators, innermost last
+    def draws(self, args, kwargs) -> bool:
+        def value(i, name, default):
+            return args[i] if i < len(args) else kwargs.get(name, default)
 
-_PASS, _SWAP = "pass", "swap"
-_ROUTES: dict = {}  # aten overload -> _PASS, _SWAP or the overload that takes ``generator``
+        if any(value(*arg) == 0 for arg in self.rates):
+            return False
+        return not any(value(*arg) is False for arg in self.train)
 
 
 def _route(func):
     """How a half's own generator reaches ``func``: its ``generator`` argument, the overload of the
     same op that has one (``rand.default`` -> ``rand.generator``), or, for the few random ops that
     take none (``native_dropout``, the fused attention kernels, cuDNN RNNs), the global generator
-    swapped for the half's own around the one call (_SWAP). Ops that draw nothing pass (_PASS)."""
+    swapped for the half's own around the one call (a _Swap). Ops that draw nothing pass (_PASS)."""
     route = _ROUTES.get(func)
     if route is not None:
         return route
@@ -48,7 +54,7 @@ def _route(func):
     if "generator" in names:
         route = func
     elif torch.Tag.nondeterministic_seeded in func.tags:
-        route = _SWAP
+        route = _Swap(func._schema)
         packet = func.overloadpacket
         for overload in packet.overloads():
             other = getattr(packet, overload)
@@ -67,81 +73,43 @@ def _device_of(args, kwargs) -> torch.device | None:
     if device is None:
         for arg in args:
             if isinstance(arg, torch.Tensor):
-                return _device_key(arg.device)
-        return _device_key(torch.get_default_device())
-    return _device_key(device)
+                return device_key(arg.device)
+        return device_key(torch.get_default_device())
+    return device_key(device)
 
 
-class _OwnGenerators(TorchDispatchMode):
-    """Every random op a half runs draws from generators of its own, one per device, instead of the
-    process-wide ones (mode stacks are per thread, so another thread's draws never reach them).
+class _RoutedToHalf(TorchDispatchMode):
+    """Hands a half's generators (:class:`HalfGenerators`) to the random ops its code runs with
+    none (``nn.Dropout``, ``torch.rand_like``...): it sees every aten op, so it costs host time
+    (about 20 us an op on a 2-core CPU) and runs only around halves that draw that way. Mode stacks
+    are per thread: another thread's draws never come here. ``routed``: whether any op was routed."""
 
-    Recording (``start`` None): a device's generator is forked from the global one at the half's
-    first draw on it (``clone_state``: on CUDA a graph-safe snapshot, no copy to the host) and its
-    starting state kept for the replay. Replaying: each device's generator starts at the recorded
-    state, so the recompute draws the forward's numbers whatever the global generators did since.
-    """
-
-    def __init__(self, start: dict | None = None):
+    def __init__(self, half: HalfGenerators):
         super().__init__()
-        self.replaying = start is not None
-        self.start = {} if start is None else start  # device -> generator at the half's first draw
-        self.generators = {}  # device -> the generator the half draws from
-
-    def __enter__(self):
-        self.parent = _active.modes[-1] if getattr(_active, "modes", None) else None
-        _active.__dict__.setdefault("modes", []).append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _active.modes.pop()
-        return super().__exit__(*exc)
-
-    def source(self, device: torch.device) -> torch.Generator:
-        """The generator this half's draws come from when not replayed: the enclosing half's (a stack
-        inside a half of another), else the global one."""
-        return self.parent.generator(device) if self.parent is not None else _default_generator(device)
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        generator = self.generators.get(device)
-        if generator is None:
-            start = self.start.get(device)
-            if start is None:  # recording (replaying: a device the forward did not draw on; nothing kept)
-                start = self.source(device).clone_state()
-                if not self.replaying:
-                    self.start[device] = start
-            generator = self.generators[device] = start.clone_state()  # the kept start stays as recorded
-        return generator
+        self.half = half
+        self.routed = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = _route(func)
         if route is _PASS or kwargs.get("generator") is not None:  # (a generator the half chose: its own)
             return func(*args, **kwargs)
+        swap = isinstance(route, _Swap)
         device = _device_of(args, kwargs)
-        if device is None:
+        if device is None or (swap and not route.draws(args, kwargs)):
             return func(*args, **kwargs)
-        generator = self.generator(device)
-        if route is _SWAP:
+        self.routed = True
+        generator = self.half.generator(device)
+        if swap:
             return _with_global_generator(device, generator, func, args, kwargs)
         return route(*args, **kwargs, generator=generator)
-
-    def advance_source(self):
-        """Leave each generator the half's draws were forked from where those draws left it, as if the
-        half had drawn from it: later draws (the next half's, the caller's) are those of a plain run."""
-        for device, generator in self.generators.items():
-            source = self.source(device)
-            if device.type == "cuda":
-                source.graphsafe_set_state(generator.clone_state())
-            else:
-                source.set_state(generator.get_state())
 
 
 def _with_global_generator(device, generator, func, args, kwargs):
     """``func`` (a random op with no ``generator`` argument) drawing from ``generator``: the global
     generator's state swapped for it around the call only (another thread drawing from the global
     generator during this one call would see the half's state)."""
-    default = _default_generator(device)
+    default = default_generator(device)
     if device.type == "cuda":  # graph-safe: the generator shares ``generator``'s state for the call
         saved = default.graphsafe_get_state()
         default.graphsafe_set_state(generator)
@@ -158,33 +126,52 @@ def _with_global_generator(device, generator, func, args, kwargs):
         default.set_state(saved)
 
 
-class HalfRandomness:
-    """What a half drew: the states its own generators started from (None: it drew nothing).
+@dataclass(frozen=True)
+class HalfDraws:
+    """What one half call drew: its generators' start states, and whether its draws needed routing
+    (code that draws with no generator) or all asked for the half's (``halves.randomness``)."""
 
-    :meth:`recorded` runs a half's forward on generators forked from the global ones at its first
-    draw, then moves the global ones past those draws (the masks and the global stream are those of a
-    plain run); :meth:`replayed` runs its recompute from the recorded states. Which halves draw is
-    probed once (the stack's plan keeps it); a half known to draw nothing runs with no mode at all
-    and records nothing, so a step of a stack whose halves draw nothing reads no RNG state.
+    start: dict
+    routed: bool
+
+
+class HalfRandomness:
+    """Runs a half's forward on generators of its own and replays them in its recompute.
+
+    :meth:`recorded` runs the forward on generators forked from the global ones at its first draw,
+    then sets the global ones past those draws (the masks and the global stream are those of a plain
+    run); :meth:`replayed` runs the recompute from the recorded start. Which halves draw, and how,
+    is probed once (the stack's plan keeps it): a half known to draw nothing runs as it is and
+    records nothing (a step of a stack whose halves draw nothing reads no RNG state), one whose
+    draws all ask for the half's generator runs with no routing mode.
     """
 
     @staticmethod
     @contextlib.contextmanager
-    def recorded(sink: list):
-        """Run a half's forward; appends to ``sink`` its recorded start states (None: it drew nothing)."""
-        mode = _OwnGenerators()
-        with mode:
+    def recorded(sink: list, routed: bool = True):
+        """Run a half's forward; appends to ``sink`` its :class:`HalfDraws` (None: it drew nothing).
+        ``routed``: route the random ops that take no generator (False: the half is known not to run any)."""
+        with HalfGenerators() as half, (_RoutedToHalf(half) if routed else _NO_ROUTING) as mode:
             yield
-        mode.advance_source()
-        sink.append(mode.start or None)
+        half.advance_source()
+        sink.append(HalfDraws(half.start, routed and mode.routed) if half.start else None)
 
     @staticmethod
-    def replayed(start: dict | None):
-        """Run a half's recompute drawing the forward's numbers (``start`` None: it draws nothing)."""
-        return _NOTHING_TO_REPLAY if start is None else _OwnGenerators(start)
+    def replayed(draws: HalfDraws | None):
+        """Run a half's recompute drawing the forward's numbers (``draws`` None: it draws nothing)."""
+        if draws is None:
+            return _NO_ROUTING
+        half = HalfGenerators(draws.start)
+        return _routed(half) if draws.routed else half
 
 
-_NOTHING_TO_REPLAY = contextlib.nullcontext()
+@contextlib.contextmanager
+def _routed(half: HalfGenerators):
+    with half, _RoutedToHalf(half):
+        yield
+
+
+_NO_ROUTING = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -126,8 +126,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 hooks.forward_pre(hook_args, index)
 
             coupling = lp.coupling if lp is not None else coupling_of(layer)
-            # Which halves draw random numbers: known from the plan, or probed now (None: both run
-            # under HalfRandomness.recorded, which sees whether they draw).
+            # Which halves draw random numbers, and how: known from the plan, or probed now (None:
+            # both run under HalfRandomness.recorded with routing, which sees how they draw).
             draws = (lp.draws if lp is not None else None) if record else (False, False)
 
             def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling, draws=draws, lp=lp):
@@ -140,18 +140,18 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 states = []  # what each half that may draw drew (HalfRandomness.recorded)
                 x = values.value(s2)
                 version = _version_of(x)
-                with HalfRandomness.recorded(states) if draws is None or draws[0] else _NO_DRAWS:
+                with _recording(draws, 0, states):
                     y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
                 state_f = states.pop() if states else None
                 _check_input_untouched(x, version, "F", index)
                 x = values.value(y1)
                 version = _version_of(x)
-                with HalfRandomness.recorded(states) if draws is None or draws[1] else _NO_DRAWS:
+                with _recording(draws, 1, states):
                     y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
                 state_g = states.pop() if states else None
                 _check_input_untouched(x, version, "G", index)
-                if draws is None and lp is not None:  # probed: later forwards record only the halves that drew
-                    lp.draws = (state_f is not None, state_g is not None)
+                if draws is None and lp is not None:  # probed: later forwards record as the halves drew
+                    lp.draws = (_draw_kind(state_f), _draw_kind(state_g))
                 if check_captured:
                     for half, port in (("F", port_f), ("G", port_g)):
                         if port is not None:
@@ -185,6 +185,20 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
         if checksummed:
             checksums.append(_checksum(s1, s2))
     return s1, s2, anchors, checksums
+
+
+def _recording(draws, half: int, states: list):
+    """The context a half's forward runs in: ``draws`` is the plan's (kind of F, kind of G), or None
+    (not known yet: probe with routing); a kind is False (draws nothing), "own" (asks for the half's
+    generator: halves.randomness) or "routed" (draws with no generator: the routing mode)."""
+    if draws is None:
+        return HalfRandomness.recorded(states)
+    kind = draws[half]
+    return HalfRandomness.recorded(states, routed=kind == "routed") if kind else _NO_DRAWS
+
+
+def _draw_kind(recorded) -> bool | str:
+    return False if recorded is None else "routed" if recorded.routed else "own"
 
 
 def _index_low_bits(low_bits: list):

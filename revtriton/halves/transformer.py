@@ -7,7 +7,8 @@ the pure-torch reference (same weights, same math). ``forward(x)`` is H(x) on th
 (plain torch ops and autograd), for use outside a reversible stack.
 
 Drop-path (stochastic depth) and layer scale are part of the half: drop-path becomes a
-per-row scale of H(x) (drawn from the global RNG, which the engine replays), layer scale is
+per-row scale of H(x) (drawn from the half's generator inside a stack, which the engine replays:
+``halves.randomness``; the global one outside), layer scale is
 folded into the last projection. A scaled coupling's residual scale (``couple(..., scale=)``,
 ``takes_scale``) goes into the couple epilogue too, so it costs no pass of its own.
 """
@@ -20,6 +21,7 @@ from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
 from .base import CouplingHalf
+from .randomness import half_generator
 
 
 class _TransformerHalf(CouplingHalf):
@@ -39,7 +41,8 @@ class _TransformerHalf(CouplingHalf):
             return None
         keep = 1.0 - self.drop_path
         shape = (x.shape[0],) + (1,) * (x.dim() - 2)
-        mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep) / keep
+        generator = half_generator(x.device)  # inside a stack, the half's own (replayed in the recompute)
+        mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep, generator=generator) / keep
         return mask.expand(x.shape[:-1])
 
     def _scaled_out(self, weight, bias):
