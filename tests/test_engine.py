@@ -297,7 +297,8 @@ def another_thread_draws(n):
 class NoisyHalf(nn.Module):
     """A half that draws (a dropout mask and Gaussian noise: ``bernoulli_`` and ``randn_like``) and
     keeps each call's noise; before drawing, another thread draws from the global generator (in
-    every call, or in the recompute only), a different count each call."""
+    every call, in the recompute only, or in the recompute and the first, probed, forward), a
+    different count each call."""
 
     def __init__(self, dim, dtype, other_thread):
         super().__init__()
@@ -306,7 +307,9 @@ class NoisyHalf(nn.Module):
         self.noises = []
 
     def forward(self, x):
-        if self.other_thread == "always" or (self.other_thread == "recompute" and torch.is_grad_enabled()):
+        recompute = torch.is_grad_enabled()
+        if (self.other_thread == "always" or (self.other_thread == "recompute" and recompute)
+                or (self.other_thread == "probe, recompute" and (recompute or not self.noises))):
             another_thread_draws(7 + len(self.noises))
         noise = nn.functional.dropout(torch.ones_like(x), 0.25, self.training) * (1 + 0.1 * torch.randn_like(x))
         self.noises.append(noise)
@@ -343,6 +346,82 @@ def test_another_thread_drawing_during_a_step_changes_no_gradient(seeded, exact,
     steps("always")  # the forward's masks differ from alone's, and the recompute still draws them
     for (a_input, a_params), (b_input, b_params) in zip(alone, with_thread_in_recompute):
         assert torch.equal(a_input, b_input) and all(torch.equal(a, b) for a, b in zip(a_params, b_params))
+
+
+@torch.library.custom_op("revtriton_test::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    """A custom op that draws inside, from the global generator (as an extension kernel's dropout
+    does): no random tag, no generator argument, nothing the routing mode can hand a generator."""
+    return x * torch.rand_like(x)
+
+
+class EscapingHalf(nn.Module):
+    def __init__(self, dim, dtype):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim, dtype=dtype)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * (0.5 + noisy(torch.ones_like(x)))
+
+
+class CountedGlobalStarts:
+    """Counts the engine's GlobalStart records (the global generators' states around a half)."""
+
+    def __init__(self, monkeypatch):
+        self.starts = []
+        starts = self.starts
+
+        class Counted(engine.replay.GlobalStart):
+            def __init__(self):
+                super().__init__()
+                starts.append(self)
+
+        monkeypatch.setattr(engine.replay, "GlobalStart", Counted)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["float", "exact"])
+def test_draws_the_routing_cannot_reach_replay_from_the_global_start(seeded, exact, monkeypatch):
+    """A half drawing inside a custom op (the global generator moves under the routed half) is
+    recorded by the global generators' start while it keeps moving, its routed draws still from its
+    own generators: gradients match plain autograd (exact: bitwise, no checksum error)."""
+    dtype = torch.float32 if exact else torch.float64
+    counted = CountedGlobalStarts(monkeypatch)
+    torch.manual_seed(seeded)
+    stack = ReversibleStack([ReversibleBlock(EscapingHalf(DIM, dtype), NoisyHalf(DIM, dtype, None))
+                             for _ in range(2)], exact=exact).train()
+    x = torch.randn(2, 3, DIM, dtype=dtype, requires_grad=True)
+    for step in range(3):
+        counted.starts.clear()
+        torch.manual_seed(seeded + 1 + step)
+        got = grads_of(stack, x, lambda: loss_of(stack(x)))
+        torch.manual_seed(seeded + 1 + step)
+        reference = rounded_forward(stack, x, 16) if exact else plain_forward(stack, x)
+        want = grads_of(stack, x, lambda: loss_of(reference))
+        if exact:
+            assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        else:
+            assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+        assert len(counted.starts) == (4 if step == 0 else 2), step  # the probe: all; then the escaping F's
+
+
+def test_a_half_another_thread_drew_under_in_the_probe_goes_back_to_its_own_generators(seeded, monkeypatch):
+    """Another thread drawing while the probe runs a half looks like an escaped draw: the half is
+    checked again in the next forward, and back on its own generators alone once the global
+    generator stays still under it, where other threads drawing in the recompute change nothing."""
+    counted = CountedGlobalStarts(monkeypatch)
+    torch.manual_seed(seeded)
+    halves = [NoisyHalf(DIM, torch.float64, "probe, recompute") for _ in range(4)]
+    stack = ReversibleStack([ReversibleBlock(halves[2 * i], halves[2 * i + 1]) for i in range(2)],
+                            exact=False).train()
+    x = torch.randn(2, 3, DIM, dtype=torch.float64, requires_grad=True)
+    counts = []
+    for _ in range(3):
+        counted.starts.clear()
+        loss_of(stack(x)).backward()
+        counts.append(len(counted.starts))
+    assert counts == [4, 4, 0]
+    for half in halves:  # per step: the forward's noise, then the recompute's
+        assert all(torch.equal(half.noises[i], half.noises[i + 1]) for i in (0, 2, 4))
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["float", "exact"])

@@ -65,10 +65,10 @@ def test_draws_asking_for_the_half_generator_need_no_routing(seeded):
     assert half_generator(x.device) is None  # outside a half: the global generator
     before = torch.get_rng_state()
     states = []
-    with HalfRandomness.recorded(states, routed=False):
+    with HalfRandomness.recorded(states, "own"):
         out = x.bernoulli_(0.5, generator=half_generator(x.device)).clone()
     (draws,) = states
-    assert not draws.routed
+    assert draws.kind == "own"
     torch.set_rng_state(before)
     assert torch.equal(torch.empty(50).bernoulli_(0.5), out)
     torch.rand(9)

@@ -79,7 +79,7 @@ class LayerPlan:
                               if m._buffers.get(name) is not None]
         halves = layer.coupling_halves() if self.is_block else (None, None)
         self.cond_f, self.cond_g = takes_cond(halves[0]), takes_cond(halves[1])
-        self.draws = None  # how F and G draw (False, "own" or "routed": segment._recording), once probed
+        self.draws = None  # how F and G draw (False, "own", "routed" or "global": segment._recording), once probed
 
     def parameters(self):
         return list(self.layer.parameters()) if self.params is None else self.params

@@ -126,13 +126,67 @@ def _with_global_generator(device, generator, func, args, kwargs):
         default.set_state(saved)
 
 
+def _set_generator(target: torch.Generator, state: torch.Generator, device: torch.device):
+    if device.type == "cuda":  # graph-safe (the snapshot is not shared: it may be set again)
+        target.graphsafe_set_state(state.clone_state())
+    else:
+        target.set_state(state.get_state())
+
+
+class GlobalStart:
+    """The global generators' states at a half's start (the CPU's, and the current CUDA device's once
+    CUDA is initialised): the replay of draws the routing cannot reach, as the state tape before
+    the half's own generators did. A random op with no random tag that draws from the global
+    generator inside (a custom op or extension kernel: flash-attn's dropout) passes the routing
+    mode; the probe sees the global generator move under a routed half and records such a half
+    this way (its routed draws still from its own generators) for as long as it keeps moving. The
+    escaped draws are not safe against another thread drawing during the step."""
+
+    def __init__(self):
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            devices.append(torch.device("cuda", torch.cuda.current_device()))
+        self.states = {device: default_generator(device).clone_state() for device in devices}
+
+    def moved(self) -> bool:
+        """Whether a global generator drew since (compares the states on the host: the probe, and each
+        forward of a half seen escaping, only)."""
+        for device, state in self.states.items():
+            now = default_generator(device)
+            if device.type == "cuda":
+                if (now.initial_seed(), now.get_offset()) != (state.initial_seed(), state.get_offset()):
+                    return True
+            elif not torch.equal(now.get_state(), state.get_state()):
+                return True
+        return False
+
+    @contextlib.contextmanager
+    def replayed(self):
+        """The global generators at the recorded start for the recompute, the caller's restored after."""
+        saved = {device: default_generator(device).clone_state() for device in self.states}
+        for device, state in self.states.items():
+            _set_generator(default_generator(device), state, device)
+        try:
+            yield
+        finally:
+            for device, state in saved.items():
+                _set_generator(default_generator(device), state, device)
+
+
 @dataclass(frozen=True)
 class HalfDraws:
-    """What one half call drew: its generators' start states, and whether its draws needed routing
-    (code that draws with no generator) or all asked for the half's (``halves.randomness``)."""
+    """What one half call drew: its generators' start states, whether its draws needed routing (code
+    that draws with no generator) or all asked for the half's (``halves.randomness``), and the global
+    generators' start when some draws escaped the routing (:class:`GlobalStart`)."""
 
     start: dict
     routed: bool
+    global_start: GlobalStart | None = None
+
+    @property
+    def kind(self) -> str:
+        """How later forwards record the half: "global", "routed" or "own"."""
+        return "global" if self.global_start is not None else "routed" if self.routed else "own"
 
 
 class HalfRandomness:
@@ -143,24 +197,34 @@ class HalfRandomness:
     run); :meth:`replayed` runs the recompute from the recorded start. Which halves draw, and how,
     is probed once (the stack's plan keeps it): a half known to draw nothing runs as it is and
     records nothing (a step of a stack whose halves draw nothing reads no RNG state), one whose
-    draws all ask for the half's generator runs with no routing mode.
+    draws all ask for the half's generator runs with no routing mode, one whose draws escaped the
+    routing is recorded by the global generators' state (:class:`GlobalStart`).
     """
 
     @staticmethod
     @contextlib.contextmanager
-    def recorded(sink: list, routed: bool = True):
+    def recorded(sink: list, kind: str | None = None):
         """Run a half's forward; appends to ``sink`` its :class:`HalfDraws` (None: it drew nothing).
-        ``routed``: route the random ops that take no generator (False: the half is known not to run any)."""
+        ``kind``: how the half draws, from an earlier probe (:attr:`HalfDraws.kind`), or None: probe."""
+        # The probe, and every forward of a half seen escaping, compare the global generators' states
+        # around the half: another thread drawing during the half looks the same as an escape, so a
+        # half is recorded by its global start only while the global generator keeps moving under it.
+        global_start = GlobalStart() if kind is None or kind == "global" else None
+        routed = kind != "own"
         with HalfGenerators() as half, (_RoutedToHalf(half) if routed else _NO_ROUTING) as mode:
             yield
+        escaped = global_start is not None and global_start.moved()
         half.advance_source()
-        sink.append(HalfDraws(half.start, routed and mode.routed) if half.start else None)
+        drew = half.start or escaped
+        sink.append(HalfDraws(half.start, routed and mode.routed, global_start if escaped else None) if drew else None)
 
     @staticmethod
     def replayed(draws: HalfDraws | None):
         """Run a half's recompute drawing the forward's numbers (``draws`` None: it draws nothing)."""
         if draws is None:
             return _NO_ROUTING
+        if draws.global_start is not None:
+            return _replayed_with_global_start(draws)
         half = HalfGenerators(draws.start)
         return _routed(half) if draws.routed else half
 
@@ -169,6 +233,13 @@ class HalfRandomness:
 def _routed(half: HalfGenerators):
     with half, _RoutedToHalf(half):
         yield
+
+
+@contextlib.contextmanager
+def _replayed_with_global_start(draws: HalfDraws):
+    with draws.global_start.replayed(), HalfGenerators(draws.start) as half:
+        with _RoutedToHalf(half) if draws.routed else _NO_ROUTING:
+            yield
 
 
 _NO_ROUTING = contextlib.nullcontext()

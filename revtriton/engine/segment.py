@@ -150,8 +150,8 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                     y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
                 state_g = states.pop() if states else None
                 _check_input_untouched(x, version, "G", index)
-                if draws is None and lp is not None:  # probed: later forwards record as the halves drew
-                    lp.draws = (_draw_kind(state_f), _draw_kind(state_g))
+                if lp is not None and (draws is None or "global" in draws):  # probed: later forwards
+                    lp.draws = (_draw_kind(state_f), _draw_kind(state_g))  # record as the halves drew
                 if check_captured:
                     for half, port in (("F", port_f), ("G", port_g)):
                         if port is not None:
@@ -189,16 +189,17 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
 
 def _recording(draws, half: int, states: list):
     """The context a half's forward runs in: ``draws`` is the plan's (kind of F, kind of G), or None
-    (not known yet: probe with routing); a kind is False (draws nothing), "own" (asks for the half's
-    generator: halves.randomness) or "routed" (draws with no generator: the routing mode)."""
+    (not known yet: probe); a kind is False (draws nothing), "own" (asks for the half's generator:
+    halves.randomness), "routed" (draws with no generator: the routing mode) or "global" (draws the
+    routing cannot reach: replayed from the global generators' state, engine.replay.GlobalStart)."""
     if draws is None:
         return HalfRandomness.recorded(states)
     kind = draws[half]
-    return HalfRandomness.recorded(states, routed=kind == "routed") if kind else _NO_DRAWS
+    return HalfRandomness.recorded(states, kind) if kind else _NO_DRAWS
 
 
 def _draw_kind(recorded) -> bool | str:
-    return False if recorded is None else "routed" if recorded.routed else "own"
+    return False if recorded is None else recorded.kind
 
 
 def _index_low_bits(low_bits: list):
