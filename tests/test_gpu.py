@@ -238,6 +238,53 @@ def test_a_deferred_training_step_makes_no_host_sync(schedule, exact, dropout):
             revtriton.check_step()
 
 
+@pytest.mark.parametrize("halves", ["dropout", "drop-path"])
+def test_another_thread_drawing_cuda_numbers_in_the_recompute_changes_no_gradient(halves):
+    """Issue 45 step 3 on the GPU: nn.Dropout (native_dropout: the global CUDA generator swapped for
+    the half's, graph-safely) and revtriton's drop-path (the half's generator asked for) replay the
+    forward's masks while another thread draws CUDA random numbers before each recompute."""
+    import threading
+
+    from revtriton import engine
+
+    def steps(other_thread, monkeypatch):
+        real = engine.segment.couple_half
+
+        def couple_half(*args, **kwargs):
+            if other_thread and torch.is_grad_enabled():
+                thread = threading.Thread(target=lambda: torch.rand(1000, device="cuda"))
+                thread.start()
+                thread.join()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.segment, "couple_half", couple_half)
+        torch.manual_seed(0)
+        if halves == "dropout":
+            blocks = [ReversibleBlock(nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256), nn.Dropout(0.3)),
+                                      nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256), nn.Dropout(0.3)))
+                      for _ in range(3)]
+        else:
+            blocks = [ReversibleBlock(LayerNormAttention(256, 4, drop_path=0.5), LayerNormMLP(256, 512, drop_path=0.5))
+                      for _ in range(3)]
+        stack = ReversibleStack(blocks).cuda().train()
+        x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
+        grads = []
+        for step in range(2):
+            torch.manual_seed(1 + step)
+            stack.zero_grad(set_to_none=True)
+            x.grad = None
+            stack(x).square().mean().backward()
+            grads.append([x.grad] + [p.grad for p in stack.parameters()])
+        return grads
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        alone = steps(False, monkeypatch)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        with_thread = steps(True, monkeypatch)
+    for a, b in zip(alone, with_thread):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
 # --------------------------------------------------------------------------------------------
 # Issue 19: the dispatcher's measured choice (fused Triton vs cuBLAS + SDPA) on this GPU
 
