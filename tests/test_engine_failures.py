@@ -272,6 +272,37 @@ def test_rebuild_leaves_buffers_as_the_forward_left_them(exact, schedule, depth)
         assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip([got[0]] + got[1], [want[0]] + want[1]))
 
 
+class SpectralNormHalf(nn.Module):
+    """A half whose forward reads buffers it then updates in place: spectral_norm's power iteration
+    (its u and v vectors move one iteration in every training forward, and the weight is divided by
+    the sigma they give). Issue 39, case 1: the rebuild ran one more iteration (2.6e-2 off)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_rebuild_reads_the_buffers_the_forward_read(exact, schedule, depth):
+    stack = stack_of([ReversibleBlock(SpectralNormHalf(DIM), BatchNormHalf(DIM)) for _ in range(depth)], exact, schedule)
+    twin = twin_of(stack)
+    x = torch.randn(16, DIM, dtype=dtype_of(exact), requires_grad=True)
+    for _ in range(3):  # the first step finds the buffers the forward updates, later ones copy only those
+        got = grads_of(stack, x, lambda: loss_of(stack(x)))
+        want = grads_of(twin, x, lambda: loss_of(twin(x)))
+        if exact:
+            assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        else:
+            assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip([got[0]] + got[1], [want[0]] + want[1]))
+    for (name, a), b in zip(stack.named_buffers(), twin.buffers()):
+        assert torch.equal(a, b), name
+
+
 # -- 10. torch.autograd.grad(loss, x) ----------------------------------------------------------------
 
 

@@ -292,6 +292,11 @@ MUTANTS = [
            'if lp is not None and (draws is None or "global" in draws):', "if lp is not None and draws is None:",
            ("tests/test_engine.py", "-k", "goes_back"),
            "a half another thread drew under during the probe keeps the global-start record for good"),
+    Mutant("rebuild-reads-the-buffers-as-the-forward-left-them", "revtriton/engine/state.py",
+           "        m._buffers[name] = (buffer if start is None else start).clone()",
+           "        m._buffers[name] = buffer.clone()",
+           ("tests/test_engine_failures.py", "-k", "reads_the_buffers"),
+           "the rebuild reads spectral_norm's vectors after the forward's power iteration: one iteration more"),
     # ---- the sequential backward's memory (issue 20)
     Mutant("sequential-rebuilds-both-halves-first", "revtriton/engine/segment.py",
            "            grads, self._owned = self._block_grads(rb, dy1, dy2, owned,\n"

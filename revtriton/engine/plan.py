@@ -61,7 +61,7 @@ class LayerPlan:
     """One layer of a segment as the engine uses it."""
 
     __slots__ = ("layer", "is_block", "coupling", "fsdp", "params", "modules", "buffers", "running_stats",
-                 "cond_f", "cond_g", "draws")
+                 "bumped", "cond_f", "cond_g", "draws")
 
     def __init__(self, layer):
         self.layer = layer
@@ -77,6 +77,7 @@ class LayerPlan:
                               if isinstance(m, _NormBase) and m.training and m.track_running_stats
                               for name in ("running_mean", "running_var", "num_batches_tracked")
                               if m._buffers.get(name) is not None]
+        self.bumped = None  # the (module, name) of buffers a recording forward updated in place, once seen
         halves = layer.coupling_halves() if self.is_block else (None, None)
         self.cond_f, self.cond_g = takes_cond(halves[0]), takes_cond(halves[1])
         self.draws = None  # how F and G draw (False, "own", "routed" or "global": segment._recording), once probed

@@ -21,8 +21,8 @@ from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .plan import SegmentPlan
 from .replay import AutocastState, HalfRandomness
-from .state import (StateWatch, _buffer_versions, _check_input_untouched, _scratch_buffers, _updated_buffers,
-                    _version_of)
+from .state import (StateWatch, _buffer_starts, _buffer_versions, _check_input_untouched, _scratch_buffers,
+                    _updated_buffers, _version_of)
 
 _engine = torch.autograd.Variable._execution_engine
 _NO_SCRATCH = contextlib.nullcontext()
@@ -79,7 +79,7 @@ class SegmentRun:
     trace: ScheduleTrace | None = None
     checks: StepChecks | None = None
     watch: StateWatch | None = None  # modes and parameter versions at forward (set when a graph is recorded)
-    updated_buffers: dict = field(default_factory=dict)  # layer -> [(module, name)] the forward updated
+    updated_buffers: dict = field(default_factory=dict)  # layer -> [(module, name, start)] the forward updated
     grad_anchor: torch.Tensor | None = None  # the segment node's requires-grad dummy input
     param_ids: frozenset = frozenset()  # ids of the layers' parameters at forward (for the captured-tensor check)
     cond_is_tuple: bool = False  # the conditioning was given as a tuple of tensors (else one tensor)
@@ -118,6 +118,7 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             anchors += [s1, s2]
         buffers = run.watch.buffers[i] if record and run.watch is not None else ()
         versions = _buffer_versions(buffers) if buffers else ()
+        starts = _buffer_starts(buffers, lp.bumped if lp is not None else None) if buffers else ()
         if lp.is_block if lp is not None else is_reversible_block(layer):
             hooks = BlockHooks.of(layer)
             if hooks is not None and hooks.has_forward:
@@ -178,8 +179,11 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             if check_captured and (s1.requires_grad or s2.requires_grad):
                 raise RuntimeError(captured_tensor_message(f"layer {index}"))
         if buffers:
-            updated = run.watch.running_stats[i] + [entry for entry in _updated_buffers(buffers, versions)
-                                                    if entry not in run.watch.running_stats[i]]
+            bumped = _updated_buffers(buffers, versions, starts)
+            if lp is not None:  # later forwards copy only these before the layer runs
+                lp.bumped = (lp.bumped or set()) | {(m, name) for m, name, _ in bumped}
+            stats = run.watch.running_stats[i]
+            updated = [(m, name, None) for m, name in stats] + [e for e in bumped if (e[0], e[1]) not in stats]
             if updated:
                 run.updated_buffers[i] = updated
         if checksummed:

@@ -80,22 +80,33 @@ def _buffer_versions(buffers):
     return [b._version for _, _, b in buffers]
 
 
-def _updated_buffers(buffers, versions):
-    """The (module, name) of buffers whose version changed since ``versions`` was taken."""
-    return [(m, name) for (m, name, b), v in zip(buffers, versions) if b._version != v]
+def _buffer_starts(buffers, bumped):
+    """Copies of the buffers a layer's forward may update in place, taken before it runs: the values
+    the forward reads, which its rebuild must read too (spectral_norm's power-iteration vectors, a
+    step counter, an observer's range). ``bumped``: the (module, name) an earlier forward updated, or
+    None (not known yet: all of them, once)."""
+    return [b.clone() if bumped is None or (m, name) in bumped else None for m, name, b in buffers]
+
+
+def _updated_buffers(buffers, versions, starts):
+    """``(module, name, value before the forward or None)`` of the buffers whose version changed since
+    ``versions`` was taken (``starts``: :func:`_buffer_starts`)."""
+    return [(m, name, start) for (m, name, b), v, start in zip(buffers, versions, starts) if b._version != v]
 
 
 @contextlib.contextmanager
 def _scratch_buffers(updated):
-    """Run a rebuild on copies of the buffers its forward updated (BatchNorm's running statistics,
-    num_batches_tracked), so the module's buffers stay as the forward left them."""
-    originals = [(m, name, m._buffers[name]) for m, name in updated]
-    for m, name, buffer in originals:
-        m._buffers[name] = buffer.clone()
+    """Run a rebuild on copies of the buffers its forward updated, so the module's buffers stay as the
+    forward left them. ``updated``: ``(module, name, start)``; a copy of ``start``, the value the
+    forward read, where it was taken (buffers updated with an in-place torch op), else of the buffer
+    as the forward left it (BatchNorm's running statistics, which its training forward does not read)."""
+    originals = [(m, name, m._buffers[name], start) for m, name, start in updated]
+    for m, name, buffer, start in originals:
+        m._buffers[name] = (buffer if start is None else start).clone()
     try:
         yield
     finally:
-        for m, name, buffer in originals:
+        for m, name, buffer, _ in originals:
             m._buffers[name] = buffer
 
 
