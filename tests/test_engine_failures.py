@@ -303,6 +303,39 @@ def test_rebuild_reads_the_buffers_the_forward_read(exact, schedule, depth):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_functional_call_with_a_gradient_wanted_names_the_swapped_parameter(exact, trainable):
+    """Issue 39, case 4: torch.func.functional_call swaps other tensors into the parameter slots for one
+    call; the backward would rebuild with the module's own weights after it (x.grad 0.21 off, the passed
+    weights without gradient). A forward recording a graph raises naming the parameter; under no_grad
+    the call runs the passed weights, as the stored-activation twin does."""
+    stack = stack_of(blocks(3), exact)
+    twin = twin_of(stack)
+    for p in stack.parameters():
+        p.requires_grad_(trainable)
+    weights = {name: (p.detach() * 0.5).requires_grad_(trainable) for name, p in stack.named_parameters()}
+    x = torch.randn(2, 3, DIM, dtype=dtype_of(exact), requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"parameter f\.module\.module\.0\.weight of layer 0 .*functional_call"):
+        torch.func.functional_call(stack, weights, (x,))
+    with torch.no_grad():
+        got = torch.func.functional_call(stack, weights, (x,))
+        want = torch.func.functional_call(twin, weights, (x,))
+        assert not torch.equal(got, stack(x))
+    if exact:
+        assert torch.equal(got, want)
+    else:
+        assert max_rel_error([got], [want]) <= 1e-12
+    # nn.Parameter values pass the forward's check: the backward, after the call, sees the swap
+    parameters = {name: nn.Parameter(w.detach(), requires_grad=trainable) for name, w in weights.items()}
+    out = torch.func.functional_call(stack, parameters, (x,))
+    with pytest.raises(RuntimeError, match=r"parameter f\.module\.module\.0\.weight of layer 0 .*functional_call"):
+        loss_of(out).backward()
+    del out
+    loss_of(stack(x)).backward()  # the module's own weights again: a plain step works
+    assert x.grad is not None
+
+
 # -- 10. torch.autograd.grad(loss, x) ----------------------------------------------------------------
 
 

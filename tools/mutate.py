@@ -297,6 +297,16 @@ MUTANTS = [
            "        m._buffers[name] = buffer.clone()",
            ("tests/test_engine_failures.py", "-k", "reads_the_buffers"),
            "the rebuild reads spectral_norm's vectors after the forward's power iteration: one iteration more"),
+    Mutant("plan-blind-to-swapped-parameter-slots", "revtriton/engine/plan.py",
+           "                and all(m._parameters.get(name) is p for m, name, p in self.parameter_slots))",
+           "                and True)",
+           ("tests/test_engine_failures.py", "-k", "functional_call"),
+           "a plan built before functional_call keeps the module's own tensors: the swapped-in ones go unseen"),
+    Mutant("backward-blind-to-swapped-parameter-slots", "revtriton/engine/state.py",
+           "            if m._parameters.get(name) is not p:  # the forward ran other tensors (functional_call)",
+           "            if False:",
+           ("tests/test_engine_failures.py", "-k", "functional_call"),
+           "the backward after functional_call rebuilds with the module's own weights, silently"),
     # ---- the sequential backward's memory (issue 20)
     Mutant("sequential-rebuilds-both-halves-first", "revtriton/engine/segment.py",
            "            grads, self._owned = self._block_grads(rb, dy1, dy2, owned,\n"

@@ -87,12 +87,23 @@ class LayerPlan:
 
 
 class SegmentPlan:
-    __slots__ = ("first_index", "layers", "captured_checked")
+    __slots__ = ("first_index", "layers", "captured_checked", "parameter_slots")
 
     def __init__(self, first_index, layers):
         self.first_index = first_index
         self.layers = [LayerPlan(layer) for layer in layers]
         self.captured_checked = set()  # (layer, half, key) whose rebuilt graph reached no foreign leaf
+        # Where each parameter is registered, with the tensor there: torch.func.functional_call puts other
+        # tensors there for one call by assigning m._parameters[name] directly, which no registration
+        # hook sees (the plan's validity compares them; the backward checks them against the forward's).
+        self.parameter_slots = [(lp, m, name, p) for lp in self.layers if not lp.fsdp for m in lp.modules
+                                for name, p in m._parameters.items() if p is not None]
+
+    def stateless_parameter(self):
+        """``(layer plan, module, name)`` of a parameter slot holding a tensor that is not an
+        nn.Parameter (only a stateless call such as torch.func.functional_call puts one there), or None."""
+        return next(((lp, m, name) for lp, m, name, p in self.parameter_slots if not isinstance(p, nn.Parameter)),
+                    None)
 
     @property
     def modules(self):
@@ -135,6 +146,8 @@ class StackPlan:
                                   if value is None or isinstance(value, torch.Tensor)]
         self.first_param = next(stack.parameters(), None)
         self.signature = self._signature()
+        self.parameter_slots = [(m, name, p) for kind, _, part in self.parts if kind == "segment"
+                                for _, m, name, p in part.parameter_slots]
 
     def _signature(self):
         modules = self.modules
@@ -144,7 +157,8 @@ class StackPlan:
                 [_tensor_identity(getattr(m, name, None)) for m, name in self.tensor_attributes])
 
     def valid(self) -> bool:
-        return self.epoch == structure_epoch and self._signature() == self.signature
+        return (self.epoch == structure_epoch and self._signature() == self.signature
+                and all(m._parameters.get(name) is p for m, name, p in self.parameter_slots))
 
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

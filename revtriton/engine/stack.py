@@ -18,7 +18,7 @@ from .plan import plan_of
 from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
 from .replay import AutocastState, _rng_devices
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
-from .state import StateWatch
+from .state import StateWatch, swapped_parameter_message
 
 
 READOUTS = ("mean", "first", "second")
@@ -272,6 +272,9 @@ class ReversibleStack(nn.Module):
             y1, y2, _, _ = _segment_forward(run, s1, s2, record=False, cond=cond,
                                             check_captured=torch.is_grad_enabled())
             return fmt.value(y1), fmt.value(y2), False
+        stateless = plan.stateless_parameter()
+        if stateless is not None:
+            raise RuntimeError(swapped_parameter_message(plan, *stateless))
         # A requires-grad dummy input makes autograd record the node even when x needs no grad
         # (frozen embeddings, LoRA): otherwise the blocks' parameters would silently get no grads.
         grad_anchor = torch.empty(0, device=x1.device, requires_grad=True)

@@ -16,6 +16,20 @@ def _is_dtensor(tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
+def swapped_parameter_message(plan, layer_plan, module, name) -> str:
+    """The error of a parameter slot holding another tensor for one call (``plan``: the SegmentPlan)."""
+    index = plan.first_index + plan.layers.index(layer_plan)
+    where = next((n for n, m in layer_plan.layer.named_modules() if m is module), "")
+    qualified = f"{where}.{name}" if where else name
+    return (f"revtriton: parameter {qualified} of layer {index} is not the tensor its module registered: another "
+            f"tensor was put in its place for one call (torch.func.functional_call or another stateless "
+            f"reparametrization). A reversible stack's backward runs its layers again after that call has put "
+            f"the module's own parameters back, so it would differentiate other weights, and the swapped-in "
+            f"tensors would get no gradient. Load the weights into the stack for the forward and the backward "
+            f"(stack.load_state_dict(weights), or torch.nn.utils.swap_tensors), or run the forward under "
+            f"torch.no_grad() when no gradient is wanted.")
+
+
 class StateWatch:
     """What a segment's backward needs unchanged since the forward, recorded as host-side ints.
 
@@ -32,6 +46,7 @@ class StateWatch:
         """``plan``: the segment's :class:`~revtriton.engine.plan.SegmentPlan` (its layers' modules and
         buffers, listed once per structure); ``params``: each layer's parameters, if the caller listed
         them already."""
+        self.plan = plan
         self.layers, self.first_index = plan.modules, plan.first_index
         self.params = params if params is not None else [lp.parameters() for lp in plan.layers]
         self.modes = [(i, module, module.training) for i, lp in enumerate(plan.layers) for module in lp.modules]
@@ -53,6 +68,9 @@ class StateWatch:
 
     def check(self):
         """Raise if a training flag or a parameter changed since the forward."""
+        for lp, m, name, p in self.plan.parameter_slots:
+            if m._parameters.get(name) is not p:  # the forward ran other tensors (functional_call)
+                raise RuntimeError(swapped_parameter_message(self.plan, lp, m, name))
         changed = None
         for i, module, training in self.modes:
             if module.training != training:
