@@ -47,15 +47,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .engine import Coupling, ReversibleStack, block_phase, is_reversible_block
-from .halves.adapter import Adapter
-from .halves.base import half_output
-from .halves.randomness import half_generator
-from .lm_loss import prepare_causal_lm
-from .ops.attention import multi_head_attention_reference, norm_attention_couple
-from .ops.mlp import norm_mlp_couple, swiglu_mlp_couple
-from .ops.reference import packed_segments, rope_inv_freq
-from .ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
+from ..engine import Coupling, ReversibleStack, block_phase, is_reversible_block
+from ..halves.adapter import Adapter
+from ..halves.base import half_output
+from ..halves.randomness import half_generator
+from ..lm_loss import prepare_causal_lm
+from ..ops.attention import multi_head_attention_reference, norm_attention_couple
+from ..ops.mlp import norm_mlp_couple, swiglu_mlp_couple
+from ..ops.reference import packed_segments, rope_inv_freq
+from ..ops.streams import MAX_SCALE_SHIFT, couple_output, from_fixed, to_fixed
 
 SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
              "transformers GPT2LMHeadModel", "transformers GPT2Model",
