@@ -109,12 +109,6 @@ class SegmentPlan:
     def modules(self):
         return [layer.layer for layer in self.layers]
 
-    def draws_known(self) -> bool:
-        return all(lp.draws is not None for lp in self.layers if lp.is_block)
-
-    def draws_any(self) -> bool:
-        return any(any(lp.draws) for lp in self.layers if lp.is_block and lp.draws is not None)
-
 
 class StackPlan:
     """The segments of a stack (``("segment", first_index, SegmentPlan)`` or ``("transition", index,

@@ -11,11 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..halves.randomness import HalfGenerators, default_generator, device_key
 
 
-def _rng_devices(tensor: torch.Tensor):
-    """The devices besides the CPU whose generators ``torch.random.fork_rng`` must keep for ``tensor``."""
-    return [tensor.device] if tensor.is_cuda else []
-
-
 _PASS = "pass"
 _ROUTES: dict = {}  # aten overload -> _PASS, a _Swap or the overload that takes ``generator``
 

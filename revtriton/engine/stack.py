@@ -16,7 +16,7 @@ from .checks import StepChecks, deferring, resolve_leftovers
 from .guards import ForwardGuards, StreamFormat, out_of_range
 from .plan import plan_of
 from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
-from .replay import AutocastState, _rng_devices
+from .replay import AutocastState
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
 from .state import StateWatch, swapped_parameter_message
 
@@ -329,7 +329,7 @@ class ReversibleStack(nn.Module):
             return None, -1
         peaks = [torch.maximum(x1.abs().amax(), x2.abs().amax()).float()]
         saved_buffers = [(b, b.clone()) for b in self.buffers()]
-        with torch.random.fork_rng(devices=_rng_devices(x1)):
+        with torch.random.fork_rng(devices=[x1.device] if x1.is_cuda else []):
             for layer in self:
                 if is_reversible_block(layer):
 
