@@ -184,11 +184,11 @@ def test_heads_and_the_base_model_convert(seeded, monkeypatch):
     """Any head (a sequence classifier here) and the base model alone: the encoder's layers become one
     stack, training runs, inference runs the fused halves (an encoder has no decoding path), and a
     half called alone is the layer's own branch (no mask)."""
-    import revtriton.convert
+    import revtriton.convert.encoder
 
     fused_calls = []
-    real = revtriton.convert.norm_attention_couple
-    monkeypatch.setattr(revtriton.convert, "norm_attention_couple",
+    real = revtriton.convert.encoder.norm_attention_couple
+    monkeypatch.setattr(revtriton.convert.encoder, "norm_attention_couple",
                         lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     config = hf_roberta_pre(seeded).config
     classifier = revify(transformers.RobertaPreLayerNormForSequenceClassification(config)).train()

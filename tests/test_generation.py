@@ -109,9 +109,9 @@ def test_the_default_use_cache_returns_a_cache_to_continue_from(seeded):
         step = model(input_ids=ids[:, 7:], past_key_values=prefix.past_key_values).logits
     torch.testing.assert_close(step, whole[:, 7:], rtol=0, atol=5e-4)
     assert model(input_ids=ids).past_key_values is None  # with grad
-    import revtriton.convert
+    import revtriton.convert.host
 
-    revtriton.convert._warned_grad_cache.clear()
+    revtriton.convert.host._warned_grad_cache.clear()
     with pytest.warns(UserWarning, match="returns no KV cache with grad enabled"):
         model(input_ids=ids, use_cache=True)
 

@@ -120,7 +120,7 @@ def test_the_library_masks_each_layer_by_its_attention_kind(seeded):
 
 
 def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
-    from revtriton.convert import _HOST_CALL, _HostCall
+    from revtriton.convert.host import _HOST_CALL, _HostCall
 
     model = revify(hf_llama(seeded), exact=False).eval()
 
@@ -427,11 +427,11 @@ def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     pixels = torch.randn(2, 3, 32, 32)
     mask = torch.ones(2, 17, dtype=torch.long)
     mask[1, 5:] = 0  # the second image attends to its first 4 patches (and the class token) only
-    import revtriton.convert
+    import revtriton.convert.hf_vit
 
     fused_calls = []
-    real = revtriton.convert.norm_attention_couple
-    monkeypatch.setattr(revtriton.convert, "norm_attention_couple",
+    real = revtriton.convert.hf_vit.norm_attention_couple
+    monkeypatch.setattr(revtriton.convert.hf_vit, "norm_attention_couple",
                         lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     with torch.no_grad():
         theirs = original(pixel_values=pixels, attention_mask=mask).logits

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from revtriton.convert import _parallel_residual, revify
+from revtriton.convert import revify
+from revtriton.convert.core import _parallel_residual
 from revtriton.engine import ReversibleStack
 from revtriton.models import to_stored_activations
 

@@ -1,0 +1,294 @@
+"""The shared mechanism of a conversion: the swapped block classes (reversible and ordinary), the
+coupling halves over a block's own weights (:class:`_Half`), the block list replaced by a
+:class:`~revtriton.engine.ReversibleStack`, and the small readers every family uses (dropouts,
+norms, activations, RoPE). Family modules (``llama``, ``gpt2``, ...) build on this one."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..engine import ReversibleStack, block_phase
+from ..ops.reference import rope_inv_freq
+from ..ops.streams import couple_output
+from .preserve import _add_adapters, _Conversion, _SublayerWithAdapter, _WholeLayer
+
+
+class _RevifiedBlock:
+    """Mixin of a block inside a revified model: offers coupling halves, refuses per-block calls.
+
+    Keeps the library's class name (pickled as ``Revified<name>``): wrap policies find layers by it
+    (accelerate's FSDP2 ``transformer_based_wrap`` reads the model's ``_no_split_modules`` names and
+    silently shards nothing per layer when no module has that name)."""
+
+    _half_classes: tuple = ()
+    _keeps_class_name = True
+
+    def coupling_halves(self):
+        attention, mlp = (cls(self) for cls in self._half_classes)
+        mode = getattr(self, "_revtriton_preserve", None)
+        if mode is None:
+            return attention, mlp
+        adapters = self.revtriton_adapters
+        parallel = _parallel_residual(self)
+        if mode == "meft1":
+            return _WholeLayer(attention, mlp, adapters["f"], parallel), adapters["g"]
+        if mode == "meft2":
+            return adapters["f"], _WholeLayer(attention, mlp, parallel=parallel)
+        return _SublayerWithAdapter(attention, adapters["f"]), _SublayerWithAdapter(mlp, adapters["g"])
+
+    def reversible_phase(self, work, *tensors):
+        """One use of the halves by the stack as one hookable call (FSDP2), as ReversibleBlock."""
+        return block_phase(self, work, *tensors)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} is a block of a ReversibleStack made by revtriton.revify and runs only inside "
+            f"the stack; per-block calls (attention masks, is_causal, gradient checkpointing) are not supported"
+        )
+
+
+class _OrdinaryBlock:
+    """Mixin of one of the top blocks that ``ordinary_top`` leaves ordinary: the pretrained layer,
+    ``x + A(x)`` then ``+ M(...)``, a stage transition of the stack (stored activations)."""
+
+    _half_classes: tuple = ()
+    _class_prefix = "RevifiedOrdinary"
+    _keeps_class_name = True  # as _RevifiedBlock: found by the library's layer name
+
+    def forward(self, x, cond=None):  # cond: a Hugging Face model's layer inputs (see _pack_host_cond)
+        attention, mlp = (cls(self) for cls in self._half_classes)
+        return _WholeLayer(attention, mlp, parallel=_parallel_residual(self))(x, cond)
+
+
+def _host_block_mixins(halves: tuple, prefix: str = "RevifiedHost") -> tuple:
+    """A family's reversible and ordinary block mixins (the swapped classes pickle by their names,
+    ``<prefix><layer class>`` and ``<prefix>Ordinary<layer class>``)."""
+    reversible = type("_HostBlock", (_RevifiedBlock,), dict(_half_classes=halves, _class_prefix=prefix))
+    ordinary = type("_HostOrdinaryBlock", (_OrdinaryBlock,), dict(_half_classes=halves,
+                                                                   _class_prefix=f"{prefix}Ordinary"))
+    return reversible, ordinary
+
+
+def _parallel_residual(block) -> bool:
+    """A parallel residual, ``x + A(x) + M(x)``: GPT-NeoX's (an attribute of its layers), GPT-J's."""
+    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))
+
+
+def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins, base):
+    """Swap each block's class (reversible, or ordinary for the top ``ordinary_top``), add the preserve
+    mode's adapters and couplings, and replace the block list by a ReversibleStack."""
+    blocks = getattr(owner, attribute)
+    if isinstance(blocks, ReversibleStack):
+        raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
+    if conversion.ordinary_top >= len(blocks):
+        raise ValueError(f"ordinary_top={conversion.ordinary_top} leaves no reversible block of {len(blocks)}")
+    reversible, ordinary = mixins
+    first_ordinary = len(blocks) - conversion.ordinary_top
+    coupling = conversion.coupling()
+    for i, block in enumerate(blocks):
+        if i >= first_ordinary:
+            _swap_class(block, ordinary, *base)
+            continue
+        _swap_class(block, reversible, *base)
+        if coupling is not None:
+            block._revtriton_preserve = conversion.preserve
+            block.coupling = coupling
+            _add_adapters(block, dim, conversion)
+    setattr(owner, attribute, ReversibleStack(list(blocks), **conversion.stack_options()))
+
+
+# Swapped classes pickle as attributes of the package (``revtriton.convert.<name>``), wherever the
+# mixin that made them lives: the package's module hook finds them (or rebuilds them in a fresh
+# process from its registry), so pickles stay valid when code moves between its modules.
+SWAPPED_MODULE = "revtriton.convert"
+_swapped = {}  # (library class, mixin) -> swapped class
+_named = {}  # name -> swapped class of a model's own class (not a subclass of it), made in this process
+
+
+def _swapped_class(name: str, mixin: type, cls: type) -> type:
+    """The class ``mixin + cls``, found by pickle as ``revtriton.convert.<name>`` (its ``__qualname__``,
+    :data:`SWAPPED_MODULE`).
+
+    A mixin with ``_keeps_class_name`` keeps ``cls.__name__`` (Hugging Face writes a model's class
+    name into the saved config's ``architectures``).
+    """
+    new_cls = type(name, (mixin, cls), {"__module__": SWAPPED_MODULE, "__qualname__": name})
+    if getattr(mixin, "_keeps_class_name", False):
+        new_cls.__name__ = cls.__name__
+    return new_cls
+
+
+def _swap_class(module: nn.Module, mixin: type, base_module: str, base_name: str):
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    name = f"{getattr(mixin, '_class_prefix', 'Revified')}{cls.__name__}"
+    if (cls, mixin) not in _swapped:
+        new_cls = _swapped_class(name, mixin, cls)
+        _swapped[(cls, mixin)] = new_cls
+        if cls.__name__ == base_name and cls.__module__ == base_module:
+            _named[name] = new_cls
+    module.__class__ = _swapped[(cls, mixin)]
+
+
+class _Half:
+    """A coupling half over a block's own weights (not an nn.Module: the block keeps them).
+
+    Two paths with the same math: ``_fused`` hands the raw weights to the ops layer (fused
+    Triton kernels on CUDA, the pure-torch reference elsewhere); ``_modules`` calls the block's
+    own submodules. The module path runs when dropout is active in training or when a
+    projection is not a plain layer (a PEFT/LoRA wrapper, a quantized linear), so adapters
+    are never bypassed. Halves that take the model's layer inputs as conditioning (a Hugging
+    Face model's attention, EVA's) override ``couple`` / ``__call__``; here ``cond`` is None.
+    """
+
+    takes_cond = False  # the attention halves of Hugging Face models and EVA: True (see _pack_host_cond)
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def parameters(self):  # the block's (what the engine reads a stream's value dtype from)
+        return self.block.parameters()
+
+    def _projections(self):  # the modules whose raw weights the fused path reads
+        return ()
+
+    def _dropouts(self):  # the dropout probabilities the fused path cannot apply
+        return ()
+
+    def _use_modules(self, x) -> bool:
+        if self.block.training and any(p > 0 for p in self._dropouts()):
+            return True
+        return self._beyond_fused(x) or not all(_is_plain_projection(m) for m in self._projections())
+
+    def _beyond_fused(self, x) -> bool:  # a feature of the block the fused kernels do not have
+        return False
+
+    def _fused(self, res, x, sign, frac_bits):
+        raise NotImplementedError
+
+    def _modules(self, x):  # H(x) through the block's submodules
+        raise NotImplementedError
+
+    def _input(self, x, weight):
+        # Compute in the block's dtype when the stack's input has another (fp32 inputs to a bf16 block);
+        # weight None: a norm without one (OLMo's), the projections then cast as they do.
+        return x if weight is None or x.dtype == weight.dtype else x.to(weight.dtype)
+
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        if self._use_modules(x):
+            return couple_output(res, self._modules(x), sign, frac_bits)
+        return self._fused(res, x, sign, frac_bits)
+
+    def __call__(self, x, cond=None):
+        """H(x) with plain autograd (used by stored-activation twins)."""
+        if self._use_modules(x):
+            return self._modules(x)
+        return self._fused(torch.zeros_like(x), x, +1, None)[0]
+
+
+def _is_plain_projection(module) -> bool:
+    """A projection the fused kernels compute: nn.Linear, or transformers' Conv1D (GPT-2's; its class
+    is found where it lives, so an unpickled model in a fresh process, which converted nothing, runs
+    the fused halves as the one that converted it did)."""
+    if type(module) is nn.Linear:
+        return True
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")  # imported wherever a Conv1D exists
+    return pytorch_utils is not None and type(module) is getattr(pytorch_utils, "Conv1D", None)
+
+
+def _layout_options(layout) -> dict:
+    """norm_attention_couple's options of a token layout ``(positions, segments)`` (none without one)."""
+    return {} if layout is None else dict(positions=layout[0], segments=layout[1])
+
+
+def _p(dropout) -> float:  # an nn.Dropout, a probability (GPTBigCode's attention keeps a float), or None
+    if isinstance(dropout, (int, float)):
+        return float(dropout)
+    return float(getattr(dropout, "p", 0.0) or 0.0)
+
+
+# Hugging Face activation names -> the fused MLP's (GPT-2's activation_function, ViT's hidden_act).
+_HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _norm_eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def _residual_dropout(block, name):
+    """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
+    dropout), or Identity where the block has none."""
+    return getattr(block, name, None) or nn.Identity()
+
+
+# RoPE variants whose frequencies are fixed when the model is built (the rotary embedding's inv_freq
+# and attention_scaling say it all); "dynamic" and "longrope" change them with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_spec(config, name, base, head_dim) -> dict:
+    """``rope_theta`` and ``rope_module``: None for default RoPE (the fused kernels compute it from
+    theta), else the model's rotary embedding, whose scaled frequencies the library path reads;
+    ``library_rope``: RoPE only the model's own rotary embedding and attention compute (dynamic /
+    longrope scaling, partial rotary), on the library path."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None and (rope_type not in STATIC_ROPE_TYPES or getattr(
+            rotary, "inv_freq", None) is None or rotary.inv_freq.numel() * 2 != head_dim):
+        return dict(rope_theta=float(params.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
+                    rope_module=rotary, library_rope=True)
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise NotImplementedError(f"revify: {name} RoPE type {rope_type!r} is not supported (supported: "
+                                  f"{', '.join(STATIC_ROPE_TYPES)}; its frequencies change with the sequence length)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise NotImplementedError(f"revify: cannot find rope_theta in the {name} config")
+    theta = float(theta)
+    if rotary is None or getattr(rotary, "inv_freq", None) is None:
+        if rope_type != "default":
+            raise NotImplementedError(f"revify: {name} has RoPE type {rope_type!r} but no rotary_emb.inv_freq to read")
+        return dict(rope_theta=theta, rope_module=None)
+    inv_freq = rotary.inv_freq
+    default = rope_inv_freq(head_dim, theta)
+    if inv_freq.shape != default.shape:
+        raise NotImplementedError(f"revify: {name}'s rotary embedding covers {2 * inv_freq.numel()} of {head_dim} "
+                                  f"head dims (partial rotary is not supported)")
+    is_default = rope_type == "default" and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0 and (
+        inv_freq.device.type == "meta" or torch.allclose(inv_freq.float().cpu(), default, rtol=1e-2))  # bf16 rounds
+    return dict(rope_theta=theta, rope_module=None if is_default else rotary)
+
+
+CHECKPOINTING_MESSAGE = (
+    "revtriton: reversible blocks keep no activations for backward (activation memory does not grow with depth): "
+    "gradient checkpointing is not needed and is not applied")
+
+
+class _NoCheckpointing:
+    """Hugging Face's gradient_checkpointing_enable() (TrainingArguments(gradient_checkpointing=True))
+    on a revified model: a warning instead of a flag that would have the library call the layers one
+    by one (the stack stands in for them)."""
+
+    def gradient_checkpointing_enable(self, *args, **kwargs):
+        import warnings
+
+        warnings.warn(CHECKPOINTING_MESSAGE, stacklevel=2)
+
+    activation_checkpointing_enable = gradient_checkpointing_enable  # its transformers 5 name
+
+
+class _RevifiedLM(_NoCheckpointing):
+    """The top class of a revified Hugging Face model (an LM: generate() as the library's, with its KV
+    cache; a classifier)."""
+
+    _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
+
+
+def _spec_of(block) -> dict:
+    """A converted layer's spec (``_revtriton_spec``: what its halves compute fused, its attention kind,
+    its parts' names), set at conversion; empty for families that keep none."""
+    return getattr(block, "_revtriton_spec", None) or {}

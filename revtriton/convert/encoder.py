@@ -1,0 +1,176 @@
+"""Hugging Face pre-norm encoders (BERT's layer parts, a LayerNorm before each branch).
+
+RoBERTa-PreLayerNorm and XLM-RoBERTa-XL keep BERT's layer parts (``attention.self`` with query /
+key / value, ``attention.output.dense``, ``intermediate.dense`` + activation, ``output.dense``, each
+output adding the residual) and put a LayerNorm before each branch instead of after the residual
+add: ``attention.LayerNorm`` (or ``attention.self_attn_layer_norm``) before attention,
+``intermediate.LayerNorm`` (or the layer's ``LayerNorm``) before the MLP. Admitted by those parts,
+whatever the class, and checked on a probe against each layer's own forward. Positions are
+absolute (added with the embeddings); masks are bidirectional.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.attention import norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout
+from .host import (_first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _pack_host_cond,
+                   _require_hosted_layer_loop)
+from .probe import _probe_layers, _require_layer_loop
+
+
+def _attention_norm(layer):
+    """The LayerNorm before a BERT-style layer's attention branch, or None (BERT itself: post-norm)."""
+    attention = layer.attention
+    for name in ("LayerNorm", "self_attn_layer_norm"):
+        norm = getattr(attention, name, None)
+        if isinstance(norm, nn.LayerNorm):
+            return norm
+    return None
+
+
+def _mlp_norm(layer) -> tuple:
+    """(the LayerNorm before a BERT-style layer's MLP branch or None, whether ``intermediate`` applies it)."""
+    inner = getattr(layer.intermediate, "LayerNorm", None)
+    if isinstance(inner, nn.LayerNorm):
+        return inner, True
+    outer = getattr(layer, "LayerNorm", None)
+    return (outer, False) if isinstance(outer, nn.LayerNorm) else (None, False)
+
+
+class _EncoderAttentionHalf(_Half):
+    takes_cond = True
+
+    def _projections(self):
+        a = self.block.attention
+        return a.self.query, a.self.key, a.self.value, a.output.dense
+
+    def _dropouts(self):
+        a = self.block.attention
+        return _p(getattr(a.self, "dropout", None)), _p(getattr(a.output, "dropout", None))
+
+    def _beyond_fused(self, x):
+        return not self.block._revtriton_spec["fused_attention"]
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        a, norm = self.block.attention, _attention_norm(self.block)
+        s = a.self
+        x = self._input(x, norm.weight)
+        w_qkv = torch.cat([s.query.weight, s.key.weight, s.value.weight])
+        b_qkv = None if s.query.bias is None else torch.cat([s.query.bias, s.key.bias, s.value.bias])
+        segments = None if layout is None else layout[1]  # absolute positions entered with the embeddings
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv,
+                                     a.output.dense.weight, a.output.dense.bias, heads=s.num_attention_heads,
+                                     causal=False, norm="layer", eps=norm.eps, segments=segments)
+
+    def _branch(self, x, mask=None, extra=None):
+        """The layer's own modules: dropout(dense(self-attention(norm(x), mask))), without the residual."""
+        a, norm = self.block.attention, _attention_norm(self.block)
+        x = self._input(x, norm.weight)
+        h = _first(a.self(norm(x), attention_mask=mask, **(extra or {})))
+        return _residual_dropout(a.output, "dropout")(a.output.dense(h))
+
+    def _modules(self, x):  # a half called alone: every row one sequence, no mask
+        return self._branch(x)
+
+
+class _EncoderMlpHalf(_Half):
+    def _projections(self):
+        return self.block.intermediate.dense, self.block.output.dense
+
+    def _dropouts(self):
+        return (_p(getattr(self.block.output, "dropout", None)),)
+
+    def _beyond_fused(self, x):
+        return not self.block._revtriton_spec["fused_mlp"]
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, (norm, _) = self.block, _mlp_norm(self.block)
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, b.intermediate.dense.weight,
+                               b.intermediate.dense.bias, b.output.dense.weight, b.output.dense.bias, norm="layer",
+                               activation=b._revtriton_spec["activation"], eps=norm.eps)
+
+    def _modules(self, x):
+        b, (norm, inside) = self.block, _mlp_norm(self.block)
+        x = self._input(x, norm.weight)
+        h = b.intermediate(x if inside else norm(x))  # RoBERTa-PreLayerNorm's intermediate norms itself
+        return _residual_dropout(b.output, "dropout")(b.output.dense(h))
+
+
+def _prenorm_encoder_base(model: nn.Module):
+    """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm before
+    each branch (``encoder.layer``; see the section's comment), whatever its class, or None."""
+    base = getattr(model, "base_model", model)
+    if not type(base).__module__.startswith("transformers"):
+        return None
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    layer = layers[0]
+    attention = getattr(layer, "attention", None)
+    parts = (getattr(attention, "self", None), getattr(attention, "output", None),
+             getattr(layer, "intermediate", None), getattr(layer, "output", None))
+    if any(part is None for part in parts) or _attention_norm(layer) is None or _mlp_norm(layer)[0] is None:
+        return None
+    return base
+
+
+def _convert_prenorm_encoder(model, conversion):
+    """A pre-norm BERT-style encoder (:func:`_prenorm_encoder_base`): each layer is probed against its
+    own forward (NotImplementedError, model unchanged, where it differs); the fused kernels run the
+    branches they compute (LayerNorm, q/k/v with head_dim ** -0.5 scores, a GELU / ReLU MLP), the
+    layer's own modules the rest."""
+    base = _prenorm_encoder_base(model)
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
+                                  f"cache, or cross-attention) is not supported; the encoder is")
+    position_type = getattr(config, "position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise NotImplementedError(f"revify: {name} with position_embedding_type={position_type!r} is not supported "
+                                  f"(absolute positions, added with the embeddings, are; ESM's rotary or BERT's "
+                                  f"relative keys are computed inside attention)")
+    encoder = base.encoder
+    _require_layer_loop(encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
+    layers = encoder.layer
+    s = layers[0].attention.self
+    heads, head_dim = s.num_attention_heads, s.attention_head_size
+    biases = [p.bias is not None for p in (s.query, s.key, s.value)]
+    activation = _HF_ACTIVATIONS.get(getattr(config, "hidden_act", None))
+    spec = dict(activation=activation, fused_mlp=activation is not None,
+                fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
+                                 and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
+    for block in layers:
+        block._revtriton_spec = dict(spec)
+    no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
+    _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
+                  "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
+    layer_class = type(layers[0])
+    _convert_blocks(encoder, "layer", config.hidden_size, conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "encoder.layer", _HostEncoderModel)
+
+
+class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
+    def _attention_module(self):
+        return self.block.attention.self
+
+    def _standalone(self, cond) -> bool:  # alone, the layer's own modules compute it (no mask, no RoPE)
+        return cond is None
+
+    def _library_call(self, x, host, extra):
+        return self._branch(x, host.mask_for(self.block), dict(extra, position_ids=self._position_ids(host)))
+_HostEncoderBlock, _HostEncoderOrdinaryBlock = _host_block_mixins((_HostEncoderAttentionHalf, _EncoderMlpHalf),
+                                                                  "RevifiedHostEncoder")
+
+
+class _HostEncoderModel(_HostDecoderModel):
+    """A pre-norm BERT-style encoder (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL): its layers are
+    ``encoder.layer``, absolute positions enter with the embeddings, no KV cache."""
+
+    _class_prefix = "RevifiedHostEncoder"
+    _layers, _rope, _caches = "encoder.layer", False, False

@@ -1,0 +1,164 @@
+"""Hugging Face GPT-2 and the decoders with its layer conventions (``h`` of blocks with ln_1, attn,
+ln_2, mlp: GPTBigCode), run through the library's own forward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.attention import multi_head_attention_reference, norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
+from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .probe import _causal_layer_inputs, _check_block_loop, _probe_layers
+
+
+class _GPT2AttentionHalf(_Half):
+    takes_cond = True
+
+    def _projections(self):
+        return self.block.attn.c_attn, self.block.attn.c_proj
+
+    def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
+        return not _spec_of(self.block).get("fused_attention", True)
+
+    def _dropouts(self):
+        return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        b, a = self.block, self.block.attn
+        x = self._input(x, b.ln_1.weight)
+        segments = None if layout is None else layout[1]  # positions entered with the position embeddings
+        # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
+        return norm_attention_couple(res, x, sign, frac_bits, b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
+                                     a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
+                                     causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
+
+    def _modules(self, x):  # one sequence per row (a half called alone; an empty batch)
+        b, a = self.block, self.block.attn
+        x = self._input(x, b.ln_1.weight)
+        q, k, v = a.c_attn(b.ln_1(x)).split(x.shape[-1], dim=-1)
+        o = multi_head_attention_reference(q, k, v, heads=a.num_heads, kv_heads=a.num_heads, causal=True,
+                                           rope_theta=None, dropout=_p(a.attn_dropout) if b.training else 0.0)
+        return a.resid_dropout(a.c_proj(o))
+
+
+def _out_in(projection) -> torch.Tensor:
+    """A projection's weight as nn.Linear keeps it, [out, in] (transformers' Conv1D keeps [in, out])."""
+    return projection.weight if isinstance(projection, nn.Linear) else projection.weight.t()
+
+
+class _GPT2MlpHalf(_Half):
+    def _projections(self):
+        return self.block.mlp.c_fc, self.block.mlp.c_proj
+
+    def _beyond_fused(self, x):  # an activation the fused kernels do not have, other projections
+        return not self.block._revtriton_spec["fused_mlp"]
+
+    def _dropouts(self):
+        return (_p(self.block.mlp.dropout),)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        x = self._input(x, b.ln_2.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
+                               _out_in(m.c_proj), m.c_proj.bias, norm="layer",
+                               activation=b._revtriton_spec["activation"],
+                               eps=b.ln_2.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
+
+
+def _convert_gpt2(model, conversion, probe=False):
+    """GPT-2 and the decoders that share its layer conventions (``h`` of blocks with ln_1, attn, ln_2,
+    mlp: GPTBigCode). The fused kernels run GPT-2's own projections (transformers' Conv1D, q/k/v
+    side by side) with head_dim ** -0.5 scores and a GELU / ReLU MLP; anything else runs the layer's
+    own modules. ``probe``: a decoder admitted by its conventions (:func:`_gpt2_convention_base`),
+    each layer checked against its own forward (:func:`_probe_layers`)."""
+    from transformers.pytorch_utils import Conv1D
+
+    base = model.transformer if hasattr(model, "transformer") else model
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
+    if getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"revify: {name} with add_cross_attention=True is not supported")
+    if not len(base.h):
+        raise ValueError(f"revify: {name} has no decoder layers")
+    # What the fused kernels lack runs on the library's own modules: another activation, other scores' scaling.
+    plain_scaling = getattr(config, "scale_attn_weights", True) and not getattr(
+        config, "scale_attn_by_inverse_layer_idx", False)
+    activation = _HF_ACTIVATIONS.get(getattr(config, "activation_function", None))
+    hidden = config.hidden_size
+    for block in base.h:
+        a, m = block.attn, block.mlp
+        gpt2_attention = (all(isinstance(getattr(a, part, None), Conv1D) for part in ("c_attn", "c_proj"))
+                          and tuple(a.c_attn.weight.shape) == (hidden, 3 * hidden))
+        gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
+        block._revtriton_spec = dict(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
+                                          fused_mlp=gpt2_mlp and activation is not None, activation=activation)
+    if probe:
+        _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs(base),
+                      "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
+    mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
+    if not probe:
+        mixins, model_mixin = (_HostGPT2Block, _HostGPT2OrdinaryBlock), _HostGPT2Model
+    layer_class = type(base.h[0])
+    _convert_blocks(base, "h", hidden, conversion, mixins, (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "h", model_mixin)
+
+
+_GPT2_LAYER_PARTS = ("ln_1", "attn", "ln_2", "mlp")
+
+
+def _gpt2_convention_base(model: nn.Module):
+    """The base model of a Hugging Face decoder whose layers look like GPT-2's (``h`` of blocks with
+    exactly ln_1, attn, ln_2 and mlp), whatever its class, or None. Raises NotImplementedError naming
+    what differs for one that nearly does (other parts; a layer loop that does not take each layer's
+    output as the next hidden states, GPT-Neo's ``outputs[0]``)."""
+    base = getattr(model, "transformer", model)
+    layers = getattr(base, "h", None)
+    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    layer = layers[0]
+    parts = {name for name, _ in layer.named_children()}
+    if not set(_GPT2_LAYER_PARTS) <= parts:
+        return None
+    extra = sorted(parts - set(_GPT2_LAYER_PARTS))
+    if extra:
+        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides GPT-2's pre-norm "
+                                  f"layer parts ({', '.join(_GPT2_LAYER_PARTS)}): not supported")
+    _check_block_loop(base)
+    return base
+
+
+class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
+    def _attention_module(self):
+        return self.block.attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.ln_1.weight)
+        return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), position_ids=self._position_ids(host),
+                             **extra))
+
+    def _modules(self, x):  # an empty batch of a GPT-2-style model (GPTBigCode's q/k/v are not GPT-2's)
+        if not self.block._revtriton_spec["gpt2_layout"]:
+            return torch.zeros_like(x)
+        return super()._modules(x)
+_HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
+# Decoders admitted by GPT-2's layer conventions (GPTBigCode): their own names, found again on unpickling.
+_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf),
+                                                                      "RevifiedHostGPT2Style")
+
+
+class _HostGPT2Model(_HostDecoderModel):
+    """GPT2Model: its layers are ``h``, position embeddings are added before the loop."""
+
+    _layers, _rope = "h", False
+
+
+class _HostGPT2StyleModel(_HostGPT2Model):
+    """A decoder admitted by GPT-2's layer conventions (GPTBigCodeModel)."""
+
+    _class_prefix = "RevifiedHostGPT2Style"

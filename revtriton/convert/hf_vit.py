@@ -1,0 +1,90 @@
+"""Hugging Face ViT (``ViTModel``, ``ViTForImageClassification``; transformers 5): a pre-norm
+encoder of ``ViTLayer``, run through the library's own forward."""
+from __future__ import annotations
+
+import torch
+
+from ..ops.attention import norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
+from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel
+
+
+class _HFViTAttentionHalf(_Half):
+    def _projections(self):
+        a = self.block.attention
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+    def _dropouts(self):
+        return float(self.block.attention.attention_dropout or 0.0), _p(self.block.dropout)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, a = self.block, self.block.attention
+        norm = b.layernorm_before
+        x = self._input(x, norm.weight)
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
+                                     a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
+                                     eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.dropout(b.attention(b.layernorm_before(self._input(x, b.layernorm_before.weight)))[0])
+
+
+class _HFViTMlpHalf(_Half):
+    def _projections(self):
+        return self.block.mlp.fc1, self.block.mlp.fc2
+
+    def _dropouts(self):
+        return (_p(self.block.dropout),)
+
+    def _beyond_fused(self, x):
+        return _HF_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.layernorm_after
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
+                               m.fc2.bias, norm="layer", activation=_HF_ACTIVATIONS[m.config.hidden_act],
+                               eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.dropout(b.mlp(b.layernorm_after(self._input(x, b.layernorm_after.weight))))
+
+
+def _convert_hf_vit(model, conversion):
+    base = model.vit if hasattr(model, "vit") else model
+    layers = getattr(base, "layers", None)
+    if layers is None or not len(layers) or not hasattr(layers[0], "layernorm_before"):
+        raise NotImplementedError(f"revify: this transformers version's {type(model).__name__} has no pre-norm "
+                                  f"`layers` of ViTLayer (transformers 5 layout) to convert")
+    attention = layers[0].attention
+    if attention.head_dim * attention.num_attention_heads != base.config.hidden_size:
+        raise NotImplementedError("revify: HF ViT with head_dim * heads != hidden_size is not supported")
+    layer_class = type(layers[0])
+    _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HostViTBlock, _HostViTOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "layers", _HostViTModel)
+
+
+class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
+    takes_cond = True  # the library's mask (an attention_mask given to ViTModel), no token layout
+
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.layernorm_before.weight)
+        return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
+_HostViTBlock, _HostViTOrdinaryBlock = _host_block_mixins((_HostViTAttentionHalf, _HFViTMlpHalf))
+
+
+class _HostViTModel(_HostDecoderModel):
+    """ViTModel: patches in, no cache; its last hidden state is the last layer's (before layernorm)."""
+
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False

@@ -1,0 +1,604 @@
+"""Stand-ins for a converted model's layers: the model's own forward (a Hugging Face base model's,
+timm EVA's) runs over the reversible stack, and per-block outputs step through it block by block."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..engine import ReversibleStack, is_reversible_block
+from ..ops.reference import packed_segments
+from ..ops.streams import couple_output, from_fixed, to_fixed
+from .core import SWAPPED_MODULE, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
+
+
+class _BlockSteps(nn.Module):
+    """A reversible stack run block by block, for per-block outputs (timm's ``forward_intermediates``,
+    Hugging Face's ``output_hidden_states``): step i (``steps[i](x)``, in order, ``x`` the previous
+    step's output) runs block i on both streams, kept between the steps, and returns their readout.
+    It also stands in for a revified ViT's ``blocks`` while timm's ``forward_intermediates`` calls them
+    one by one.
+
+    Each block is its own reversible segment: with grad, each step keeps its output streams for the
+    backward (the intermediates are outputs, so memory grows with depth as with stored activations).
+    Without grad, exact streams stay int32 between the steps (the same bits as the whole stack); with
+    grad they pass as float values, which round on the stream's dtype beyond 2**(24 - frac_bits)."""
+
+    def __init__(self, stack, stop=None, state=None, cond=None):
+        super().__init__()
+        self.stack = stack
+        self.stop = len(stack) if stop is None else stop
+        self.state = {} if state is None else state  # shared with slices: the streams between steps
+        self.cond = cond
+
+    def __len__(self):
+        return self.stop
+
+    def __getitem__(self, index):
+        if isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1):
+            stop = min(self.stop, len(self) if index.stop is None else index.stop)
+            return _BlockSteps(self.stack, stop, self.state, self.cond)
+        raise NotImplementedError("revified ViT: forward_intermediates takes its blocks in order from the first")
+
+    def __iter__(self):
+        return iter([functools.partial(self._step, i) for i in range(self.stop)])
+
+    def _one(self, i):
+        stack = self.stack
+        return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
+                               streams="duplicate", readout=stack.readout)
+
+    def _step(self, i, x):
+        stack, state = self.stack, self.state
+        if i == 0:
+            streams = (x, x) if stack.streams == "duplicate" else tuple(x.chunk(2, dim=-1))
+            state["dtype"] = x.dtype
+        elif state.get("returned") is not x:
+            raise RuntimeError("revified ViT: forward_intermediates must pass each block's output to the next "
+                               "unchanged (the reversible stack keeps two streams between them)")
+        else:
+            streams = state["streams"]
+        k, dtype = stack.frac_bits, state["dtype"]
+        fixed = streams[0].dtype == torch.int32
+        if is_reversible_block(stack[i]) and stack.exact and not torch.is_grad_enabled() and not fixed:
+            streams = tuple(to_fixed(s, k) for s in streams)  # as a segment of the whole stack starts
+        elif fixed and not is_reversible_block(stack[i]):
+            streams = tuple(from_fixed(s, k, dtype) for s in streams)  # a stage transition takes float values
+        y1, y2 = self._one(i).forward_streams(*streams, cond=self.cond)
+        state["streams"] = (y1, y2)
+        if y1.dtype == torch.int32:
+            y1, y2 = from_fixed(y1, k, dtype), from_fixed(y2, k, dtype)
+        out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
+        state["returned"] = out
+        return out
+
+
+
+
+_warned_grad_cache = []
+
+
+def _check_hf_inputs(model_name, kwargs):
+    unsupported = {
+        "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
+        "head_mask": kwargs.get("head_mask") is not None,
+        "output_attentions=True": bool(kwargs.get("output_attentions")),
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise NotImplementedError(f"revified {model_name} does not support {', '.join(bad)}")
+
+
+def _position_ids(name, kwargs, hidden):
+    """The call's ``position_ids`` as int64 [B, T] (T: this call's tokens), checked; None when absent."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return None
+    batch, tokens = hidden.shape[:2]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"revified {name}: position_ids must be [batch or 1, tokens] = [{batch}, {tokens}], "
+                         f"got {tuple(position_ids.shape)}")
+    return position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
+
+
+def _token_layout(model_name, hidden, kwargs, rope: bool):
+    """The attention halves' conditioning for padded or packed rows: ``(positions, segments)``
+    (int64 [B, T] each; segments as :func:`revtriton.ops.attention.sequence_mask` reads them), or
+    None when every row is one sequence at positions 0..T-1 (the fused path, no mask).
+
+    As the Hugging Face models themselves: a 2-D ``attention_mask`` (1 = token, 0 = padding) masks
+    keys; without one, ``position_ids`` that restart mark packed sequences (DataCollatorWithFlattening);
+    ``position_ids`` default to 0..T-1 and drive RoPE when ``rope``."""
+    batch, tokens = hidden.shape[:2]
+    device = hidden.device
+    default_positions = torch.arange(tokens, device=device).expand(batch, tokens)
+    position_ids = _position_ids(model_name, kwargs, hidden)
+    mask = kwargs.get("attention_mask")
+    segments = None
+    if mask is not None:  # [batch, tokens] (checked by _check_layer_inputs)
+        if not bool(mask.bool().all()):
+            segments = mask.to(device=device).bool().long()
+    elif position_ids is not None:
+        packed = packed_segments(position_ids)
+        if bool((packed[:, -1] != 1).any()):
+            segments = packed
+    custom_positions = rope and position_ids is not None and not torch.equal(position_ids, default_positions)
+    if segments is None and not custom_positions:
+        return None
+    positions = default_positions if position_ids is None else position_ids
+    if segments is None:
+        segments = torch.ones(batch, tokens, dtype=torch.long, device=device)
+    return positions, segments
+
+
+def _selected_states(states, last, wanted, tie_last) -> tuple:
+    """The library's hidden states: the stack's input then each block's readout, the last one the
+    normed output when ``tie_last``; ``wanted`` True, or the indices to keep (others None)."""
+    states = list(states)
+    if tie_last:
+        states[-1] = last
+    if wanted is not True:  # transformers 5: an index or a list of them (negative from the end)
+        keep = {i % len(states) for i in ([wanted] if isinstance(wanted, int) else wanted)}
+        states = [state if i in keep else None for i, state in enumerate(states)]
+    return tuple(states)
+
+
+# -- Hugging Face decoders through the library's own forward (transformers 5) ------------------
+#
+# The base model's forward stays the library's: it embeds, builds the masks (padding, packed rows,
+# sliding windows), the position ids, the rotary embeddings and the cache, and loops over its layers
+# (``self.layers[: n]``, ``for layer in self.layers``, ``enumerate(self.h)``) calling each with them.
+# The stack's ``layers_view`` answers that loop, while the model's forward runs, with one stand-in
+# per layer: each records its layer's inputs, and the last one runs the reversible stack once with
+# all of them as the halves' conditioning. No layer module is called by the loop (FSDP's per-layer
+# hooks run around the stack's own phases). LLaMA and its kin, GPT-NeoX, GPT-2 and ViT run this way.
+
+
+@dataclass(eq=False)
+class _HostCall:
+    """One call of a revified model's own forward, as its layers' stand-ins share it."""
+
+    stack: nn.Module
+    layout: tuple | None  # (positions, segments) for the fused kernels; None: one sequence per row
+    fusable: bool  # the fused kernels can mask what the library's mask does (not a custom 4-D mask)
+    hidden_states: bool  # output_hidden_states: the stack runs block by block
+    first_input: torch.Tensor | None = None
+    returned: torch.Tensor | None = None
+    layer_kwargs: list = None  # each layer's keyword inputs, as the library's loop gave them
+    states: list = None  # hidden states (hidden_states runs)
+    steps: object = None
+    running: bool = False  # the stack itself runs (its own iteration sees its layers, not stand-ins)
+    cache_layers: dict = field(default_factory=dict)  # cache layer index -> its state before this call
+    cache_depth: int | None = None  # how many layers the cache had before this call (it may add some)
+    block_index: dict = field(default_factory=dict)  # id(block) -> its index in the stack
+
+    def index_of(self, block) -> int:
+        if not self.block_index:
+            self.block_index = {id(b): i for i, b in enumerate(_blocks(self.stack))}
+        return self.block_index[id(block)]
+
+    def keep_cache_layer(self, cache, index: int):
+        """Before a half updates cache layer ``index``: remember its state the first time, put it back
+        when the half runs again in this call (the stack's overflow report re-runs halves); a layer
+        the cache created in this call starts again from nothing."""
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            return
+        if self.cache_depth is None:
+            self.cache_depth = len(layers)
+        if index >= self.cache_depth:
+            if index in self.cache_layers:  # a re-run: the cache appends the layer again
+                del layers[index:]
+            self.cache_layers[index] = None
+            return
+        state = vars(layers[index])
+        if index in self.cache_layers:
+            state.clear()
+            state.update(self.cache_layers[index])
+        else:
+            self.cache_layers[index] = dict(state)
+
+    def restore_caches(self, cache):
+        """The cache as it was before this call (a failed forward keeps no step; dynamic layers rebind
+        their tensors, static ones overwrite their slots in place: the shallow states suffice)."""
+        for index, saved in self.cache_layers.items():
+            if saved is not None:
+                state = vars(cache.layers[index])
+                state.clear()
+                state.update(saved)
+        if self.cache_depth is not None:
+            del cache.layers[self.cache_depth:]
+
+
+_HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call", default=None)
+
+# The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
+# tensor stands for None.
+_COND_SLOTS = ("positions", "segments", "cos", "sin", "position_ids", "full_mask", "sliding_mask", "fusable")
+
+
+@dataclass(frozen=True)
+class _HostCond:
+    layout: tuple | None
+    position_embeddings: tuple
+    position_ids: torch.Tensor | None
+    masks: tuple  # (full attention's, sliding attention's)
+    fusable: bool
+
+    def mask_for(self, block) -> torch.Tensor | None:
+        """The library's mask of the block's attention kind (full, or sliding window)."""
+        return self.masks[_spec_of(block).get("window") is not None]
+
+
+def _none_if_empty(t):
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like) -> tuple:
+    empty = like.new_empty(0)
+    positions, segments = (empty, empty) if layout is None else layout
+    if position_embeddings is None:
+        cos, sin = empty, empty
+    else:
+        cos, sin = (position_embeddings, empty) if torch.is_tensor(position_embeddings) else position_embeddings
+    return (positions, segments, cos, sin, empty if position_ids is None else position_ids,
+            *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
+
+
+def _unpack_host_cond(cond) -> _HostCond:
+    if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
+        raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
+                           "call the model (its own forward builds them), not the stack or a block alone")
+    positions, segments, cos, sin, position_ids, full_mask, sliding_mask, fusable = cond
+    layout = None if _none_if_empty(positions) is None else (positions, segments)
+    rotary = None if _none_if_empty(cos) is None else cos if _none_if_empty(sin) is None else (cos, sin)
+    return _HostCond(layout, rotary, _none_if_empty(position_ids),
+                     (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable))
+
+
+def _blocks(stack) -> list:
+    """The stack's layers, never the stand-ins (iterating the stack during a host call gives those)."""
+    return list(stack._modules.values())
+
+
+def _host_layer_calls(stack, index):
+    """The stack's ``layers_view``: while its model's own forward runs (and not the stack itself), the
+    layer loop's slice or iteration is a list of stand-ins (:func:`_host_layer_call`); otherwise None
+    (the layers)."""
+    call = _HOST_CALL.get()
+    if call is None or call.stack is not stack or call.running:
+        return None
+    positions = range(len(stack))[index]
+    whole = list(range(len(stack))) if not call.hidden_states else list(range(len(positions)))  # steps: a prefix
+    if list(positions) != whole:
+        raise NotImplementedError(f"revified model: the layer loop must run every layer in order (got layers "
+                                  f"{list(positions)} of {len(stack)}): the reversible stack runs as one")
+    call.layer_kwargs = [None] * len(stack)
+    return [functools.partial(_host_layer_call, call, i) for i in positions]
+
+
+# A converted stack's layers_view: pickled by reference, under the package's name wherever it lives.
+_host_layer_calls.__module__ = SWAPPED_MODULE
+
+
+def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
+    """Layer i's stand-in in the library's loop. Without output_hidden_states, layers before the last
+    return their input unchanged and the last runs the whole stack; with it, each runs its block."""
+    stack = call.stack
+    if args:  # GPT-2's and ViT's loops pass the mask (and cache) by position: name them as the layer does
+        signature = inspect.signature(_library_forward(stack[i]))
+        rest = next((name for name, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        bound = signature.bind(None, hidden, *args, **kwargs).arguments
+        named = dict(list(bound.items())[2:])  # after self and the hidden states
+        kwargs = {**named, **named.pop(rest, {})}
+    if i == 0:
+        call.first_input = hidden
+    elif hidden is not call.returned:
+        raise RuntimeError("revified model: each layer's output must reach the next layer unchanged (the "
+                           "reversible stack keeps two streams between them)")
+    call.layer_kwargs[i] = kwargs
+    if call.hidden_states:
+        if i == 0:
+            call.steps, call.states = _BlockSteps(stack), [hidden]
+        call.steps.cond = _host_cond(call, [i], hidden)
+        with _running(call, kwargs):
+            out = call.steps._step(i, hidden)
+        call.states.append(out)
+    elif i < len(stack) - 1:
+        out = hidden
+    else:
+        cond = _host_cond(call, range(len(stack)), hidden)
+        with _running(call, kwargs):
+            out = stack(call.first_input, cond=cond)
+    call.returned = out
+    return out
+
+
+def _library_forward(block):
+    """The forward of the library's layer class a swapped block came from (the first class of its
+    MRO not made by revtriton.convert that defines one)."""
+    return next(klass.forward for klass in type(block).__mro__
+                if klass.__module__.split(".")[:2] != SWAPPED_MODULE.split(".") and "forward" in vars(klass))
+
+
+def _host_cond(call: _HostCall, layers, like) -> tuple:
+    """The conditioning of ``layers`` (indices) from their recorded inputs: one rotary embedding and
+    one set of position ids for all, one mask per attention kind (full / sliding window)."""
+    stack, first = call.stack, call.layer_kwargs[layers[0]]
+    masks = [None, None]
+    seen = [False, False]
+    for i in layers:
+        kwargs = call.layer_kwargs[i]
+        if kwargs.get("is_causal"):
+            raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
+        for key in ("position_embeddings", "rope", "position_ids"):
+            if kwargs.get(key) is not first.get(key):
+                raise NotImplementedError(f"revified model: layers got different {key} (per-layer rotary "
+                                          f"embeddings are not supported)")
+        block = stack[i]
+        kind = int(_spec_of(block).get("window") is not None)
+        mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
+        if seen[kind] and mask is not masks[kind]:
+            raise NotImplementedError("revified model: layers of one attention kind got different masks")
+        masks[kind], seen[kind] = mask, True
+    rotary = first.get("position_embeddings", first.get("rope"))  # (cos, sin); timm EVA: one tensor
+    return _pack_host_cond(call.layout, rotary, first.get("position_ids"), masks, call.fusable, like)
+
+
+_CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
+
+
+def _layer_cache(kwargs):
+    return next((kwargs[key] for key in _CACHE_KEYS if kwargs.get(key) is not None), None)
+
+
+@contextlib.contextmanager
+def _running(call: _HostCall, kwargs):
+    """The stack runs (its own iteration sees its layers). If it fails while decoding (an exact
+    stream's overflow report), the cache goes back to what it held before the call, so that it never
+    keeps a failed step."""
+    call.running = True
+    try:
+        yield
+    except BaseException:
+        cache = _layer_cache(kwargs)
+        if cache is not None:
+            call.restore_caches(cache)
+        raise
+    finally:
+        call.running = False
+
+
+class _HostAttention:
+    """Mixin of the attention half of a layer run through its library's own forward: the fused
+    kernels (with the token layout) where they compute what the library does, else the layer's own
+    attention module with the library's mask, rotary embedding and, while decoding, its cache.
+    Families say how to call their module (``_library_call``)."""
+
+    def _attention_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _library_call(self, x, host: "_HostCond", extra: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
+        return bool(_spec_of(self.block).get("library_rope"))
+
+    def _library_attention(self, x, host: "_HostCond"):
+        if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
+            return self._modules(x)
+        extra = {}
+        call = _HOST_CALL.get()
+        if not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None:
+            live = call.layer_kwargs[call.index_of(self.block)] or {}
+            cache = _layer_cache(live)
+            if cache is not None:  # decoding: the library's attention appends to its cache
+                extra = {key: value for key, value in live.items()
+                         if key not in ("attention_mask", "position_embeddings", "position_ids")}
+                call.keep_cache_layer(cache, self._attention_module().layer_idx)
+        return self._library_call(x, host, extra)
+
+    @staticmethod
+    def _position_ids(host: "_HostCond"):
+        """The position ids the library's attention sees: the layer's, else the packed / padded rows'
+        (flash attention finds packed sequences from them when there is no mask; GPTBigCode's loop
+        passes none to its layers)."""
+        if host.position_ids is not None or host.layout is None:
+            return host.position_ids
+        return host.layout[0]
+
+    def _fuses(self, x, host: "_HostCond") -> bool:
+        call = _HOST_CALL.get()
+        decoding = (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
+                    and any(kwargs is not None and _layer_cache(kwargs) is not None for kwargs in call.layer_kwargs))
+        return host.fusable and not decoding and not self._use_modules(x)
+
+    def _standalone(self, cond) -> bool:
+        """Called outside the model's forward (no conditioning): one sequence per row at positions
+        0..T-1, as the family's own half computes it; not what only the library's modules compute
+        (RoPE only the model's rotary embedding computes, other score scalings or softcapping)."""
+        if cond is not None:
+            return False
+        if self._needs_model_rope() or not _spec_of(self.block).get("fused_attention", True):
+            raise RuntimeError("revtriton: this attention half computes what only its layer's own attention module "
+                               "does (its model's RoPE, score scaling or softcapping): call the model, not the half "
+                               "or the stack alone")
+        return True
+
+    def _fused_with(self, res, x, sign, frac_bits, host: "_HostCond"):
+        layout = {} if host.layout is None else {"layout": host.layout}  # ViT's halves take none
+        return self._fused(res, x, sign, frac_bits, **layout)
+
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        if self._standalone(cond):
+            return super().couple(res, x, sign, frac_bits)
+        host = _unpack_host_cond(cond)
+        if self._fuses(x, host):
+            return self._fused_with(res, x, sign, frac_bits, host)
+        return couple_output(res, self._library_attention(x, host), sign, frac_bits)
+
+    def __call__(self, x, cond=None):
+        if self._standalone(cond):
+            return super().__call__(x)
+        host = _unpack_host_cond(cond)
+        if self._fuses(x, host):
+            return self._fused_with(torch.zeros_like(x), x, +1, None, host)[0]
+        return self._library_attention(x, host)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class _HostDecoderModel(_NoCheckpointing):
+    """A base model (LlamaModel, GPTNeoXModel, GPT2Model, ViTModel, ...) whose own forward runs over
+    a reversible stack (see the section's comment). With grad no cache is kept (the reversible
+    backward has no use for one); hidden states, when asked for, are the stack's input and each
+    block's readout."""
+
+    _class_prefix = "RevifiedHost"
+    _layers = "layers"  # the attribute (path) of its layer list (the stack), or candidates (a tuple)
+    _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
+    _tokens_input = True  # input_ids / inputs_embeds and padding masks (not an image encoder)
+    _caches = True  # a KV cache while decoding (a decoder)
+    _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
+
+    def forward(self, *args, **kwargs):
+        name = type(self).__name__
+        if len(args) > 1:
+            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
+        _check_hf_inputs(name, kwargs)
+        cache_key = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(cache_key)
+        if cache is not None and not callable(getattr(cache, "get_seq_length", None)):
+            raise TypeError(f"revified {name}: the cache must be a transformers Cache (DynamicCache), got "
+                            f"{type(cache).__name__} (legacy tuple caches are not supported)")
+        tokens = None
+        if self._tokens_input:
+            tokens = args[0] if args else kwargs.get("input_ids")
+            if tokens is not None and tokens.dim() > 2:
+                tokens = tokens.view(-1, tokens.shape[-1])  # GPT-2 takes [..., tokens] ids
+            tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is not None:
+            _check_layer_inputs(name, tokens, kwargs, cache)
+        filled = cache is not None and bool(cache.get_seq_length())
+        if torch.is_grad_enabled() and self._caches:
+            if filled:
+                raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
+                                          f"torch.no_grad() / torch.inference_mode()")
+            if kwargs.get("use_cache") is True and not _warned_grad_cache:
+                _warned_grad_cache.append(True)
+                import warnings
+
+                warnings.warn(f"revtriton: revified {name} returns no KV cache with grad enabled (decode under "
+                              f"torch.no_grad() to get one): feed the whole sequence at every step", stacklevel=2)
+            kwargs.pop(cache_key, None)
+            kwargs["use_cache"] = False
+        position_ids = kwargs.get("position_ids")
+        if (not filled and kwargs.get("attention_mask") is None and position_ids is not None and position_ids.dim() == 2
+                and bool((packed_segments(position_ids)[:, -1] != 1).any())):
+            # Packed rows (DataCollatorWithFlattening): the library separates them only without a cache.
+            kwargs.pop(cache_key, None)
+            kwargs["use_cache"], cache = False, None
+        wanted = kwargs.pop("output_hidden_states", None)
+        if wanted is None:
+            wanted = getattr(self.config, "output_hidden_states", False)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(self.config, "use_cache", False) if use_cache is None else use_cache
+        decoding = (self._caches and not torch.is_grad_enabled()
+                    and (cache is not None or bool(use_cache)))  # the library's path
+        mask = kwargs.get("attention_mask")
+        # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
+        fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
+        layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
+        call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
+        token = _HOST_CALL.set(call)
+        try:
+            out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
+        finally:
+            _HOST_CALL.reset(token)
+        if wanted:
+            tie_last = getattr(self.config, "tie_last_hidden_states", None)
+            out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
+                                                    self._tie_last if tie_last is None else tie_last)
+        return out if return_dict else out.to_tuple()
+
+    def _layer_stack(self) -> ReversibleStack:
+        paths = self._layers if isinstance(self._layers, tuple) else (self._layers,)
+        stacks = [operator.attrgetter(path)(self) for path in paths if _has_path(self, path)]
+        return next(stack for stack in stacks if isinstance(stack, ReversibleStack))
+
+
+def _has_path(module, path: str) -> bool:
+    try:
+        operator.attrgetter(path)(module)
+    except AttributeError:
+        return False
+    return True
+
+
+def _check_layer_inputs(name, tokens, kwargs, cache):
+    """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask
+    goes to the library's attention as it is)."""
+    _position_ids(name, kwargs, tokens)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        _check_varlen(name, kwargs)
+    mask = kwargs.get("attention_mask")
+    if mask is None or mask.dim() == 4:
+        return
+    batch, count = tokens.shape[:2]
+    past = cache.get_seq_length() if cache is not None else 0
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, past + count):
+        raise NotImplementedError(f"revified {name}: attention_mask must be a 2-D padding mask [batch, past + tokens] "
+                                  f"= [{batch}, {past + count}] (1 = token, 0 = padding) or the library's 4-D mask, "
+                                  f"got shape {tuple(mask.shape)}")
+
+
+def _check_varlen(name, kwargs):
+    """Flash-attention's varlen inputs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+    the sequences they mark must be those the ``position_ids`` restart at, which is what the masks
+    and the fused kernels separate; without position_ids they are refused (the library's own SDPA
+    and eager attention would join the sequences)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise NotImplementedError(f"revified {name}: cu_seq_lens_q / cu_seq_lens_k without position_ids are not "
+                                  f"supported: pass the position_ids that restart at each sequence (as "
+                                  f"DataCollatorWithFlattening does by default)")
+    segments = packed_segments(position_ids.reshape(1, -1))[0]
+    starts = torch.nonzero(segments.diff()).flatten() + 1
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), segments.numel())])
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        given = kwargs.get(key)
+        if given is not None and not torch.equal(given.to(device=bounds.device, dtype=bounds.dtype), bounds):
+            raise ValueError(f"revified {name}: {key}={given.tolist()} does not mark the sequences the position_ids "
+                             f"restart at ({bounds.tolist()})")
+
+
+def _require_hosted_layer_loop(name: str):
+    """transformers 5: its models call their layers as :class:`_HostDecoderModel` needs (keyword
+    inputs incl. position_embeddings, one tensor out)."""
+    version = importlib.import_module("transformers").__version__
+    if int(version.split(".")[0]) < 5:
+        raise NotImplementedError(f"revify: {name} needs transformers >= 5 (its decoders' own forward calls each "
+                                  f"layer with keyword inputs, where revtriton stands in for them); found {version}")
+
+
+def _host_the_layer_loop(model, base, layers: str, model_mixin: type):
+    """The converted stack (at path ``layers`` of ``base``) answers the base model's layer loop
+    (``layers_view``), the base model's forward sets up each call (``model_mixin``), and the head
+    class around it (an LM: generate keeps the library's cache; a classifier) warns on
+    gradient-checkpointing requests (:class:`_RevifiedLM`)."""
+    operator.attrgetter(layers)(base).layers_view = _host_layer_calls
+    _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
+    if model is not base:
+        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)

@@ -1,0 +1,244 @@
+"""Hugging Face LLaMA and the decoders that share its layer conventions (Mistral, Qwen2, Qwen3,
+Gemma, Phi-3 by class; Granite, OLMo, SmolLM3, ... admitted by their layers and probed)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.attention import multi_head_attention_reference, norm_attention_couple
+from ..ops.mlp import swiglu_mlp_couple
+from .core import (_convert_blocks, _Half, _host_block_mixins, _layout_options, _norm_eps, _p, _residual_dropout,
+                   _rope_spec)
+from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .probe import _check_layer_slice, _probe_layers, _rotary_layer_inputs
+
+
+def _is_plain_rms_norm(norm) -> bool | None:
+    """Whether ``norm`` computes ``x * rsqrt(mean(x^2) + eps) * weight`` (what the fused kernels
+    compute), checked on a probe: Gemma's scales by ``1 + weight`` instead. None when it cannot be
+    probed yet (weights on the meta device or sharded: decided at the first call)."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.dim() != 1:
+        return False
+    if weight.device.type == "meta" or type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+        return None
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(2, weight.numel(), generator=generator).to(device=weight.device, dtype=torch.float32)
+    with torch.no_grad():
+        got = norm(probe.to(weight.dtype)).float()
+        expected = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + _norm_eps(norm)) * weight.float()
+    return torch.allclose(got, expected, rtol=1e-2, atol=1e-3)  # bf16 weights round
+
+
+def _layer_spec(block) -> dict:
+    """The block's conversion spec (``_convert_llama``); ``fused_norm`` left undecided at conversion
+    (weights on the meta device) is probed now."""
+    spec = block._revtriton_spec
+    if spec["fused_norm"] is None:
+        spec["fused_norm"] = _layer_norms_are_plain(block)
+    return spec
+
+
+def _layer_norms_are_plain(block):
+    """True / False, or None while the norms' weights cannot be probed (meta device, sharded)."""
+    verdicts = [_is_plain_rms_norm(norm) for norm in (block.input_layernorm, block.post_attention_layernorm)]
+    return None if None in verdicts else all(verdicts)
+
+
+class _LlamaAttentionHalf(_Half):
+    takes_cond = True
+
+    def _projections(self):
+        a = self.block.self_attn
+        if hasattr(a, "qkv_proj"):  # Phi-3: one q/k/v projection, rows [q, k, v]
+            return a.qkv_proj, a.o_proj
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+    def _dropouts(self):
+        return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),
+                _p(_residual_dropout(self.block, "resid_attn_dropout")))
+
+    def _beyond_fused(self, x):
+        spec = _layer_spec(self.block)
+        window = spec["window"]
+        return (spec["qk_norm"] or not spec["fused_heads"] or not spec["fused_norm"] or spec["rope_module"] is not None
+                or not spec["fused_attention"] or (window is not None and x.shape[-2] > window))
+
+    def _qkv_weights(self):
+        a = self.block.self_attn
+        if hasattr(a, "qkv_proj"):
+            return a.qkv_proj.weight, a.qkv_proj.bias
+        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        return w_qkv, b_qkv
+
+    def _qkv(self, n):
+        a, spec = self.block.self_attn, _layer_spec(self.block)
+        if hasattr(a, "qkv_proj"):
+            q_width, kv_width = spec["heads"] * spec["head_dim"], spec["kv_heads"] * spec["head_dim"]
+            return a.qkv_proj(n).split([q_width, kv_width, kv_width], dim=-1)
+        return a.q_proj(n), a.k_proj(n), a.v_proj(n)
+
+    def _rope(self) -> dict:
+        """The reference's RoPE options: theta, or the model's own scaled frequencies (read at call time:
+        the buffer follows the model's device)."""
+        spec = _layer_spec(self.block)
+        rotary = spec["rope_module"]
+        if rotary is None:
+            return dict(rope_theta=spec["rope_theta"])
+        return dict(rope_theta=spec["rope_theta"], rope_inv_freq=rotary.inv_freq,
+                    rope_scale=float(rotary.attention_scaling))
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
+        norm = b.input_layernorm
+        x = self._input(x, norm.weight)
+        w_qkv, b_qkv = self._qkv_weights()
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
+                                     a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
+                                     rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm),
+                                     **_layout_options(layout))
+
+    def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
+        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
+        x = self._input(x, getattr(b.input_layernorm, "weight", None))
+        n = b.input_layernorm(x)
+        qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
+        q, k, v = self._qkv(n)
+        out = _residual_dropout(b, "resid_attn_dropout")
+        o = multi_head_attention_reference(q, k, v, heads=spec["heads"],
+                                           kv_heads=spec["kv_heads"], causal=True,
+                                           dropout=self._dropouts()[0] if b.training else 0.0,
+                                           window=spec["window"], qk_norm=qk_norm, **self._rope())
+        return out(a.o_proj(o))
+
+
+class _LlamaMlpHalf(_Half):
+    def _projections(self):
+        m = self.block.mlp
+        if hasattr(m, "gate_up_proj"):  # Phi-3: one gate/up projection, rows [gate, up]
+            return m.gate_up_proj, m.down_proj
+        return m.gate_proj, m.up_proj, m.down_proj
+
+    def _dropouts(self):
+        return (_p(_residual_dropout(self.block, "resid_mlp_dropout")),)
+
+    def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
+        spec = _layer_spec(self.block)
+        return not (spec["fused_mlp"] and spec["fused_norm"])
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.post_attention_layernorm
+        x = self._input(x, norm.weight)
+        if hasattr(m, "gate_up_proj"):
+            w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+        else:
+            w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
+        return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, w_gate, w_up, m.down_proj.weight,
+                                 eps=_norm_eps(norm))
+
+    def _modules(self, x):
+        b = self.block
+        h = b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight", None))))
+        return _residual_dropout(b, "resid_mlp_dropout")(h)
+
+
+def _sliding_windows(config, depth) -> list:
+    """Each layer's sliding window (None: full attention), as the library's masks apply them:
+    ``layer_types`` when the config has them (Qwen2 / Qwen3), else ``sliding_window`` for every layer
+    (Mistral; LLaMA has none)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * depth
+    kinds = set(layer_types) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise NotImplementedError(f"revify: attention layer types {sorted(kinds)} are not supported")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _convert_llama(model, conversion, probe=False):
+    """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
+    with RoPE and GQA, gated MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm), Gemma
+    (RMSNorm by 1 + weight, GeGLU), Phi-3 (fused qkv and gate/up projections, residual dropout).
+    What the fused kernels lack (qk-norm, another norm or activation, scaled RoPE, a window shorter
+    than the rows, head_dim * heads != width) runs on the library path (``_Half._beyond_fused``).
+    ``probe``: a decoder admitted by its layer conventions, not its class (:func:`_llama_convention_base`):
+    each layer must compute what its halves do on a probe (:func:`_probe_layers`), else nothing changes
+    and NotImplementedError says so."""
+    base = model.model if hasattr(model, "model") else model
+    config, name = base.config, type(model).__name__
+    if not len(base.layers):
+        raise ValueError(f"revify: {name} has no decoder layers")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = base.layers[0].self_attn if len(base.layers) else None
+    # What the fused kernels lack, on the layers' own modules (the library path).
+    plain_attention = (getattr(config, "attn_logit_softcapping", None) is None
+                       and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12)
+    _require_hosted_layer_loop(name)
+    qk_norm = attention is not None and hasattr(attention, "q_norm")
+    layer = base.layers[0]
+    mlp = layer.mlp
+    gated = hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj"))
+    projections = hasattr(attention, "o_proj") and (
+        hasattr(attention, "qkv_proj") or all(hasattr(attention, part) for part in ("q_proj", "k_proj", "v_proj")))
+    spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
+                fused_heads=head_dim * heads == config.hidden_size,
+                fused_norm=_layer_norms_are_plain(layer),
+                fused_attention=projections and plain_attention,
+                fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not getattr(config, "mlp_bias", False),
+                **_rope_spec(config, name, base, head_dim))
+    for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
+        block._revtriton_spec = dict(spec, window=window)
+    if probe:
+        _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
+                      "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
+    layer_class = type(base.layers[0])
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
+
+
+_LLAMA_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_LLAMA_LAYER_EXTRAS = ("resid_attn_dropout", "resid_mlp_dropout")  # Phi-3's dropouts on the branches
+
+
+def _llama_convention_base(model: nn.Module):
+    """The base model of a Hugging Face decoder whose layers look like LLaMA's (``layers`` of layers
+    with exactly self_attn, mlp, input_layernorm and post_attention_layernorm; a rotary embedding),
+    whatever its class, or None when it does not look like one. Raises NotImplementedError naming
+    what differs for one that nearly does (other parts in its layers: Gemma 2's sandwich norms; a
+    forward that does not run its layers as one slice)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers)
+            or getattr(base, "rotary_emb", None) is None):
+        return None
+    layer = layers[0]
+    parts = {name for name, _ in layer.named_children()}
+    if not set(_LLAMA_LAYER_PARTS) <= parts:
+        return None
+    extra = sorted(parts - set(_LLAMA_LAYER_PARTS) - set(_LLAMA_LAYER_EXTRAS))
+    if extra:
+        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides LLaMA's pre-norm "
+                                  f"layer parts ({', '.join(_LLAMA_LAYER_PARTS)}): not supported")
+    _check_layer_slice(base)
+    return base
+
+
+class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
+    def _attention_module(self):
+        return self.block.self_attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, getattr(b.input_layernorm, "weight", None))
+        out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(b),
+                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
+        return _residual_dropout(b, "resid_attn_dropout")(_first(out))
+
+
+_HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))

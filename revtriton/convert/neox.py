@@ -1,0 +1,126 @@
+"""Hugging Face GPT-NeoX (Pythia): pre-norm LayerNorm layers, parallel residual or not, partial
+rotary, one q/k/v projection interleaved per head."""
+from __future__ import annotations
+
+
+from ..ops.attention import multi_head_attention_reference, norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p, _rope_spec, _spec_of
+from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+
+
+class _NeoXAttentionHalf(_Half):
+    """GPT-NeoX attention: LayerNorm, one q/k/v projection with rows interleaved per head
+    ([head][q, k, v][head_dim]), rotary on the first ``rotary_ndims`` of each head, biases."""
+
+    takes_cond = True
+
+    def _projections(self):
+        return self.block.attention.query_key_value, self.block.attention.dense
+
+    def _dropouts(self):
+        return (float(getattr(self.block.attention, "attention_dropout", 0.0) or 0.0),
+                _p(self.block.post_attention_dropout))
+
+    def _beyond_fused(self, x):  # partial rotary or scaled RoPE: the kernels rotate whole heads by theta
+        spec = self.block._revtriton_spec
+        return spec["rope_dims"] != spec["head_dim"] or spec["rope_module"] is not None
+
+    def _grouped_rows(self, t):
+        """The interleaved q/k/v rows (or bias) regrouped as [q; k; v] (what the fused kernels read)."""
+        heads = self.block._revtriton_spec["heads"]
+        return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
+        norm, qkv = b.input_layernorm, a.query_key_value
+        x = self._input(x, norm.weight)
+        b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
+        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, self._grouped_rows(qkv.weight),
+                                     b_qkv, a.dense.weight, a.dense.bias, heads=spec["heads"], causal=True,
+                                     rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps,
+                                     **_layout_options(layout))
+
+    def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
+        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
+        x = self._input(x, b.input_layernorm.weight)
+        batch, tokens, _ = x.shape
+        qkv = a.query_key_value(b.input_layernorm(x)).view(batch, tokens, spec["heads"], 3 * spec["head_dim"])
+        q, k, v = (t.reshape(batch, tokens, -1) for t in qkv.chunk(3, dim=-1))
+        rotary = spec["rope_module"]
+        rope = dict(rope_theta=spec["rope_theta"], rope_dims=spec["rope_dims"])
+        if rotary is not None:
+            rope.update(rope_inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling))
+        o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
+                                           dropout=self._dropouts()[0] if b.training else 0.0, **rope)
+        return b.post_attention_dropout(a.dense(o))
+
+
+class _NeoXMlpHalf(_Half):
+    def _projections(self):
+        return self.block.mlp.dense_h_to_4h, self.block.mlp.dense_4h_to_h
+
+    def _dropouts(self):
+        return (_p(self.block.post_mlp_dropout),)
+
+    def _beyond_fused(self, x):
+        return _spec_of(self.block)["activation"] is None
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        norm = b.post_attention_layernorm
+        x = self._input(x, norm.weight)
+        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
+                               m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
+                               activation=_spec_of(b)["activation"], eps=norm.eps)
+
+    def _modules(self, x):
+        b = self.block
+        return b.post_mlp_dropout(b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight))))
+
+
+def _convert_neox(model, conversion):
+    """GPT-NeoX (Pythia): pre-norm LayerNorm blocks with the parallel residual ``x + A(x) + M(x)``
+    (or the sequential one, ``use_parallel_residual=False``), partial rotary, biases. A plain
+    conversion couples attention (F) and MLP (G) as every family; a preserving one keeps the layer
+    whole (meft1 / meft2: ``L(x)`` as one half, parallel or not); meft3 splits the layer into its
+    two sublayers, which a parallel residual does not compose."""
+    base = model.gpt_neox if hasattr(model, "gpt_neox") else model
+    config, name = base.config, type(model).__name__
+    if not len(base.layers):
+        raise ValueError(f"revify: {name} has no decoder layers")
+    parallel = bool(config.use_parallel_residual)
+    if parallel and conversion.preserve == "meft3":
+        raise NotImplementedError(f"revify: {name} with use_parallel_residual=True cannot be converted with "
+                                  f"preserve='meft3' (its sublayers run in parallel, not one after the other); "
+                                  f"use 'meft1' or 'meft2'")
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    attention = base.layers[0].attention
+    if abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12:
+        raise NotImplementedError(f"revify: {name} with attention scaling {attention.scaling} != head_dim ** -0.5 "
+                                  f"is not supported")
+    _require_hosted_layer_loop(name)
+    rope_dims = int(attention.rotary_ndims)
+    activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
+    spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, activation=activation,
+                **_rope_spec(config, name, base, rope_dims))
+    for block in base.layers:
+        block._revtriton_spec = dict(spec)
+    layer_class = type(base.layers[0])
+    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
+
+
+class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.input_layernorm.weight)
+        out = b.attention(b.input_layernorm(x), attention_mask=host.mask_for(b),
+                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
+        return b.post_attention_dropout(_first(out))
+_HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))

@@ -1,0 +1,110 @@
+"""Hugging Face decoders with parallel layers (one norm, attention and MLP side by side).
+
+``x + attn(norm(x)) + mlp(norm(x))`` (GPT-NeoX's parallel residual with one norm shared by both
+branches), RoPE from the model's rotary embedding: GPT-J and CodeGen (``h`` of blocks with exactly
+ln_1, attn, mlp), Phi and Cohere (``layers`` of layers with exactly input_layernorm, self_attn, mlp;
+Phi's resid_dropout on each branch). Both branches run the layer's own modules (interleaved or
+partial rotary, one norm for both); the attention half is ``_HostParallelAttentionHalf`` (with the
+other halves that take the model's inputs).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .core import _convert_blocks, _Half, _host_block_mixins, _residual_dropout
+from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .probe import _check_block_loop, _check_layer_slice, _probe_layers, _rotary_layer_inputs
+
+
+def _parallel_norm(block) -> nn.Module:
+    return getattr(block, block._revtriton_spec["norm"])
+
+
+class _ParallelMlpHalf(_Half):
+    def _beyond_fused(self, x):
+        return True
+
+    def _modules(self, x):
+        b, norm = self.block, _parallel_norm(self.block)
+        return _residual_dropout(b, "resid_dropout")(b.mlp(norm(self._input(x, getattr(norm, "weight", None)))))
+
+
+# Where the layers are, and their parts (norm, attention, mlp), besides a branch dropout.
+_PARALLEL_CONVENTIONS = (("transformer", "h", ("ln_1", "attn", "mlp")),  # GPT-J, CodeGen
+                         ("model", "layers", ("input_layernorm", "self_attn", "mlp")))  # Phi, Cohere
+
+
+def _parallel_convention(model: nn.Module):
+    """``(base model, layers attribute, (norm, attention) part names)`` of a Hugging Face decoder whose
+    layers have exactly one norm, an attention and an MLP (see the section's comment), whatever its
+    class, or None."""
+    for owner, attribute, parts in _PARALLEL_CONVENTIONS:
+        base = getattr(model, owner, model)
+        layers = getattr(base, attribute, None)
+        if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList)
+                or not len(layers)):
+            continue
+        if {name for name, _ in layers[0].named_children()} - {"resid_dropout"} != set(parts):
+            continue
+        if attribute == "h":
+            _check_block_loop(base)
+        else:
+            _check_layer_slice(base)
+        return base, attribute, parts[:2]
+    return None
+
+
+def _convert_parallel(model, conversion):
+    """A decoder with parallel layers (:func:`_parallel_convention`): each layer probed against its own
+    forward; a plain conversion couples attention (F) and MLP (G), a preserving one keeps the layer
+    whole (meft1 / meft2); meft3 splits a layer into sublayers, which a parallel residual does not
+    compose."""
+    base, attribute, (norm, attention) = _parallel_convention(model)
+    config, name = base.config, type(model).__name__
+    _require_hosted_layer_loop(name)
+    if conversion.preserve == "meft3":
+        raise NotImplementedError(f"revify: {name}'s layers add attention and MLP in parallel: preserve='meft3' "
+                                  f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
+    layers = getattr(base, attribute)
+    for block in layers:
+        block._revtriton_spec = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
+                                          attention=attention)
+    _probe_layers(base, name, layers, (_HostParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
+                  f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
+    layer_class = type(layers[0])
+    _convert_blocks(base, attribute, config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
+                    (layer_class.__module__, layer_class.__name__))
+    _host_the_layer_loop(model, base, attribute, _HostParallelModel)
+
+
+class _HostParallelAttentionHalf(_HostAttention, _Half):
+    takes_cond = True
+
+    def _beyond_fused(self, x):
+        return True
+
+    def _attention_module(self):
+        return getattr(self.block, self.block._revtriton_spec["attention"])
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        norm = _parallel_norm(b)
+        x = self._input(x, getattr(norm, "weight", None))
+        rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
+        out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(b),
+                                       position_ids=self._position_ids(host), **rotary, **extra)
+        return _residual_dropout(b, "resid_dropout")(_first(out))
+
+    def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
+        return torch.zeros_like(x)
+_HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_HostParallelAttentionHalf, _ParallelMlpHalf),
+                                                                    "RevifiedHostParallel")
+
+
+class _HostParallelModel(_HostDecoderModel):
+    """A decoder with parallel layers (GPTJModel, CodeGenModel: layers ``h``; PhiModel, CohereModel:
+    ``layers``), RoPE from position ids."""
+
+    _class_prefix = "RevifiedHostParallel"
+    _layers = ("h", "layers")

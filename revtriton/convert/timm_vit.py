@@ -1,0 +1,176 @@
+"""timm ``VisionTransformer`` (standard ``Block``): fused halves over the block's weights (LayerScale
+folded into the output projection, stochastic depth as a row scale), its own modules otherwise."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..halves.randomness import half_generator
+from ..ops.attention import norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class, CHECKPOINTING_MESSAGE
+from .host import _BlockSteps
+
+
+
+def _drop_path_scale(x: torch.Tensor, p: float, training: bool):
+    """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the half's generator
+    inside a stack: halves.randomness, no routing needed; the global one outside)."""
+    if not training or p == 0.0:
+        return None
+    keep = 1.0 - p
+    mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 2), device=x.device, dtype=torch.float32)
+    return (mask.bernoulli_(keep, generator=half_generator(x.device)) / keep).expand(x.shape[:-1])
+
+
+def _scale_rows(h, row_scale):
+    return h if row_scale is None else h * row_scale.unsqueeze(-1).to(h.dtype)
+
+
+def _layer_scaled(weight, bias, layer_scale: nn.Module):
+    """Fold a timm LayerScale (or Identity) into the output projection."""
+    gamma = getattr(layer_scale, "gamma", None)
+    if gamma is None:
+        return weight, bias
+    gamma = gamma.to(weight.dtype)
+    return weight * gamma[:, None], (None if bias is None else bias * gamma)
+
+
+def _timm_fused_attention(block) -> bool:
+    """Whether a timm Block's attention branch is what the fused half computes: LayerNorm, the
+    standard Attention without qk-norm, scale-norm or gate, full width. Else the library path runs the
+    block's own modules (qk-norm and the rest included)."""
+    from timm.models.vision_transformer import Attention
+
+    a = block.attn
+    return (type(a) is Attention and isinstance(block.norm1, nn.LayerNorm) and block.norm1.weight is not None
+            and all(isinstance(getattr(a, name, None), nn.Identity) for name in ("q_norm", "k_norm", "norm"))
+            and getattr(a, "gate", None) is None
+            and a.head_dim * a.num_heads == a.qkv.in_features == a.proj.out_features)
+
+
+def _timm_fused_mlp(block) -> bool:
+    from timm.layers import Mlp
+
+    m = block.mlp
+    return (type(m) is Mlp and isinstance(block.norm2, nn.LayerNorm) and block.norm2.weight is not None
+            and isinstance(m.norm, nn.Identity) and _timm_activation(m.act) is not None)
+
+
+class _TimmAttentionHalf(_Half):
+    def _projections(self):
+        return self.block.attn.qkv, self.block.attn.proj
+
+    def _dropouts(self):
+        return _p(self.block.attn.attn_drop), _p(self.block.attn.proj_drop)
+
+    def _beyond_fused(self, x):
+        return not getattr(self.block, "_revtriton_fused", (True, True))[0]
+
+    def _row(self, x):
+        return _drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, a = self.block, self.block.attn
+        x = self._input(x, a.qkv.weight)
+        w_proj, b_proj = _layer_scaled(a.proj.weight, a.proj.bias, b.ls1)
+        return norm_attention_couple(res, x, sign, frac_bits, b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
+                                     w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
+                                     row_scale=self._row(x))
+
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, b.norm1.weight)
+        row = self._row(x)
+        return _scale_rows(b.ls1(b.attn(b.norm1(x))), row)
+
+
+_GELU_KINDS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def _timm_activation(act: nn.Module) -> str | None:
+    if isinstance(act, nn.GELU):
+        return _GELU_KINDS.get(act.approximate)
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    return None
+
+
+class _TimmMlpHalf(_Half):
+    def _projections(self):
+        return tuple(m for m in (getattr(self.block.mlp, "fc1", None), getattr(self.block.mlp, "fc2", None)) if m)
+
+    def _dropouts(self):
+        return tuple(_p(getattr(self.block.mlp, name, None)) for name in ("drop1", "drop2"))
+
+    def _beyond_fused(self, x):
+        return not getattr(self.block, "_revtriton_fused", (True, True))[1]
+
+    def _row(self, x):
+        return _drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
+
+    def _fused(self, res, x, sign, frac_bits):
+        b, m = self.block, self.block.mlp
+        x = self._input(x, m.fc1.weight)
+        w2, b2 = _layer_scaled(m.fc2.weight, m.fc2.bias, b.ls2)
+        return norm_mlp_couple(res, x, sign, frac_bits, b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
+                               b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
+                               row_scale=self._row(x))
+
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, b.norm2.weight)
+        row = self._row(x)
+        return _scale_rows(b.ls2(b.mlp(b.norm2(x))), row)
+
+
+class _TimmBlock(_RevifiedBlock):
+    _half_classes = (_TimmAttentionHalf, _TimmMlpHalf)
+
+
+class _TimmOrdinaryBlock(_OrdinaryBlock):
+    _half_classes = _TimmBlock._half_classes
+
+
+def _check_timm_block(i, block):
+    """timm's vision_transformer.Block (x + drop_path(ls(attn(norm1(x)))), then the MLP alike): its
+    parts run fused where they are the standard ones, else through its own modules."""
+    from timm.models.vision_transformer import Block
+
+    where = f"timm block {i} ({type(block).__name__})"
+    if type(block) is not Block:
+        raise NotImplementedError(f"{where}: revify supports timm's standard vision_transformer.Block only "
+                                  f"(parallel, residual-post-norm and other block variants differ in their residuals)")
+    block._revtriton_fused = (_timm_fused_attention(block), _timm_fused_mlp(block))
+
+
+class _TimmRevifiedModel:
+    """A revified timm ViT: set_grad_checkpointing(True) warns (checkpoint_seq would call the
+    reversible blocks one by one); forward_intermediates (and features_only models) steps through the
+    stack block by block (:class:`_BlockSteps`)."""
+
+    _keeps_class_name = True
+
+    def forward_intermediates(self, *args, **kwargs):
+        stack = self._modules["blocks"]
+        self._modules["blocks"] = _BlockSteps(stack)
+        try:
+            return super().forward_intermediates(*args, **kwargs)
+        finally:
+            self._modules["blocks"] = stack
+
+    def set_grad_checkpointing(self, enable: bool = True):
+        if enable:
+            import warnings
+
+            warnings.warn(CHECKPOINTING_MESSAGE, stacklevel=2)
+        self.grad_checkpointing = False
+
+
+def _convert_timm_vit(model, conversion):
+    for i, block in enumerate(model.blocks):
+        _check_timm_block(i, block)
+    model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
+    _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
+    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
+                    ("timm.models.vision_transformer", "Block"))
