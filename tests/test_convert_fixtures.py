@@ -48,3 +48,41 @@ def test_a_whole_model_pickle_made_before_the_change_loads(name):
     # (the pickle names its classes by module and name: a move may leave the module an alias of another)
     assert type(model).__qualname__ == MANIFEST["models"][name]["class"].rsplit(".", 1)[1]
     assert_converted_with_the_recorded_logits(model, name)
+
+
+def test_every_family_module_is_in_the_one_registry():
+    """Each family module declares a FAMILY; revify tries only those listed in FAMILIES, and the
+    supported list, the pickled class names and the convention names all derive from that list."""
+    import importlib
+    import pkgutil
+
+    import revtriton.convert as convert
+
+    modules = [importlib.import_module(f"revtriton.convert.{info.name}")
+               for info in pkgutil.iter_modules(convert.__path__)]
+    declared = sorted(module.FAMILY.name for module in modules if hasattr(module, "FAMILY"))
+    assert declared == sorted(family.name for family in convert.FAMILIES)
+    assert len(declared) == len(set(declared))
+    assert convert.SUPPORTED == tuple(line for family in convert.FAMILIES for line in family.supported)
+    for key in ("pickled", "conventions"):
+        entries = [entry for family in convert.FAMILIES for entry in getattr(family, key)]
+        assert len(entries) == len(set(entries)), f"a {key} entry declared by two families"
+    assert all(family.classes or family.detect for family in convert.FAMILIES)
+
+
+def test_a_pickle_made_now_names_the_package_not_its_modules():
+    """Swapped classes and a stack's layers_view pickle as revtriton.convert.<name>, not by the module
+    that defines them today: moving code between the package's modules keeps users' pickles loading."""
+    import pickle
+    import pickletools
+
+    import transformers
+
+    from revtriton import revify
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_key_value_heads=1, vocab_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32)
+    model = revify(transformers.LlamaForCausalLM(config))
+    names = [arg for op, arg, _ in pickletools.genops(pickle.dumps(model, protocol=2)) if op.name == "GLOBAL"]
+    ours = sorted({name for name in names if name.startswith("revtriton.convert")})
+    assert ours and all(name.startswith("revtriton.convert ") for name in ours), ours

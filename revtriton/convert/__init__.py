@@ -42,33 +42,20 @@ from torch import nn
 
 from ..lm_loss import prepare_causal_lm
 from ..ops.streams import MAX_SCALE_SHIFT
+from . import encoder, gpt2, hf_vit, llama, neox, parallel, timm_eva, timm_vit
 from .core import CHECKPOINTING_MESSAGE, _named, _RevifiedLM, _swapped, _swapped_class
-from .encoder import (_convert_prenorm_encoder, _HostEncoderBlock, _HostEncoderModel, _HostEncoderOrdinaryBlock,
-                      _prenorm_encoder_base)
-from .gpt2 import (_convert_gpt2, _gpt2_convention_base, _HostGPT2Block, _HostGPT2Model, _HostGPT2OrdinaryBlock,
-                   _HostGPT2StyleBlock, _HostGPT2StyleModel, _HostGPT2StyleOrdinaryBlock)
-from .hf_vit import _convert_hf_vit, _HostViTBlock, _HostViTModel, _HostViTOrdinaryBlock
-from .host import _host_layer_calls, _HostDecoderModel  # noqa: F401 (_host_layer_calls: pickled by this name)
-from .llama import _convert_llama, _HostLlamaBlock, _HostLlamaOrdinaryBlock, _llama_convention_base
-from .neox import _convert_neox, _HostNeoXBlock, _HostNeoXOrdinaryBlock
-from .parallel import (_convert_parallel, _HostParallelBlock, _HostParallelModel, _HostParallelOrdinaryBlock,
-                       _parallel_convention)
+from .host import _host_layer_calls  # noqa: F401 (a converted stack's layers_view pickles by this name)
 from .preserve import PRESERVE_MODES, _Conversion, train_adapters_only
-from .timm_eva import _convert_eva, _EvaBlock, _EvaOrdinaryBlock, _EvaRevifiedModel
-from .timm_vit import _convert_timm_vit, _TimmBlock, _TimmOrdinaryBlock, _TimmRevifiedModel
 
 __all__ = ["CHECKPOINTING_MESSAGE", "PRESERVE_MODES", "SUPPORTED", "from_pretrained", "revify", "train_adapters_only"]
 
-SUPPORTED = ("timm VisionTransformer", "timm Eva (EVA-02, pre-norm EvaBlock)",
-             "transformers GPT2LMHeadModel", "transformers GPT2Model",
-             "transformers GPTNeoXForCausalLM / GPTNeoXModel",
-             "transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
-             "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
-             "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)",
-             "transformers ViTForImageClassification / ViTModel",
-             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode) or parallel ones of one norm (ln_1, "
-             "attn, mlp: GPT-J, CodeGen; input_layernorm, self_attn, mlp: Phi, Cohere)",
-             "pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL: any head)")
+# The families. revify takes a model by its class (in any family) first, then by the layer conventions
+# of the families that detect them, in this order (LLaMA's layers before parallel ones, GPT-2's, then
+# pre-norm encoders'). Adding a family: a module with its FAMILY (see core.Family), listed here.
+FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, neox.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY,
+            encoder.FAMILY)
+
+SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
@@ -122,25 +109,9 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         raise TypeError(f"fused_loss must be a bool, got {fused_loss!r}")
     recorded = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
                     ordinary_top=ordinary_top, fused_loss=fused_loss)
-    for family, (module_prefix, class_name, convert) in _FAMILIES.items():
-        if any(cls.__name__ == class_name and cls.__module__.startswith(module_prefix) for cls in type(target).__mro__):
-            convert(target, conversion)
-            _finish_conversion(target, recorded)
-            return model
-    if _llama_convention_base(target) is not None:  # another decoder with LLaMA's layers (Granite, OLMo, ...)
-        _convert_llama(target, conversion, probe=True)
-        _finish_conversion(target, recorded)
-        return model
-    if _parallel_convention(target) is not None:  # parallel layers (GPT-J, CodeGen, Phi, Cohere)
-        _convert_parallel(target, conversion)
-        _finish_conversion(target, recorded)
-        return model
-    if _gpt2_convention_base(target) is not None:  # another decoder with GPT-2's layers (GPTBigCode)
-        _convert_gpt2(target, conversion, probe=True)
-        _finish_conversion(target, recorded)
-        return model
-    if _prenorm_encoder_base(target) is not None:  # BERT's layer parts, pre-norm (RoBERTa-PreLayerNorm, ...)
-        _convert_prenorm_encoder(target, conversion)
+    family, found = _family_of(target)
+    if family is not None:
+        family.convert(target, conversion, found)
         _finish_conversion(target, recorded)
         return model
     cls = type(target)
@@ -151,6 +122,22 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
             f"and RoBERTa): a reversible coupling adds each half's output to a stream, which a norm applied after "
             f"the add does not fit; pre-norm models are supported: {', '.join(SUPPORTED)}")
     raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+
+
+def _family_of(model: nn.Module) -> tuple:
+    """``(family, found)``: the first family one of whose classes ``model``'s class is or derives from
+    (found None), else the first that detects it by its layer conventions (found: what it detected);
+    ``(None, None)`` when none does. A detector raises NotImplementedError for a near miss."""
+    mro = type(model).__mro__
+    for family in FAMILIES:
+        if any(cls.__name__ == name and cls.__module__.startswith(prefix)
+               for prefix, name in family.classes for cls in mro):
+            return family, None
+    for family in FAMILIES:
+        found = None if family.detect is None else family.detect(model)
+        if found is not None:
+            return family, found
+    return None, None
 
 
 def _finish_conversion(model: nn.Module, recorded: dict):
@@ -251,7 +238,14 @@ def _peft_base_model(model: nn.Module) -> nn.Module:
     return model
 
 
-_BLOCK_BASES = {}  # swapped class name -> (module, class name, mixin), for unpickling in a fresh process
+# Swapped class name -> (library module, class name, mixin), for unpickling in a fresh process (the
+# families' fixed names; names of models admitted by conventions are added as they are met).
+_BLOCK_BASES = {name: entry for family in FAMILIES for name, entry in family.pickled.items()}
+# (name prefix, "Ordinary" or None, kind) of a swapped class of a model admitted by conventions -> its mixin.
+_CONVENTION_MIXINS = {key: mixin for family in FAMILIES for key, mixin in family.conventions.items()}
+_CONVENTION_NAME = re.compile(
+    rf"Revified({'|'.join(sorted({prefix for prefix, _, _ in _CONVENTION_MIXINS}, key=len, reverse=True))})?"
+    rf"(Ordinary)?((\w+?)({'|'.join(sorted({kind for _, _, kind in _CONVENTION_MIXINS}))}|For[A-Z]\w*))")
 
 
 def __getattr__(name):  # module attribute hook: a swapped class, rebuilt on unpickling in a fresh process
@@ -281,8 +275,7 @@ def _convention_class(name: str):
     ``RevifiedHostEncoder<Family>Model``), its class found in the module of transformers'
     ``<Family>Model``; or the head class around any of them (``Revified<Head class>``: an LM, a
     classifier), which transformers exports by its name."""
-    match = re.fullmatch(r"Revified(HostEncoder|HostGPT2Style|HostParallel|Host)?(Ordinary)?"
-                         r"((\w+?)(DecoderLayer|Layer|Block|Model|For[A-Z]\w*))", name)
+    match = _CONVENTION_NAME.fullmatch(name)
     if match is None:
         return None
     host, ordinary, class_name, family, kind = match.groups()
@@ -299,68 +292,3 @@ def _convention_class(name: str):
         return None
     return (module.__name__, class_name, mixin) if hasattr(module, class_name) else None
 
-
-_FAMILIES = {
-    "timm_vit": ("timm", "VisionTransformer", _convert_timm_vit),
-    "timm_eva": ("timm", "Eva", _convert_eva),
-    "hf_vit_classifier": ("transformers", "ViTForImageClassification", _convert_hf_vit),
-    "hf_vit": ("transformers", "ViTModel", _convert_hf_vit),
-    "gpt2_lm": ("transformers", "GPT2LMHeadModel", _convert_gpt2),
-    "gpt2": ("transformers", "GPT2Model", _convert_gpt2),
-    "gpt_neox_lm": ("transformers", "GPTNeoXForCausalLM", _convert_neox),
-    "gpt_neox": ("transformers", "GPTNeoXModel", _convert_neox),
-}
-# LLaMA and the decoders with its layer conventions: transformers module -> class prefix.
-_LLAMA_LIKE = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-               "phi3": "Phi3"}
-for _module, _prefix in _LLAMA_LIKE.items():
-    _FAMILIES[f"{_module}_lm"] = ("transformers", f"{_prefix}ForCausalLM", _convert_llama)
-    _FAMILIES[_module] = ("transformers", f"{_prefix}Model", _convert_llama)
-
-_BLOCK_BASES.update({
-    "RevifiedBlock": ("timm.models.vision_transformer", "Block", _TimmBlock),
-    "RevifiedHostEvaBlock": ("timm.models.eva", "EvaBlock", _EvaBlock),
-    "RevifiedHostOrdinaryEvaBlock": ("timm.models.eva", "EvaBlock", _EvaOrdinaryBlock),
-    "RevifiedEva": ("timm.models.eva", "Eva", _EvaRevifiedModel),
-    "RevifiedVisionTransformer": ("timm.models.vision_transformer", "VisionTransformer", _TimmRevifiedModel),
-    "RevifiedOrdinaryBlock": ("timm.models.vision_transformer", "Block", _TimmOrdinaryBlock),
-    "RevifiedHostViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTBlock),
-    "RevifiedHostOrdinaryViTLayer": ("transformers.models.vit.modeling_vit", "ViTLayer", _HostViTOrdinaryBlock),
-    "RevifiedHostViTModel": ("transformers.models.vit.modeling_vit", "ViTModel", _HostViTModel),
-})
-_BLOCK_BASES.update({
-    "RevifiedHostGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _HostGPT2Block),
-    "RevifiedHostOrdinaryGPT2Block": ("transformers.models.gpt2.modeling_gpt2", "GPT2Block", _HostGPT2OrdinaryBlock),
-    "RevifiedHostGPT2Model": ("transformers.models.gpt2.modeling_gpt2", "GPT2Model", _HostGPT2Model),
-})
-_NEOX_PATH = "transformers.models.gpt_neox.modeling_gpt_neox"
-_BLOCK_BASES.update({
-    "RevifiedHostGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXBlock),
-    "RevifiedHostOrdinaryGPTNeoXLayer": (_NEOX_PATH, "GPTNeoXLayer", _HostNeoXOrdinaryBlock),
-    "RevifiedHostGPTNeoXModel": (_NEOX_PATH, "GPTNeoXModel", _HostDecoderModel),
-})
-for _module, _prefix in _LLAMA_LIKE.items():
-    _path = f"transformers.models.{_module}.modeling_{_module}"
-    _BLOCK_BASES.update({
-        f"RevifiedHost{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaBlock),
-        f"RevifiedHostOrdinary{_prefix}DecoderLayer": (_path, f"{_prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
-        f"RevifiedHost{_prefix}Model": (_path, f"{_prefix}Model", _HostDecoderModel),
-    })
-
-# (prefix, "Ordinary" or None, layer / model kind) of a swapped class -> its mixin (see _convention_class)
-_CONVENTION_MIXINS = {
-    ("Host", None, "DecoderLayer"): _HostLlamaBlock,
-    ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
-    ("Host", None, "Model"): _HostDecoderModel,
-    ("HostEncoder", None, "Layer"): _HostEncoderBlock,
-    ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
-    ("HostEncoder", None, "Model"): _HostEncoderModel,
-    ("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
-    ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
-    ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel,
-    ("HostParallel", None, "Block"): _HostParallelBlock,  # GPT-J's blocks
-    ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
-    ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,  # Phi's and Cohere's layers
-    ("HostParallel", "Ordinary", "DecoderLayer"): _HostParallelOrdinaryBlock,
-    ("HostParallel", None, "Model"): _HostParallelModel,
-}

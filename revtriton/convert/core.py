@@ -5,6 +5,8 @@ norms, activations, RoPE). Family modules (``llama``, ``gpt2``, ...) build on th
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -97,6 +99,29 @@ def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Con
             block.coupling = coupling
             _add_adapters(block, dim, conversion)
     setattr(owner, attribute, ReversibleStack(list(blocks), **conversion.stack_options()))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What revify needs of a model family, declared by its module (``FAMILY``); the package's
+    registry derives from these: the error's supported list, the order of detection and the names
+    swapped classes pickle by.
+
+    A model is converted by the first family one of whose ``classes`` its class is (or derives
+    from), else by the first whose ``detect`` finds it (the registry's order), a model admitted by
+    its layer conventions. ``convert(model, conversion, found)`` converts it in place; ``found`` is
+    None for a model taken by its class, else what ``detect`` returned (detected once).
+    """
+
+    name: str
+    supported: tuple  # lines of revify's "supported:" list
+    convert: Callable
+    classes: tuple = ()  # (module prefix, class name) of the model classes taken by their class
+    detect: Callable | None = None  # detect(model) -> what convert needs, or None (raises for a near miss)
+    pickled: dict = field(default_factory=dict)  # swapped class name -> (library module, class name, mixin)
+    # (name prefix, "Ordinary" or None, layer / model kind) -> mixin, for the swapped classes of models
+    # admitted by conventions, named after whatever family they are (see the package's _convention_class)
+    conventions: dict = field(default_factory=dict)
 
 
 # Swapped classes pickle as attributes of the package (``revtriton.convert.<name>``), wherever the

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout
+from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout
 from .host import (_first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _pack_host_cond,
                    _require_hosted_layer_loop)
 from .probe import _probe_layers, _require_layer_loop
@@ -118,12 +118,11 @@ def _prenorm_encoder_base(model: nn.Module):
     return base
 
 
-def _convert_prenorm_encoder(model, conversion):
-    """A pre-norm BERT-style encoder (:func:`_prenorm_encoder_base`): each layer is probed against its
-    own forward (NotImplementedError, model unchanged, where it differs); the fused kernels run the
-    branches they compute (LayerNorm, q/k/v with head_dim ** -0.5 scores, a GELU / ReLU MLP), the
-    layer's own modules the rest."""
-    base = _prenorm_encoder_base(model)
+def _convert_prenorm_encoder(model, conversion, base):
+    """A pre-norm BERT-style encoder (``base``: its base model, as :func:`_prenorm_encoder_base` found
+    it): each layer is probed against its own forward (NotImplementedError, model unchanged, where it
+    differs); the fused kernels run the branches they compute (LayerNorm, q/k/v with head_dim ** -0.5
+    scores, a GELU / ReLU MLP), the layer's own modules the rest."""
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
@@ -174,3 +173,11 @@ class _HostEncoderModel(_HostDecoderModel):
 
     _class_prefix = "RevifiedHostEncoder"
     _layers, _rope, _caches = "encoder.layer", False, False
+
+
+FAMILY = Family(
+    "prenorm_encoder", ("pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL: any head)",),
+    _convert_prenorm_encoder, detect=_prenorm_encoder_base,
+    conventions={("HostEncoder", None, "Layer"): _HostEncoderBlock,
+                 ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
+                 ("HostEncoder", None, "Model"): _HostEncoderModel})

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
+from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
 from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _probe_layers
 
@@ -70,15 +70,16 @@ class _GPT2MlpHalf(_Half):
         return b.mlp(b.ln_2(self._input(x, b.ln_2.weight)))
 
 
-def _convert_gpt2(model, conversion, probe=False):
+def _convert_gpt2(model, conversion, found=None):
     """GPT-2 and the decoders that share its layer conventions (``h`` of blocks with ln_1, attn, ln_2,
     mlp: GPTBigCode). The fused kernels run GPT-2's own projections (transformers' Conv1D, q/k/v
     side by side) with head_dim ** -0.5 scores and a GELU / ReLU MLP; anything else runs the layer's
-    own modules. ``probe``: a decoder admitted by its conventions (:func:`_gpt2_convention_base`),
-    each layer checked against its own forward (:func:`_probe_layers`)."""
+    own modules. ``found``: the base model of a decoder admitted by its conventions
+    (:func:`_gpt2_convention_base`), each layer checked against its own forward (:func:`_probe_layers`)."""
     from transformers.pytorch_utils import Conv1D
 
-    base = model.transformer if hasattr(model, "transformer") else model
+    probe = found is not None
+    base = found if probe else model.transformer if hasattr(model, "transformer") else model
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
     if getattr(config, "add_cross_attention", False):
@@ -162,3 +163,16 @@ class _HostGPT2StyleModel(_HostGPT2Model):
     """A decoder admitted by GPT-2's layer conventions (GPTBigCodeModel)."""
 
     _class_prefix = "RevifiedHostGPT2Style"
+
+
+_GPT2 = "transformers.models.gpt2.modeling_gpt2"
+FAMILY = Family(
+    "gpt2", ("transformers GPT2LMHeadModel", "transformers GPT2Model",
+             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode)"), _convert_gpt2,
+    classes=(("transformers", "GPT2LMHeadModel"), ("transformers", "GPT2Model")), detect=_gpt2_convention_base,
+    pickled={"RevifiedHostGPT2Block": (_GPT2, "GPT2Block", _HostGPT2Block),
+             "RevifiedHostOrdinaryGPT2Block": (_GPT2, "GPT2Block", _HostGPT2OrdinaryBlock),
+             "RevifiedHostGPT2Model": (_GPT2, "GPT2Model", _HostGPT2Model)},
+    conventions={("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
+                 ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
+                 ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel})

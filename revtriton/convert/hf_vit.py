@@ -6,7 +6,7 @@ import torch
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
+from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
 from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel
 
 
@@ -56,7 +56,7 @@ class _HFViTMlpHalf(_Half):
         return b.dropout(b.mlp(b.layernorm_after(self._input(x, b.layernorm_after.weight))))
 
 
-def _convert_hf_vit(model, conversion):
+def _convert_hf_vit(model, conversion, found=None):
     base = model.vit if hasattr(model, "vit") else model
     layers = getattr(base, "layers", None)
     if layers is None or not len(layers) or not hasattr(layers[0], "layernorm_before"):
@@ -88,3 +88,11 @@ class _HostViTModel(_HostDecoderModel):
     """ViTModel: patches in, no cache; its last hidden state is the last layer's (before layernorm)."""
 
     _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+_VIT = "transformers.models.vit.modeling_vit"
+FAMILY = Family("hf_vit", ("transformers ViTForImageClassification / ViTModel",), _convert_hf_vit,
+                classes=(("transformers", "ViTForImageClassification"), ("transformers", "ViTModel")),
+                pickled={"RevifiedHostViTLayer": (_VIT, "ViTLayer", _HostViTBlock),
+                         "RevifiedHostOrdinaryViTLayer": (_VIT, "ViTLayer", _HostViTOrdinaryBlock),
+                         "RevifiedHostViTModel": (_VIT, "ViTModel", _HostViTModel)})

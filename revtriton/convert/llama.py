@@ -7,8 +7,8 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
-from .core import (_convert_blocks, _Half, _host_block_mixins, _layout_options, _norm_eps, _p, _residual_dropout,
-                   _rope_spec)
+from .core import (Family, _convert_blocks, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
+                    _residual_dropout, _rope_spec)
 from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _probe_layers, _rotary_layer_inputs
 
@@ -158,16 +158,17 @@ def _sliding_windows(config, depth) -> list:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def _convert_llama(model, conversion, probe=False):
+def _convert_llama(model, conversion, found=None):
     """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
     with RoPE and GQA, gated MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm), Gemma
     (RMSNorm by 1 + weight, GeGLU), Phi-3 (fused qkv and gate/up projections, residual dropout).
     What the fused kernels lack (qk-norm, another norm or activation, scaled RoPE, a window shorter
     than the rows, head_dim * heads != width) runs on the library path (``_Half._beyond_fused``).
-    ``probe``: a decoder admitted by its layer conventions, not its class (:func:`_llama_convention_base`):
-    each layer must compute what its halves do on a probe (:func:`_probe_layers`), else nothing changes
-    and NotImplementedError says so."""
-    base = model.model if hasattr(model, "model") else model
+    ``found``: the base model of a decoder admitted by its layer conventions, not its class
+    (:func:`_llama_convention_base`): each layer must compute what its halves do on a probe
+    (:func:`_probe_layers`), else nothing changes and NotImplementedError says so."""
+    probe = found is not None
+    base = found if probe else model.model if hasattr(model, "model") else model
     config, name = base.config, type(model).__name__
     if not len(base.layers):
         raise ValueError(f"revify: {name} has no decoder layers")
@@ -242,3 +243,32 @@ class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
 
 
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
+
+
+# LLaMA and the decoders with its layer conventions taken by their class: transformers module -> class prefix.
+_BY_CLASS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+             "phi3": "Phi3"}
+
+
+def _pickled_by_class() -> dict:
+    pickled = {}
+    for module, prefix in _BY_CLASS.items():
+        path = f"transformers.models.{module}.modeling_{module}"
+        pickled.update({
+            f"RevifiedHost{prefix}DecoderLayer": (path, f"{prefix}DecoderLayer", _HostLlamaBlock),
+            f"RevifiedHostOrdinary{prefix}DecoderLayer": (path, f"{prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
+            f"RevifiedHost{prefix}Model": (path, f"{prefix}Model", _HostDecoderModel),
+        })
+    return pickled
+
+
+FAMILY = Family(
+    "llama", ("transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
+              "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
+              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)"),
+    _convert_llama, classes=tuple(("transformers", f"{prefix}{kind}") for prefix in _BY_CLASS.values()
+                                  for kind in ("ForCausalLM", "Model")),
+    detect=_llama_convention_base, pickled=_pickled_by_class(),
+    conventions={("Host", None, "DecoderLayer"): _HostLlamaBlock,
+                 ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
+                 ("Host", None, "Model"): _HostDecoderModel})

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p, _rope_spec, _spec_of
+from .core import (Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p,
+                    _rope_spec, _spec_of)
 from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
 
@@ -79,7 +80,7 @@ class _NeoXMlpHalf(_Half):
         return b.post_mlp_dropout(b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight))))
 
 
-def _convert_neox(model, conversion):
+def _convert_neox(model, conversion, found=None):
     """GPT-NeoX (Pythia): pre-norm LayerNorm blocks with the parallel residual ``x + A(x) + M(x)``
     (or the sequential one, ``use_parallel_residual=False``), partial rotary, biases. A plain
     conversion couples attention (F) and MLP (G) as every family; a preserving one keeps the layer
@@ -124,3 +125,11 @@ class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
                           position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
         return b.post_attention_dropout(_first(out))
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
+
+
+_NEOX = "transformers.models.gpt_neox.modeling_gpt_neox"
+FAMILY = Family("gpt_neox", ("transformers GPTNeoXForCausalLM / GPTNeoXModel",), _convert_neox,
+                classes=(("transformers", "GPTNeoXForCausalLM"), ("transformers", "GPTNeoXModel")),
+                pickled={"RevifiedHostGPTNeoXLayer": (_NEOX, "GPTNeoXLayer", _HostNeoXBlock),
+                         "RevifiedHostOrdinaryGPTNeoXLayer": (_NEOX, "GPTNeoXLayer", _HostNeoXOrdinaryBlock),
+                         "RevifiedHostGPTNeoXModel": (_NEOX, "GPTNeoXModel", _HostDecoderModel)})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core import _convert_blocks, _Half, _host_block_mixins, _residual_dropout
+from .core import Family, _convert_blocks, _Half, _host_block_mixins, _residual_dropout
 from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_block_loop, _check_layer_slice, _probe_layers, _rotary_layer_inputs
 
@@ -55,12 +55,12 @@ def _parallel_convention(model: nn.Module):
     return None
 
 
-def _convert_parallel(model, conversion):
-    """A decoder with parallel layers (:func:`_parallel_convention`): each layer probed against its own
-    forward; a plain conversion couples attention (F) and MLP (G), a preserving one keeps the layer
-    whole (meft1 / meft2); meft3 splits a layer into sublayers, which a parallel residual does not
-    compose."""
-    base, attribute, (norm, attention) = _parallel_convention(model)
+def _convert_parallel(model, conversion, found):
+    """A decoder with parallel layers (``found``: what :func:`_parallel_convention` found in it): each
+    layer probed against its own forward; a plain conversion couples attention (F) and MLP (G), a
+    preserving one keeps the layer whole (meft1 / meft2); meft3 splits a layer into sublayers, which a
+    parallel residual does not compose."""
+    base, attribute, (norm, attention) = found
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
     if conversion.preserve == "meft3":
@@ -108,3 +108,13 @@ class _HostParallelModel(_HostDecoderModel):
 
     _class_prefix = "RevifiedHostParallel"
     _layers = ("h", "layers")
+
+
+FAMILY = Family(
+    "parallel", ("decoders with parallel layers of one norm (ln_1, attn, mlp: GPT-J, CodeGen; input_layernorm, "
+                 "self_attn, mlp: Phi, Cohere)",), _convert_parallel, detect=_parallel_convention,
+    conventions={("HostParallel", None, "Block"): _HostParallelBlock,  # GPT-J's blocks
+                 ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
+                 ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,  # Phi's and Cohere's layers
+                 ("HostParallel", "Ordinary", "DecoderLayer"): _HostParallelOrdinaryBlock,
+                 ("HostParallel", None, "Model"): _HostParallelModel})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from ..ops.streams import couple_output
-from .core import _convert_blocks, _Half, _host_block_mixins, _swap_class
+from .core import Family, _convert_blocks, _Half, _host_block_mixins, _swap_class
 from .host import _HOST_CALL, _host_layer_calls, _HostCall, _unpack_host_cond
 from .timm_vit import _drop_path_scale, _scale_rows, _TimmRevifiedModel
 
@@ -75,7 +75,7 @@ class _EvaRevifiedModel:
     set_grad_checkpointing = _TimmRevifiedModel.set_grad_checkpointing
 
 
-def _convert_eva(model, conversion):
+def _convert_eva(model, conversion, found=None):
     from timm.models.eva import EvaBlock
 
     for i, block in enumerate(model.blocks):
@@ -89,3 +89,9 @@ def _convert_eva(model, conversion):
                     ("timm.models.eva", "EvaBlock"))
     model.blocks.layers_view = _host_layer_calls
     _swap_class(model, _EvaRevifiedModel, "timm.models.eva", "Eva")
+
+
+FAMILY = Family("timm_eva", ("timm Eva (EVA-02, pre-norm EvaBlock)",), _convert_eva, classes=(("timm", "Eva"),),
+                pickled={"RevifiedHostEvaBlock": ("timm.models.eva", "EvaBlock", _EvaBlock),
+                         "RevifiedHostOrdinaryEvaBlock": ("timm.models.eva", "EvaBlock", _EvaOrdinaryBlock),
+                         "RevifiedEva": ("timm.models.eva", "Eva", _EvaRevifiedModel)})

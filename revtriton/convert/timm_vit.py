@@ -8,7 +8,7 @@ from torch import nn
 from ..halves.randomness import half_generator
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class, CHECKPOINTING_MESSAGE
+from .core import Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class, CHECKPOINTING_MESSAGE
 from .host import _BlockSteps
 
 
@@ -167,10 +167,17 @@ class _TimmRevifiedModel:
         self.grad_checkpointing = False
 
 
-def _convert_timm_vit(model, conversion):
+def _convert_timm_vit(model, conversion, found=None):
     for i, block in enumerate(model.blocks):
         _check_timm_block(i, block)
     model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
     _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
     _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
                     ("timm.models.vision_transformer", "Block"))
+
+
+_TIMM_VIT = "timm.models.vision_transformer"
+FAMILY = Family("timm_vit", ("timm VisionTransformer",), _convert_timm_vit, classes=(("timm", "VisionTransformer"),),
+                pickled={"RevifiedBlock": (_TIMM_VIT, "Block", _TimmBlock),
+                         "RevifiedOrdinaryBlock": (_TIMM_VIT, "Block", _TimmOrdinaryBlock),
+                         "RevifiedVisionTransformer": (_TIMM_VIT, "VisionTransformer", _TimmRevifiedModel)})
