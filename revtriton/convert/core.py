@@ -73,14 +73,37 @@ def _host_block_mixins(halves: tuple, prefix: str = "RevifiedHost") -> tuple:
     return reversible, ordinary
 
 
+def _concatenated_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple:
+    """The weight and bias (None without) of three q / k / v projections as one, rows [q; k; v]
+    (what the fused attention reads)."""
+    weight = torch.cat([q.weight, k.weight, v.weight])
+    return weight, None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+
+
+def _scores_scaled_plainly(attention: nn.Module, head_dim: int) -> bool:
+    """Whether an attention module scales its scores by ``head_dim ** -0.5`` (its ``scaling``, when it
+    keeps one), as the fused kernels do."""
+    return abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12
+
+
+def _refuse_meft3_with_parallel_layers(name: str, conversion: _Conversion):
+    """meft3's halves are the layer's two sublayers, one after the other: a parallel residual
+    (``x + A(x) + M(x)``) does not compose them."""
+    if conversion.preserve == "meft3":
+        raise NotImplementedError(f"revify: {name} cannot be converted with preserve='meft3': its layers add "
+                                  f"attention and MLP in parallel (x + A(x) + M(x)), which meft3's halves (one "
+                                  f"sublayer after the other) do not compose; use 'meft1' or 'meft2'")
+
+
 def _parallel_residual(block) -> bool:
     """A parallel residual, ``x + A(x) + M(x)``: GPT-NeoX's (an attribute of its layers), GPT-J's."""
     return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))
 
 
-def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins, base):
+def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins):
     """Swap each block's class (reversible, or ordinary for the top ``ordinary_top``), add the preserve
-    mode's adapters and couplings, and replace the block list by a ReversibleStack."""
+    mode's adapters and couplings, and replace the block list by a ReversibleStack. The swapped
+    classes of the first block's class are the ones the package names (see :func:`_swap_class`)."""
     blocks = getattr(owner, attribute)
     if isinstance(blocks, ReversibleStack):
         raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
@@ -89,6 +112,7 @@ def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Con
     reversible, ordinary = mixins
     first_ordinary = len(blocks) - conversion.ordinary_top
     coupling = conversion.coupling()
+    base = (type(blocks[0]).__module__, type(blocks[0]).__name__)
     for i, block in enumerate(blocks):
         if i >= first_ordinary:
             _swap_class(block, ordinary, *base)

@@ -10,13 +10,13 @@ absolute (added with the embeddings); masks are bidirectional.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout
-from .host import (_first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _pack_host_cond,
+from .core import (Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout,
+                   _scores_scaled_plainly)
+from .host import (_first, _convert_hosted_layers, _HostAttention, _HostDecoderModel, _pack_host_cond,
                    _require_hosted_layer_loop)
 from .probe import _probe_layers, _require_layer_loop
 
@@ -58,8 +58,7 @@ class _EncoderAttentionHalf(_Half):
         a, norm = self.block.attention, _attention_norm(self.block)
         s = a.self
         x = self._input(x, norm.weight)
-        w_qkv = torch.cat([s.query.weight, s.key.weight, s.value.weight])
-        b_qkv = None if s.query.bias is None else torch.cat([s.query.bias, s.key.bias, s.value.bias])
+        w_qkv, b_qkv = _concatenated_qkv(s.query, s.key, s.value)
         segments = None if layout is None else layout[1]  # absolute positions entered with the embeddings
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv,
                                      a.output.dense.weight, a.output.dense.bias, heads=s.num_attention_heads,
@@ -142,16 +141,14 @@ def _convert_prenorm_encoder(model, conversion, base):
     activation = _HF_ACTIVATIONS.get(getattr(config, "hidden_act", None))
     spec = dict(activation=activation, fused_mlp=activation is not None,
                 fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
-                                 and abs(float(getattr(s, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12))
+                                 and _scores_scaled_plainly(s, head_dim)))
     for block in layers:
         block._revtriton_spec = dict(spec)
     no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
     _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
                   "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
-    layer_class = type(layers[0])
-    _convert_blocks(encoder, "layer", config.hidden_size, conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
-                    (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "encoder.layer", _HostEncoderModel)
+    _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
+                           _HostEncoderModel)
 
 
 class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
@@ -163,6 +160,8 @@ class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
 
     def _library_call(self, x, host, extra):
         return self._branch(x, host.mask_for(self.block), dict(extra, position_ids=self._position_ids(host)))
+
+
 _HostEncoderBlock, _HostEncoderOrdinaryBlock = _host_block_mixins((_HostEncoderAttentionHalf, _EncoderMlpHalf),
                                                                   "RevifiedHostEncoder")
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
-from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .core import Family, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
+from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _probe_layers
 
 
@@ -104,9 +104,7 @@ def _convert_gpt2(model, conversion, found=None):
     mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
     if not probe:
         mixins, model_mixin = (_HostGPT2Block, _HostGPT2OrdinaryBlock), _HostGPT2Model
-    layer_class = type(base.h[0])
-    _convert_blocks(base, "h", hidden, conversion, mixins, (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "h", model_mixin)
+    _convert_hosted_layers(model, base, "h", conversion, mixins, model_mixin)
 
 
 _GPT2_LAYER_PARTS = ("ln_1", "attn", "ln_2", "mlp")
@@ -137,16 +135,15 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
     def _attention_module(self):
         return self.block.attn
 
-    def _library_call(self, x, host, extra):
-        b = self.block
-        x = self._input(x, b.ln_1.weight)
-        return _first(b.attn(b.ln_1(x), attention_mask=host.mask_for(b), position_ids=self._position_ids(host),
-                             **extra))
+    def _attention_norm(self):
+        return self.block.ln_1
 
     def _modules(self, x):  # an empty batch of a GPT-2-style model (GPTBigCode's q/k/v are not GPT-2's)
         if not self.block._revtriton_spec["gpt2_layout"]:
             return torch.zeros_like(x)
         return super()._modules(x)
+
+
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
 # Decoders admitted by GPT-2's layer conventions (GPTBigCode): their own names, found again on unpickling.
 _HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf),

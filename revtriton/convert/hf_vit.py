@@ -2,12 +2,11 @@
 encoder of ``ViTLayer``, run through the library's own forward."""
 from __future__ import annotations
 
-import torch
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
-from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel
+from .core import Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
+from .host import _first, _convert_hosted_layers, _HostAttention, _HostDecoderModel
 
 
 class _HFViTAttentionHalf(_Half):
@@ -22,8 +21,7 @@ class _HFViTAttentionHalf(_Half):
         b, a = self.block, self.block.attention
         norm = b.layernorm_before
         x = self._input(x, norm.weight)
-        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        w_qkv, b_qkv = _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
                                      a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
                                      eps=norm.eps)
@@ -65,10 +63,7 @@ def _convert_hf_vit(model, conversion, found=None):
     attention = layers[0].attention
     if attention.head_dim * attention.num_attention_heads != base.config.hidden_size:
         raise NotImplementedError("revify: HF ViT with head_dim * heads != hidden_size is not supported")
-    layer_class = type(layers[0])
-    _convert_blocks(base, "layers", base.config.hidden_size, conversion, (_HostViTBlock, _HostViTOrdinaryBlock),
-                    (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "layers", _HostViTModel)
+    _convert_hosted_layers(model, base, "layers", conversion, (_HostViTBlock, _HostViTOrdinaryBlock), _HostViTModel)
 
 
 class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
@@ -81,6 +76,8 @@ class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
         b = self.block
         x = self._input(x, b.layernorm_before.weight)
         return b.dropout(_first(b.attention(b.layernorm_before(x), host.mask_for(b), **extra)))
+
+
 _HostViTBlock, _HostViTOrdinaryBlock = _host_block_mixins((_HostViTAttentionHalf, _HFViTMlpHalf))
 
 

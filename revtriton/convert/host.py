@@ -7,7 +7,6 @@ import contextvars
 import functools
 import importlib
 import inspect
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 from ..engine import ReversibleStack, is_reversible_block
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output, from_fixed, to_fixed
-from .core import SWAPPED_MODULE, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
+from .core import SWAPPED_MODULE, _convert_blocks, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
 
 
 class _BlockSteps(nn.Module):
@@ -78,8 +77,6 @@ class _BlockSteps(nn.Module):
         out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
         state["returned"] = out
         return out
-
-
 
 
 _warned_grad_cache = []
@@ -380,13 +377,27 @@ class _HostAttention:
     """Mixin of the attention half of a layer run through its library's own forward: the fused
     kernels (with the token layout) where they compute what the library does, else the layer's own
     attention module with the library's mask, rotary embedding and, while decoding, its cache.
-    Families say how to call their module (``_library_call``)."""
+    Families name the layer's parts (``_attention_module``, ``_attention_norm``, ``_branch_dropout``)
+    or say how to call them (``_library_call``)."""
 
     def _attention_module(self) -> nn.Module:
         raise NotImplementedError
 
-    def _library_call(self, x, host: "_HostCond", extra: dict) -> torch.Tensor:
+    def _attention_norm(self) -> nn.Module:  # the norm before the attention module
         raise NotImplementedError
+
+    def _branch_dropout(self) -> nn.Module:  # a dropout on the branch's output outside the attention module
+        return nn.Identity()
+
+    def _library_call(self, x, host: "_HostCond", extra: dict) -> torch.Tensor:
+        """The layer's own norm and attention module (its hidden states, mask, position ids, the rotary
+        embedding when the loop gave one, while decoding its cache), then the branch's dropout."""
+        norm = self._attention_norm()
+        x = self._input(x, getattr(norm, "weight", None))
+        rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
+        out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(self.block),
+                                       position_ids=self._position_ids(host), **rotary, **extra)
+        return self._branch_dropout()(_first(out))
 
     def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
         return bool(_spec_of(self.block).get("library_rope"))
@@ -535,16 +546,14 @@ class _HostDecoderModel(_NoCheckpointing):
 
     def _layer_stack(self) -> ReversibleStack:
         paths = self._layers if isinstance(self._layers, tuple) else (self._layers,)
-        stacks = [operator.attrgetter(path)(self) for path in paths if _has_path(self, path)]
-        return next(stack for stack in stacks if isinstance(stack, ReversibleStack))
-
-
-def _has_path(module, path: str) -> bool:
-    try:
-        operator.attrgetter(path)(module)
-    except AttributeError:
-        return False
-    return True
+        for path in paths:
+            try:
+                stack = self.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(stack, ReversibleStack):
+                return stack
+        raise RuntimeError(f"revified {type(self).__name__} has no reversible stack at {' or '.join(paths)}")
 
 
 def _check_layer_inputs(name, tokens, kwargs, cache):
@@ -593,12 +602,15 @@ def _require_hosted_layer_loop(name: str):
                                   f"layer with keyword inputs, where revtriton stands in for them); found {version}")
 
 
-def _host_the_layer_loop(model, base, layers: str, model_mixin: type):
-    """The converted stack (at path ``layers`` of ``base``) answers the base model's layer loop
-    (``layers_view``), the base model's forward sets up each call (``model_mixin``), and the head
-    class around it (an LM: generate keeps the library's cache; a classifier) warns on
+def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, model_mixin: type):
+    """The end of a Hugging Face family's conversion: the layer list at path ``layers`` of ``base``
+    becomes the stack (:func:`_convert_blocks`, blocks of ``mixins``), which answers the base model's
+    layer loop (``layers_view``); the base model's forward sets up each call (``model_mixin``), and the
+    head class around it (an LM: generate keeps the library's cache; a classifier) warns on
     gradient-checkpointing requests (:class:`_RevifiedLM`)."""
-    operator.attrgetter(layers)(base).layers_view = _host_layer_calls
+    owner, _, attribute = layers.rpartition(".")
+    _convert_blocks(base.get_submodule(owner), attribute, base.config.hidden_size, conversion, mixins)
+    base.get_submodule(layers).layers_view = _host_layer_calls
     _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
     if model is not base:
         _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)

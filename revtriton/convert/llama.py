@@ -7,9 +7,9 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
-from .core import (Family, _convert_blocks, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
-                    _residual_dropout, _rope_spec)
-from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .core import (Family, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
+                   _residual_dropout, _rope_spec, _scores_scaled_plainly)
+from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _probe_layers, _rotary_layer_inputs
 
 
@@ -68,9 +68,7 @@ class _LlamaAttentionHalf(_Half):
         a = self.block.self_attn
         if hasattr(a, "qkv_proj"):
             return a.qkv_proj.weight, a.qkv_proj.bias
-        w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        b_qkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-        return w_qkv, b_qkv
+        return _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
 
     def _qkv(self, n):
         a, spec = self.block.self_attn, _layer_spec(self.block)
@@ -178,7 +176,7 @@ def _convert_llama(model, conversion, found=None):
     attention = base.layers[0].self_attn if len(base.layers) else None
     # What the fused kernels lack, on the layers' own modules (the library path).
     plain_attention = (getattr(config, "attn_logit_softcapping", None) is None
-                       and abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) <= 1e-12)
+                       and _scores_scaled_plainly(attention, head_dim))
     _require_hosted_layer_loop(name)
     qk_norm = attention is not None and hasattr(attention, "q_norm")
     layer = base.layers[0]
@@ -197,10 +195,8 @@ def _convert_llama(model, conversion, found=None):
     if probe:
         _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
                       "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
-    layer_class = type(base.layers[0])
-    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
-                    (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
+    _convert_hosted_layers(model, base, "layers", conversion, (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
+                           _HostDecoderModel)
 
 
 _LLAMA_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -234,12 +230,11 @@ class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
     def _attention_module(self):
         return self.block.self_attn
 
-    def _library_call(self, x, host, extra):
-        b = self.block
-        x = self._input(x, getattr(b.input_layernorm, "weight", None))
-        out = b.self_attn(hidden_states=b.input_layernorm(x), attention_mask=host.mask_for(b),
-                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
-        return _residual_dropout(b, "resid_attn_dropout")(_first(out))
+    def _attention_norm(self):
+        return self.block.input_layernorm
+
+    def _branch_dropout(self):
+        return _residual_dropout(self.block, "resid_attn_dropout")
 
 
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (Family, _convert_blocks, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p,
-                    _rope_spec, _spec_of)
-from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .core import (Family, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p,
+                   _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly, _spec_of)
+from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
 
 class _NeoXAttentionHalf(_Half):
@@ -91,14 +91,12 @@ def _convert_neox(model, conversion, found=None):
     if not len(base.layers):
         raise ValueError(f"revify: {name} has no decoder layers")
     parallel = bool(config.use_parallel_residual)
-    if parallel and conversion.preserve == "meft3":
-        raise NotImplementedError(f"revify: {name} with use_parallel_residual=True cannot be converted with "
-                                  f"preserve='meft3' (its sublayers run in parallel, not one after the other); "
-                                  f"use 'meft1' or 'meft2'")
+    if parallel:
+        _refuse_meft3_with_parallel_layers(f"{name} with use_parallel_residual=True", conversion)
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
     attention = base.layers[0].attention
-    if abs(float(getattr(attention, "scaling", head_dim**-0.5)) - head_dim**-0.5) > 1e-12:
+    if not _scores_scaled_plainly(attention, head_dim):
         raise NotImplementedError(f"revify: {name} with attention scaling {attention.scaling} != head_dim ** -0.5 "
                                   f"is not supported")
     _require_hosted_layer_loop(name)
@@ -108,22 +106,21 @@ def _convert_neox(model, conversion, found=None):
                 **_rope_spec(config, name, base, rope_dims))
     for block in base.layers:
         block._revtriton_spec = dict(spec)
-    layer_class = type(base.layers[0])
-    _convert_blocks(base, "layers", config.hidden_size, conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
-                    (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, "layers", _HostDecoderModel)
+    _convert_hosted_layers(model, base, "layers", conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
+                           _HostDecoderModel)
 
 
 class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
     def _attention_module(self):
         return self.block.attention
 
-    def _library_call(self, x, host, extra):
-        b = self.block
-        x = self._input(x, b.input_layernorm.weight)
-        out = b.attention(b.input_layernorm(x), attention_mask=host.mask_for(b),
-                          position_ids=self._position_ids(host), position_embeddings=host.position_embeddings, **extra)
-        return b.post_attention_dropout(_first(out))
+    def _attention_norm(self):
+        return self.block.input_layernorm
+
+    def _branch_dropout(self):
+        return self.block.post_attention_dropout
+
+
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core import Family, _convert_blocks, _Half, _host_block_mixins, _residual_dropout
-from .host import _first, _host_the_layer_loop, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .core import Family, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers, _residual_dropout
+from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_block_loop, _check_layer_slice, _probe_layers, _rotary_layer_inputs
 
 
@@ -63,19 +63,15 @@ def _convert_parallel(model, conversion, found):
     base, attribute, (norm, attention) = found
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
-    if conversion.preserve == "meft3":
-        raise NotImplementedError(f"revify: {name}'s layers add attention and MLP in parallel: preserve='meft3' "
-                                  f"(one sublayer after the other) does not compose them; use 'meft1' or 'meft2'")
+    _refuse_meft3_with_parallel_layers(name, conversion)
     layers = getattr(base, attribute)
     for block in layers:
         block._revtriton_spec = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
                                           attention=attention)
     _probe_layers(base, name, layers, (_HostParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
                   f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
-    layer_class = type(layers[0])
-    _convert_blocks(base, attribute, config.hidden_size, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
-                    (layer_class.__module__, layer_class.__name__))
-    _host_the_layer_loop(model, base, attribute, _HostParallelModel)
+    _convert_hosted_layers(model, base, attribute, conversion, (_HostParallelBlock, _HostParallelOrdinaryBlock),
+                           _HostParallelModel)
 
 
 class _HostParallelAttentionHalf(_HostAttention, _Half):
@@ -87,17 +83,16 @@ class _HostParallelAttentionHalf(_HostAttention, _Half):
     def _attention_module(self):
         return getattr(self.block, self.block._revtriton_spec["attention"])
 
-    def _library_call(self, x, host, extra):
-        b = self.block
-        norm = _parallel_norm(b)
-        x = self._input(x, getattr(norm, "weight", None))
-        rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
-        out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(b),
-                                       position_ids=self._position_ids(host), **rotary, **extra)
-        return _residual_dropout(b, "resid_dropout")(_first(out))
+    def _attention_norm(self):
+        return _parallel_norm(self.block)
+
+    def _branch_dropout(self):
+        return _residual_dropout(self.block, "resid_dropout")
 
     def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
         return torch.zeros_like(x)
+
+
 _HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_HostParallelAttentionHalf, _ParallelMlpHalf),
                                                                     "RevifiedHostParallel")
 

@@ -85,8 +85,7 @@ def _convert_eva(model, conversion, found=None):
     if getattr(model, "rope_mixed", False):
         raise NotImplementedError("revify: timm EVA with mixed (per-layer) rotary embeddings is not supported")
     model.grad_checkpointing = False
-    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_EvaBlock, _EvaOrdinaryBlock),
-                    ("timm.models.eva", "EvaBlock"))
+    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_EvaBlock, _EvaOrdinaryBlock))
     model.blocks.layers_view = _host_layer_calls
     _swap_class(model, _EvaRevifiedModel, "timm.models.eva", "Eva")
 

@@ -12,7 +12,6 @@ from .core import Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedB
 from .host import _BlockSteps
 
 
-
 def _drop_path_scale(x: torch.Tensor, p: float, training: bool):
     """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the half's generator
     inside a stack: halves.randomness, no routing needed; the global one outside)."""
@@ -172,8 +171,7 @@ def _convert_timm_vit(model, conversion, found=None):
         _check_timm_block(i, block)
     model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
     _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
-    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock),
-                    ("timm.models.vision_transformer", "Block"))
+    _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock))
 
 
 _TIMM_VIT = "timm.models.vision_transformer"
