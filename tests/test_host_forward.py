@@ -248,7 +248,7 @@ def test_decoders_with_gpt2s_layer_conventions_compute_the_librarys_function(mul
     original = _bigcode(seeded, multi_query=multi_query)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     spec = model.transformer.h[0]._revtriton_spec
-    assert not spec["fused_attention"] and spec["fused_mlp"]
+    assert not spec.fused_attention and spec.fused_mlp
     ids = torch.randint(1, 128, (2, 10))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -273,7 +273,7 @@ def test_gpt2s_other_heads_take_the_convention_path_with_the_fused_halves(seeded
     original = transformers.GPT2ForSequenceClassification(config).eval()
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     spec = model.transformer.h[0]._revtriton_spec
-    assert spec["fused_attention"] and spec["fused_mlp"]
+    assert spec.fused_attention and spec.fused_mlp
     ids = torch.randint(1, 128, (2, 10))
     with torch.no_grad():
         theirs = original(input_ids=ids).logits

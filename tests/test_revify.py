@@ -259,7 +259,7 @@ def test_qwen2_sliding_window_layers_keep_their_windows(seeded):
     """Qwen2 with use_sliding_window: the layers past max_window_layers slide (window 8 < 24 tokens)."""
     model = hf_qwen2(seeded, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     _check_halves_compute_the_original_blocks("qwen2", model)
-    assert [block._revtriton_spec["window"] for block in model.model.layers] == [None, 8, 8]
+    assert [block._revtriton_spec.window for block in model.model.layers] == [None, 8, 8]
 
 
 def _check_halves_compute_the_original_blocks(family, model):

@@ -43,11 +43,12 @@ from torch import nn
 from ..lm_loss import prepare_causal_lm
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import encoder, gpt2, hf_vit, llama, neox, parallel, timm_eva, timm_vit
-from .core import CHECKPOINTING_MESSAGE, _named, _RevifiedLM, _swapped, _swapped_class
+from .core import CHECKPOINTING_MESSAGE, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls  # noqa: F401 (a converted stack's layers_view pickles by this name)
 from .preserve import PRESERVE_MODES, _Conversion, train_adapters_only
 
-__all__ = ["CHECKPOINTING_MESSAGE", "PRESERVE_MODES", "SUPPORTED", "from_pretrained", "revify", "train_adapters_only"]
+__all__ = ["CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MODES", "SUPPORTED", "from_pretrained", "revify",
+           "train_adapters_only"]
 
 # The families. revify takes a model by its class (in any family) first, then by the layer conventions
 # of the families that detect them, in this order (LLaMA's layers before parallel ones, GPT-2's, then

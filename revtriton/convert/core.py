@@ -97,7 +97,7 @@ def _refuse_meft3_with_parallel_layers(name: str, conversion: _Conversion):
 
 def _parallel_residual(block) -> bool:
     """A parallel residual, ``x + A(x) + M(x)``: GPT-NeoX's (an attribute of its layers), GPT-J's."""
-    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).get("parallel"))
+    return bool(getattr(block, "use_parallel_residual", False) or _spec_of(block).parallel)
 
 
 def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins):
@@ -197,6 +197,9 @@ class _Half:
 
     def __init__(self, block: nn.Module):
         self.block = block
+
+    def _spec(self) -> LayerSpec:
+        return _spec_of(self.block)
 
     def parameters(self):  # the block's (what the engine reads a stream's value dtype from)
         return self.block.parameters()
@@ -337,7 +340,40 @@ class _RevifiedLM(_NoCheckpointing):
     _keeps_class_name = True  # save_pretrained's config.architectures stays the library's class name
 
 
-def _spec_of(block) -> dict:
-    """A converted layer's spec (``_revtriton_spec``: what its halves compute fused, its attention kind,
-    its parts' names), set at conversion; empty for families that keep none."""
-    return getattr(block, "_revtriton_spec", None) or {}
+@dataclass
+class LayerSpec:
+    """A converted layer's spec, set at conversion and kept on the block (``_revtriton_spec``, pickled
+    with it): what its halves compute fused, its attention's heads and RoPE, its attention kind, its
+    parts' names. Families set the fields they use; the defaults describe a layer with nothing to say."""
+
+    fused_attention: bool = True  # the fused kernels compute the layer's attention branch
+    fused_mlp: bool = True
+    fused_norm: bool | None = True  # None: not decided yet (weights on the meta device or sharded)
+    fused_heads: bool = True  # head_dim * heads == width
+    activation: str | None = None  # the fused MLP's activation (None: one it does not have)
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
+    rope_theta: float = 0.0
+    rope_dims: int = 0  # rotated dims of a head (GPT-NeoX's partial rotary)
+    rope_module: nn.Module | None = None  # the model's rotary embedding, where its frequencies are scaled
+    library_rope: bool = False  # RoPE only the model's rotary embedding computes (the library path)
+    window: int | None = None  # a sliding window (None: full attention)
+    parallel: bool = False  # x + A(x) + M(x)
+    gpt2_layout: bool = True  # GPT-2's q/k/v: transformers' Conv1D, side by side
+    norm: str = ""  # parallel layers: the names of the norm and attention submodules
+    attention: str = ""
+
+
+LayerSpec.__module__ = SWAPPED_MODULE  # pickled with the blocks by the package's name, wherever it lives
+
+
+def _spec_of(block) -> LayerSpec:
+    """A converted layer's spec (:class:`LayerSpec`; the defaults for families that keep none)."""
+    spec = getattr(block, "_revtriton_spec", None)
+    if spec is None:
+        return LayerSpec()
+    if isinstance(spec, dict):  # a model pickled when specs were dicts
+        spec = block._revtriton_spec = LayerSpec(**spec)
+    return spec

@@ -10,12 +10,14 @@ absolute (added with the embeddings); masks are bidirectional.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _residual_dropout,
-                   _scores_scaled_plainly)
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _concatenated_qkv, _Half, _host_block_mixins, _p,
+                   _residual_dropout, _scores_scaled_plainly)
 from .host import (_first, _convert_hosted_layers, _HostAttention, _HostDecoderModel, _pack_host_cond,
                    _require_hosted_layer_loop)
 from .probe import _probe_layers, _require_layer_loop
@@ -52,7 +54,7 @@ class _EncoderAttentionHalf(_Half):
         return _p(getattr(a.self, "dropout", None)), _p(getattr(a.output, "dropout", None))
 
     def _beyond_fused(self, x):
-        return not self.block._revtriton_spec["fused_attention"]
+        return not self._spec().fused_attention
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
         a, norm = self.block.attention, _attention_norm(self.block)
@@ -83,14 +85,14 @@ class _EncoderMlpHalf(_Half):
         return (_p(getattr(self.block.output, "dropout", None)),)
 
     def _beyond_fused(self, x):
-        return not self.block._revtriton_spec["fused_mlp"]
+        return not self._spec().fused_mlp
 
     def _fused(self, res, x, sign, frac_bits):
         b, (norm, _) = self.block, _mlp_norm(self.block)
         x = self._input(x, norm.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, b.intermediate.dense.weight,
                                b.intermediate.dense.bias, b.output.dense.weight, b.output.dense.bias, norm="layer",
-                               activation=b._revtriton_spec["activation"], eps=norm.eps)
+                               activation=self._spec().activation, eps=norm.eps)
 
     def _modules(self, x):
         b, (norm, inside) = self.block, _mlp_norm(self.block)
@@ -139,11 +141,11 @@ def _convert_prenorm_encoder(model, conversion, base):
     heads, head_dim = s.num_attention_heads, s.attention_head_size
     biases = [p.bias is not None for p in (s.query, s.key, s.value)]
     activation = _HF_ACTIVATIONS.get(getattr(config, "hidden_act", None))
-    spec = dict(activation=activation, fused_mlp=activation is not None,
-                fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
-                                 and _scores_scaled_plainly(s, head_dim)))
+    spec = LayerSpec(activation=activation, fused_mlp=activation is not None,
+                     fused_attention=(heads * head_dim == config.hidden_size and len(set(biases)) == 1
+                                      and _scores_scaled_plainly(s, head_dim)))
     for block in layers:
-        block._revtriton_spec = dict(spec)
+        block._revtriton_spec = replace(spec)
     no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
     _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
                   "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")

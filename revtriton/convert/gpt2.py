@@ -7,7 +7,7 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _spec_of
+from .core import Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _probe_layers
 
@@ -19,7 +19,7 @@ class _GPT2AttentionHalf(_Half):
         return self.block.attn.c_attn, self.block.attn.c_proj
 
     def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
-        return not _spec_of(self.block).get("fused_attention", True)
+        return not self._spec().fused_attention
 
     def _dropouts(self):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
@@ -52,7 +52,7 @@ class _GPT2MlpHalf(_Half):
         return self.block.mlp.c_fc, self.block.mlp.c_proj
 
     def _beyond_fused(self, x):  # an activation the fused kernels do not have, other projections
-        return not self.block._revtriton_spec["fused_mlp"]
+        return not self._spec().fused_mlp
 
     def _dropouts(self):
         return (_p(self.block.mlp.dropout),)
@@ -62,7 +62,7 @@ class _GPT2MlpHalf(_Half):
         x = self._input(x, b.ln_2.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
                                _out_in(m.c_proj), m.c_proj.bias, norm="layer",
-                               activation=b._revtriton_spec["activation"],
+                               activation=self._spec().activation,
                                eps=b.ln_2.eps)
 
     def _modules(self, x):
@@ -96,7 +96,7 @@ def _convert_gpt2(model, conversion, found=None):
         gpt2_attention = (all(isinstance(getattr(a, part, None), Conv1D) for part in ("c_attn", "c_proj"))
                           and tuple(a.c_attn.weight.shape) == (hidden, 3 * hidden))
         gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
-        block._revtriton_spec = dict(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
+        block._revtriton_spec = LayerSpec(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
                                           fused_mlp=gpt2_mlp and activation is not None, activation=activation)
     if probe:
         _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs(base),
@@ -139,7 +139,7 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
         return self.block.ln_1
 
     def _modules(self, x):  # an empty batch of a GPT-2-style model (GPTBigCode's q/k/v are not GPT-2's)
-        if not self.block._revtriton_spec["gpt2_layout"]:
+        if not self._spec().gpt2_layout:
             return torch.zeros_like(x)
         return super()._modules(x)
 

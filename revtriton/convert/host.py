@@ -231,7 +231,7 @@ class _HostCond:
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
-        return self.masks[_spec_of(block).get("window") is not None]
+        return self.masks[_spec_of(block).window is not None]
 
 
 def _none_if_empty(t):
@@ -340,7 +340,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
                 raise NotImplementedError(f"revified model: layers got different {key} (per-layer rotary "
                                           f"embeddings are not supported)")
         block = stack[i]
-        kind = int(_spec_of(block).get("window") is not None)
+        kind = int(_spec_of(block).window is not None)
         mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
         if seen[kind] and mask is not masks[kind]:
             raise NotImplementedError("revified model: layers of one attention kind got different masks")
@@ -400,7 +400,7 @@ class _HostAttention:
         return self._branch_dropout()(_first(out))
 
     def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
-        return bool(_spec_of(self.block).get("library_rope"))
+        return bool(self._spec().library_rope)
 
     def _library_attention(self, x, host: "_HostCond"):
         if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
@@ -437,7 +437,7 @@ class _HostAttention:
         (RoPE only the model's rotary embedding computes, other score scalings or softcapping)."""
         if cond is not None:
             return False
-        if self._needs_model_rope() or not _spec_of(self.block).get("fused_attention", True):
+        if self._needs_model_rope() or not self._spec().fused_attention:
             raise RuntimeError("revtriton: this attention half computes what only its layer's own attention module "
                                "does (its model's RoPE, score scaling or softcapping): call the model, not the half "
                                "or the stack alone")

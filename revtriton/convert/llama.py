@@ -2,12 +2,14 @@
 Gemma, Phi-3 by class; Granite, OLMo, SmolLM3, ... admitted by their layers and probed)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
-from .core import (Family, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
+from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
                    _residual_dropout, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _probe_layers, _rotary_layer_inputs
@@ -30,22 +32,23 @@ def _is_plain_rms_norm(norm) -> bool | None:
     return torch.allclose(got, expected, rtol=1e-2, atol=1e-3)  # bf16 weights round
 
 
-def _layer_spec(block) -> dict:
-    """The block's conversion spec (``_convert_llama``); ``fused_norm`` left undecided at conversion
-    (weights on the meta device) is probed now."""
-    spec = block._revtriton_spec
-    if spec["fused_norm"] is None:
-        spec["fused_norm"] = _layer_norms_are_plain(block)
-    return spec
-
-
 def _layer_norms_are_plain(block):
     """True / False, or None while the norms' weights cannot be probed (meta device, sharded)."""
     verdicts = [_is_plain_rms_norm(norm) for norm in (block.input_layernorm, block.post_attention_layernorm)]
     return None if None in verdicts else all(verdicts)
 
 
-class _LlamaAttentionHalf(_Half):
+class _LlamaHalf(_Half):
+    def _spec(self) -> LayerSpec:
+        """The layer's spec; ``fused_norm`` left undecided at conversion (weights on the meta device,
+        sharded) is probed now."""
+        spec = super()._spec()
+        if spec.fused_norm is None:
+            spec.fused_norm = _layer_norms_are_plain(self.block)
+        return spec
+
+
+class _LlamaAttentionHalf(_LlamaHalf):
     takes_cond = True
 
     def _projections(self):
@@ -59,10 +62,10 @@ class _LlamaAttentionHalf(_Half):
                 _p(_residual_dropout(self.block, "resid_attn_dropout")))
 
     def _beyond_fused(self, x):
-        spec = _layer_spec(self.block)
-        window = spec["window"]
-        return (spec["qk_norm"] or not spec["fused_heads"] or not spec["fused_norm"] or spec["rope_module"] is not None
-                or not spec["fused_attention"] or (window is not None and x.shape[-2] > window))
+        spec = self._spec()
+        window = spec.window
+        return (spec.qk_norm or not spec.fused_heads or not spec.fused_norm or spec.rope_module is not None
+                or not spec.fused_attention or (window is not None and x.shape[-2] > window))
 
     def _qkv_weights(self):
         a = self.block.self_attn
@@ -71,47 +74,47 @@ class _LlamaAttentionHalf(_Half):
         return _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
 
     def _qkv(self, n):
-        a, spec = self.block.self_attn, _layer_spec(self.block)
+        a, spec = self.block.self_attn, self._spec()
         if hasattr(a, "qkv_proj"):
-            q_width, kv_width = spec["heads"] * spec["head_dim"], spec["kv_heads"] * spec["head_dim"]
+            q_width, kv_width = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
             return a.qkv_proj(n).split([q_width, kv_width, kv_width], dim=-1)
         return a.q_proj(n), a.k_proj(n), a.v_proj(n)
 
     def _rope(self) -> dict:
         """The reference's RoPE options: theta, or the model's own scaled frequencies (read at call time:
         the buffer follows the model's device)."""
-        spec = _layer_spec(self.block)
-        rotary = spec["rope_module"]
+        spec = self._spec()
+        rotary = spec.rope_module
         if rotary is None:
-            return dict(rope_theta=spec["rope_theta"])
-        return dict(rope_theta=spec["rope_theta"], rope_inv_freq=rotary.inv_freq,
+            return dict(rope_theta=spec.rope_theta)
+        return dict(rope_theta=spec.rope_theta, rope_inv_freq=rotary.inv_freq,
                     rope_scale=float(rotary.attention_scaling))
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
+        b, a, spec = self.block, self.block.self_attn, self._spec()
         norm = b.input_layernorm
         x = self._input(x, norm.weight)
         w_qkv, b_qkv = self._qkv_weights()
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
-                                     a.o_proj.bias, heads=spec["heads"], kv_heads=spec["kv_heads"], causal=True,
-                                     rope_theta=spec["rope_theta"], norm="rms", eps=_norm_eps(norm),
+                                     a.o_proj.bias, heads=spec.heads, kv_heads=spec.kv_heads, causal=True,
+                                     rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
                                      **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
-        b, a, spec = self.block, self.block.self_attn, _layer_spec(self.block)
+        b, a, spec = self.block, self.block.self_attn, self._spec()
         x = self._input(x, getattr(b.input_layernorm, "weight", None))
         n = b.input_layernorm(x)
-        qk_norm = (a.q_norm, a.k_norm) if spec["qk_norm"] else None
+        qk_norm = (a.q_norm, a.k_norm) if spec.qk_norm else None
         q, k, v = self._qkv(n)
         out = _residual_dropout(b, "resid_attn_dropout")
-        o = multi_head_attention_reference(q, k, v, heads=spec["heads"],
-                                           kv_heads=spec["kv_heads"], causal=True,
+        o = multi_head_attention_reference(q, k, v, heads=spec.heads,
+                                           kv_heads=spec.kv_heads, causal=True,
                                            dropout=self._dropouts()[0] if b.training else 0.0,
-                                           window=spec["window"], qk_norm=qk_norm, **self._rope())
+                                           window=spec.window, qk_norm=qk_norm, **self._rope())
         return out(a.o_proj(o))
 
 
-class _LlamaMlpHalf(_Half):
+class _LlamaMlpHalf(_LlamaHalf):
     def _projections(self):
         m = self.block.mlp
         if hasattr(m, "gate_up_proj"):  # Phi-3: one gate/up projection, rows [gate, up]
@@ -122,8 +125,8 @@ class _LlamaMlpHalf(_Half):
         return (_p(_residual_dropout(self.block, "resid_mlp_dropout")),)
 
     def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
-        spec = _layer_spec(self.block)
-        return not (spec["fused_mlp"] and spec["fused_norm"])
+        spec = self._spec()
+        return not (spec.fused_mlp and spec.fused_norm)
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
@@ -184,14 +187,15 @@ def _convert_llama(model, conversion, found=None):
     gated = hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj"))
     projections = hasattr(attention, "o_proj") and (
         hasattr(attention, "qkv_proj") or all(hasattr(attention, part) for part in ("q_proj", "k_proj", "v_proj")))
-    spec = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
-                fused_heads=head_dim * heads == config.hidden_size,
-                fused_norm=_layer_norms_are_plain(layer),
-                fused_attention=projections and plain_attention,
-                fused_mlp=getattr(config, "hidden_act", None) == "silu" and gated and not getattr(config, "mlp_bias", False),
-                **_rope_spec(config, name, base, head_dim))
+    silu = getattr(config, "hidden_act", None) == "silu"
+    spec = LayerSpec(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
+                     fused_heads=head_dim * heads == config.hidden_size,
+                     fused_norm=_layer_norms_are_plain(layer),
+                     fused_attention=projections and plain_attention,
+                     fused_mlp=silu and gated and not getattr(config, "mlp_bias", False),
+                     **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
-        block._revtriton_spec = dict(spec, window=window)
+        block._revtriton_spec = replace(spec, window=window)
     if probe:
         _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
                       "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")

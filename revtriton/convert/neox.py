@@ -2,11 +2,13 @@
 rotary, one q/k/v projection interleaved per head."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (Family, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options, _p,
-                   _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly, _spec_of)
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
+                   _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
 
@@ -24,35 +26,35 @@ class _NeoXAttentionHalf(_Half):
                 _p(self.block.post_attention_dropout))
 
     def _beyond_fused(self, x):  # partial rotary or scaled RoPE: the kernels rotate whole heads by theta
-        spec = self.block._revtriton_spec
-        return spec["rope_dims"] != spec["head_dim"] or spec["rope_module"] is not None
+        spec = self._spec()
+        return spec.rope_dims != spec.head_dim or spec.rope_module is not None
 
     def _grouped_rows(self, t):
         """The interleaved q/k/v rows (or bias) regrouped as [q; k; v] (what the fused kernels read)."""
-        heads = self.block._revtriton_spec["heads"]
+        heads = self._spec().heads
         return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
+        b, a, spec = self.block, self.block.attention, self._spec()
         norm, qkv = b.input_layernorm, a.query_key_value
         x = self._input(x, norm.weight)
         b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
         return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, self._grouped_rows(qkv.weight),
-                                     b_qkv, a.dense.weight, a.dense.bias, heads=spec["heads"], causal=True,
-                                     rope_theta=spec["rope_theta"], norm="layer", eps=norm.eps,
+                                     b_qkv, a.dense.weight, a.dense.bias, heads=spec.heads, causal=True,
+                                     rope_theta=spec.rope_theta, norm="layer", eps=norm.eps,
                                      **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
-        b, a, spec = self.block, self.block.attention, self.block._revtriton_spec
+        b, a, spec = self.block, self.block.attention, self._spec()
         x = self._input(x, b.input_layernorm.weight)
         batch, tokens, _ = x.shape
-        qkv = a.query_key_value(b.input_layernorm(x)).view(batch, tokens, spec["heads"], 3 * spec["head_dim"])
+        qkv = a.query_key_value(b.input_layernorm(x)).view(batch, tokens, spec.heads, 3 * spec.head_dim)
         q, k, v = (t.reshape(batch, tokens, -1) for t in qkv.chunk(3, dim=-1))
-        rotary = spec["rope_module"]
-        rope = dict(rope_theta=spec["rope_theta"], rope_dims=spec["rope_dims"])
+        rotary = spec.rope_module
+        rope = dict(rope_theta=spec.rope_theta, rope_dims=spec.rope_dims)
         if rotary is not None:
             rope.update(rope_inv_freq=rotary.inv_freq, rope_scale=float(rotary.attention_scaling))
-        o = multi_head_attention_reference(q, k, v, heads=spec["heads"], kv_heads=spec["heads"], causal=True,
+        o = multi_head_attention_reference(q, k, v, heads=spec.heads, kv_heads=spec.heads, causal=True,
                                            dropout=self._dropouts()[0] if b.training else 0.0, **rope)
         return b.post_attention_dropout(a.dense(o))
 
@@ -65,7 +67,7 @@ class _NeoXMlpHalf(_Half):
         return (_p(self.block.post_mlp_dropout),)
 
     def _beyond_fused(self, x):
-        return _spec_of(self.block)["activation"] is None
+        return self._spec().activation is None
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
@@ -73,7 +75,7 @@ class _NeoXMlpHalf(_Half):
         x = self._input(x, norm.weight)
         return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
                                m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
-                               activation=_spec_of(b)["activation"], eps=norm.eps)
+                               activation=self._spec().activation, eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
@@ -102,10 +104,10 @@ def _convert_neox(model, conversion, found=None):
     _require_hosted_layer_loop(name)
     rope_dims = int(attention.rotary_ndims)
     activation = _HF_ACTIVATIONS.get(config.hidden_act)  # None: the MLP runs its own activation (module path)
-    spec = dict(heads=heads, head_dim=head_dim, rope_dims=rope_dims, activation=activation,
-                **_rope_spec(config, name, base, rope_dims))
+    spec = LayerSpec(heads=heads, head_dim=head_dim, rope_dims=rope_dims, activation=activation,
+                     **_rope_spec(config, name, base, rope_dims))
     for block in base.layers:
-        block._revtriton_spec = dict(spec)
+        block._revtriton_spec = replace(spec)
     _convert_hosted_layers(model, base, "layers", conversion, (_HostNeoXBlock, _HostNeoXOrdinaryBlock),
                            _HostDecoderModel)
 

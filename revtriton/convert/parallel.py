@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .core import Family, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers, _residual_dropout
+from .core import (Family, LayerSpec, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers, _residual_dropout,
+                   _spec_of)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_block_loop, _check_layer_slice, _probe_layers, _rotary_layer_inputs
 
 
 def _parallel_norm(block) -> nn.Module:
-    return getattr(block, block._revtriton_spec["norm"])
+    return getattr(block, _spec_of(block).norm)
 
 
 class _ParallelMlpHalf(_Half):
@@ -66,7 +67,7 @@ def _convert_parallel(model, conversion, found):
     _refuse_meft3_with_parallel_layers(name, conversion)
     layers = getattr(base, attribute)
     for block in layers:
-        block._revtriton_spec = dict(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
+        block._revtriton_spec = LayerSpec(parallel=True, fused_attention=False, fused_mlp=False, norm=norm,
                                           attention=attention)
     _probe_layers(base, name, layers, (_HostParallelAttentionHalf, _ParallelMlpHalf), _rotary_layer_inputs(base),
                   f"a parallel layer x + {attention}({norm}(x)) + mlp({norm}(x))", parallel=True)
@@ -81,7 +82,7 @@ class _HostParallelAttentionHalf(_HostAttention, _Half):
         return True
 
     def _attention_module(self):
-        return getattr(self.block, self.block._revtriton_spec["attention"])
+        return getattr(self.block, self._spec().attention)
 
     def _attention_norm(self):
         return _parallel_norm(self.block)

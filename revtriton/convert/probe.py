@@ -8,6 +8,7 @@ import re
 import torch
 from torch import nn
 
+from .core import _spec_of
 from .host import _pack_host_cond
 
 
@@ -92,9 +93,9 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
             for i, block in enumerate(layers):
                 out = type(block).forward(block, x, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
-                spec = block._revtriton_spec
-                fused = dict(fused_attention=spec["fused_attention"], fused_mlp=spec["fused_mlp"])
-                spec.update(fused_attention=False, fused_mlp=False)  # the layer's own modules first
+                spec = _spec_of(block)
+                fused = spec.fused_attention, spec.fused_mlp
+                spec.fused_attention = spec.fused_mlp = False  # the layer's own modules first
                 attention, mlp = (half(block) for half in halves)
                 a = attention(x, cond)
                 m = mlp(x if parallel else x + a)
@@ -105,11 +106,11 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
                         f"(relative difference {error:.1e} on a probe): not supported")
                 # The fused kernels where they compute the same branch (not SmolLM3's layers without RoPE,
                 # Helium's interleaved rotary, ...); else that branch keeps the layer's own modules.
-                spec.update(fused)
-                if spec["fused_attention"] and not _relative_error(attention(x, cond), a) <= tolerance:
-                    spec["fused_attention"] = False
-                if spec["fused_mlp"] and not _relative_error(mlp(x if parallel else x + a), m) <= tolerance:
-                    spec["fused_mlp"] = False
+                spec.fused_attention, spec.fused_mlp = fused
+                if spec.fused_attention and not _relative_error(attention(x, cond), a) <= tolerance:
+                    spec.fused_attention = False
+                if spec.fused_mlp and not _relative_error(mlp(x if parallel else x + a), m) <= tolerance:
+                    spec.fused_mlp = False
     finally:
         base.train(training)
 
