@@ -2,7 +2,6 @@
 encoder of ``ViTLayer``, run through the library's own forward."""
 from __future__ import annotations
 
-
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from .core import Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p

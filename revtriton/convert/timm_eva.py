@@ -2,7 +2,6 @@
 the block's own modules, with the model's rotary embedding passed by the stand-ins."""
 from __future__ import annotations
 
-
 from ..ops.streams import couple_output
 from .core import Family, _convert_blocks, _Half, _host_block_mixins, _swap_class
 from .host import _HOST_CALL, _host_layer_calls, _HostCall, _unpack_host_cond
