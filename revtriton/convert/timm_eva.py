@@ -2,10 +2,11 @@
 the block's own modules, with the model's rotary embedding passed by the stand-ins."""
 from __future__ import annotations
 
+from ..halves.transformer import drop_path_scale
 from ..ops.streams import couple_output
 from .core import Family, _convert_blocks, _Half, _host_block_mixins, _swap_class
 from .host import _HOST_CALL, _host_layer_calls, _HostCall, _unpack_host_cond
-from .timm_vit import _drop_path_scale, _scale_rows, _TimmRevifiedModel
+from .timm_vit import _scale_rows, _TimmRevifiedModel
 
 
 class _EvaHalf(_Half):
@@ -19,7 +20,7 @@ class _EvaHalf(_Half):
     def _scaled(self, h, gamma, drop_path, x):
         if gamma is not None:
             h = gamma * h
-        return _scale_rows(h, _drop_path_scale(x, float(getattr(drop_path, "drop_prob", 0.0)), self.block.training))
+        return _scale_rows(h, drop_path_scale(x, float(getattr(drop_path, "drop_prob", 0.0)), self.block.training))
 
 
 class _EvaAttentionHalf(_EvaHalf):

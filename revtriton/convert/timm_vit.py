@@ -2,37 +2,17 @@
 folded into the output projection, stochastic depth as a row scale), its own modules otherwise."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from ..halves.randomness import half_generator
+from ..halves.transformer import drop_path_scale, layer_scaled
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from .core import Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class, CHECKPOINTING_MESSAGE
 from .host import _BlockSteps
 
 
-def _drop_path_scale(x: torch.Tensor, p: float, training: bool):
-    """Per-row factor of stochastic depth: 0 or 1/keep per sample (drawn from the half's generator
-    inside a stack: halves.randomness, no routing needed; the global one outside)."""
-    if not training or p == 0.0:
-        return None
-    keep = 1.0 - p
-    mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 2), device=x.device, dtype=torch.float32)
-    return (mask.bernoulli_(keep, generator=half_generator(x.device)) / keep).expand(x.shape[:-1])
-
-
 def _scale_rows(h, row_scale):
     return h if row_scale is None else h * row_scale.unsqueeze(-1).to(h.dtype)
-
-
-def _layer_scaled(weight, bias, layer_scale: nn.Module):
-    """Fold a timm LayerScale (or Identity) into the output projection."""
-    gamma = getattr(layer_scale, "gamma", None)
-    if gamma is None:
-        return weight, bias
-    gamma = gamma.to(weight.dtype)
-    return weight * gamma[:, None], (None if bias is None else bias * gamma)
 
 
 def _timm_fused_attention(block) -> bool:
@@ -67,12 +47,12 @@ class _TimmAttentionHalf(_Half):
         return not getattr(self.block, "_revtriton_fused", (True, True))[0]
 
     def _row(self, x):
-        return _drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
+        return drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
 
     def _fused(self, res, x, sign, frac_bits):
         b, a = self.block, self.block.attn
         x = self._input(x, a.qkv.weight)
-        w_proj, b_proj = _layer_scaled(a.proj.weight, a.proj.bias, b.ls1)
+        w_proj, b_proj = layer_scaled(a.proj.weight, a.proj.bias, getattr(b.ls1, "gamma", None))
         return norm_attention_couple(res, x, sign, frac_bits, b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
                                      w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
                                      row_scale=self._row(x))
@@ -106,12 +86,12 @@ class _TimmMlpHalf(_Half):
         return not getattr(self.block, "_revtriton_fused", (True, True))[1]
 
     def _row(self, x):
-        return _drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
+        return drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
 
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         x = self._input(x, m.fc1.weight)
-        w2, b2 = _layer_scaled(m.fc2.weight, m.fc2.bias, b.ls2)
+        w2, b2 = layer_scaled(m.fc2.weight, m.fc2.bias, getattr(b.ls2, "gamma", None))
         return norm_mlp_couple(res, x, sign, frac_bits, b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
                                b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
                                row_scale=self._row(x))

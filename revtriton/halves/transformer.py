@@ -24,6 +24,28 @@ from .base import CouplingHalf
 from .randomness import half_generator
 
 
+def drop_path_scale(x: torch.Tensor, p: float, training: bool) -> torch.Tensor | None:
+    """Per-row factor of drop-path (stochastic depth) with drop probability ``p``: 0 or 1/keep per
+    sample, broadcast over its tokens (None when it drops nothing). Drawn from the half's generator
+    inside a stack (replayed in the recompute: ``halves.randomness``), the global one outside."""
+    if not training or p == 0.0:
+        return None
+    keep = 1.0 - p
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2)
+    generator = half_generator(x.device)
+    mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep, generator=generator) / keep
+    return mask.expand(x.shape[:-1])
+
+
+def layer_scaled(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None) -> tuple:
+    """Layer scale ``gamma`` folded into an output projection: ``diag(gamma) W``, ``gamma * b`` (as given
+    without one)."""
+    if gamma is None:
+        return weight, bias
+    gamma = gamma.to(weight.dtype)
+    return weight * gamma[:, None], (None if bias is None else bias * gamma)
+
+
 class _TransformerHalf(CouplingHalf):
     def __init__(self, dim: int, drop_path: float, layer_scale: float | None):
         super().__init__()
@@ -36,21 +58,10 @@ class _TransformerHalf(CouplingHalf):
         self.layer_scale = nn.Parameter(torch.full((dim,), float(layer_scale))) if layer_scale is not None else None
 
     def _row_scale(self, x: torch.Tensor):
-        """Per-row factor for drop-path: 0 or 1/keep per sample, broadcast over its tokens."""
-        if not self.training or self.drop_path == 0.0:
-            return None
-        keep = 1.0 - self.drop_path
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2)
-        generator = half_generator(x.device)  # inside a stack, the half's own (replayed in the recompute)
-        mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep, generator=generator) / keep
-        return mask.expand(x.shape[:-1])
+        return drop_path_scale(x, self.drop_path, self.training)
 
     def _scaled_out(self, weight, bias):
-        """Fold layer scale into the output projection: diag(gamma) W, gamma * b."""
-        if self.layer_scale is None:
-            return weight, bias
-        gamma = self.layer_scale.to(weight.dtype)
-        return weight * gamma[:, None], (None if bias is None else bias * gamma)
+        return layer_scaled(weight, bias, self.layer_scale)
 
     def _check_input(self, x):
         if x.shape[-1] != self.dim:
