@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..lm_loss import prepare_causal_lm
+from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import encoder, gpt2, hf_vit, llama, neox, parallel, timm_eva, timm_vit
 from .core import CHECKPOINTING_MESSAGE, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
@@ -97,8 +98,7 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         raise ValueError(f"preserve must be None or one of {tuple(PRESERVE_MODES)}, got {preserve!r}")
     for name, value, low in (("scale_bits", scale_bits, 1), ("adapter_size", adapter_size, 1),
                              ("ordinary_top", ordinary_top, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        checked_int(name, value, low)
     if scale_bits > MAX_SCALE_SHIFT:
         raise ValueError(f"scale_bits must be <= {MAX_SCALE_SHIFT}, got {scale_bits}")
     options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..halves.base import couple_half, takes_cond, transition_output, transition_takes_cond
+from ..ops.arguments import checked_int
 from ..ops.dispatch import capture_state
 from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
 from ..schedules import SCHEDULES, ScheduleTrace
@@ -100,11 +101,9 @@ class ReversibleStack(nn.Module):
                 coupling_of(layer).check(bool(exact), f"layer {i} ({type(layer).__name__})")
         if not exact:
             _warn_float_amplification(layers, anchor_every)
-        if not isinstance(anchor_every, int) or isinstance(anchor_every, bool) or anchor_every < 0:
-            raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.exact = bool(exact)
         self.frac_bits = check_frac_bits(frac_bits)
-        self.anchor_every = anchor_every
+        self.anchor_every = checked_int("anchor_every", anchor_every, 0)
         self.schedule = schedule
         self.streams = streams
         self.readout = readout

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.arguments import checked_int
 from .base import CouplingHalf
 
 
@@ -20,8 +21,7 @@ class Adapter(CouplingHalf):
     def __init__(self, dim: int, size: int, *, norm: bool = True, eps: float = 1e-6):
         super().__init__()
         for name, value in (("dim", dim), ("size", size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Adapter {name} must be a positive int, got {value!r}")
+            checked_int(f"Adapter {name}", value, 1)
         # A norm of its own: residual streams of pretrained LLMs reach magnitudes in the hundreds.
         self.norm = nn.LayerNorm(dim, eps=eps) if norm else nn.Identity()
         self.down = nn.Linear(dim, size)

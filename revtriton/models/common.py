@@ -14,6 +14,7 @@ from torch import nn
 
 from ..engine import ReversibleStack, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
 from ..halves.base import half_output, transition_output
+from ..ops.arguments import checked_int
 from ..ops.streams import from_fixed, quantize_reference, scale_shift, stream_grad_dtype, to_fixed
 
 STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
@@ -198,6 +199,4 @@ def make_stack(layers, *, reversible: bool = True, **options) -> ReversibleStack
 
 
 def check_positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return checked_int(name, value, 1)

@@ -15,6 +15,7 @@ from torch import nn
 from ..convert import CHECKPOINTING_MESSAGE
 from ..engine import ReversibleBlock
 from ..halves import LayerNormAttention, LayerNormMLP
+from ..ops.arguments import checked_int
 from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
 
 # name: (embed dim, depth, heads); patch 16, MLP ratio 4, as timm's vit_*_patch16_224.
@@ -43,9 +44,7 @@ def pool_named(global_pool: str) -> str:
 
 
 def check_num_classes(num_classes) -> int:
-    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0:
-        raise ValueError(f"num_classes must be an int >= 0 (0: no head), got {num_classes!r}")
-    return num_classes
+    return checked_int("num_classes", num_classes, 0, note=" (0: no head)")
 
 
 class RevViT(nn.Module):

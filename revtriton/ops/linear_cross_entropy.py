@@ -27,6 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .arguments import checked_int
+
 REDUCTIONS = ("mean", "sum")
 # Logits of one chunk (tokens x vocab elements): 8 MiB of float32 on a CPU, 64 MiB on a GPU, where
 # the GEMMs want more rows (at LLaMA-3's vocabulary of 128,256 that is 130 tokens a chunk).
@@ -62,9 +64,8 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothin
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
     if not z_loss >= 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
-                                     or chunk_tokens < 1):
-        raise ValueError(f"chunk_tokens must be None or an int >= 1, got {chunk_tokens!r}")
+    if chunk_tokens is not None:
+        checked_int("chunk_tokens", chunk_tokens, 1, note=" or None")
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import checked_int
 from .launches import cdiv, unused_pointer
 
 # Largest float32 below 2**31: the rounded half output saturates here instead of wrapping.
@@ -40,9 +41,7 @@ def out_of_range(stream: torch.Tensor) -> torch.Tensor:
 
 
 def check_frac_bits(frac_bits: int) -> int:
-    if not isinstance(frac_bits, int) or isinstance(frac_bits, bool) or not 0 <= frac_bits <= 30:
-        raise ValueError(f"frac_bits must be an int in [0, 30], got {frac_bits!r}")
-    return frac_bits
+    return checked_int("frac_bits", frac_bits, 0, 30)
 
 
 def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
