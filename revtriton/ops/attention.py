@@ -22,37 +22,8 @@ import torch.nn.functional as F
 from . import backend
 from .dispatch import kept_import, run_op, scale_option, triton_dtypes, triton_runs_on
 from .reference import (apply_row_scale, normalize_reference, packed_segments,  # noqa: F401 (re-exported)
-                        repeat_kv_heads, rope_inv_freq, sequence_mask)
+                        repeat_kv_heads, rope_tables_at, rotate_half_reference, sequence_mask)
 from .streams import ResidualScale, library_couple_output
-
-
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype=torch.float32, positions=None,
-                 inv_freq=None, scale: float = 1.0):
-    """cos/sin tables in the rotate-half (LLaMA / Hugging Face) convention: [seq_len, head_dim] for
-    positions 0..seq_len-1, or [B, 1, T, head_dim] at ``positions`` [B, T] (packed or padded rows).
-
-    ``inv_freq`` [head_dim / 2] replaces ``theta``'s frequencies and ``scale`` multiplies both tables
-    (RoPE scaling: Llama 3, linear, YaRN, as the model's own rotary embedding computes them)."""
-    if inv_freq is None:
-        inv_freq = rope_inv_freq(head_dim, theta, device)
-    else:
-        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
-    if positions is None:
-        freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    else:  # one product per entry, as the outer product: the same bits at the same positions
-        freqs = (positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq)[:, None]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    if scale != 1.0:
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope_reference(t, cos, sin):
-    """t: [B, H, T, hd]; rotate-half RoPE, in float32 or wider (float64 stays float64)."""
-    half = t.shape[-1] // 2
-    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
-    compute = torch.promote_types(t.dtype, torch.float32)
-    return (t.to(compute) * cos + rotated.to(compute) * sin).to(t.dtype)
 
 
 def check_attention_shapes(x, dim: int, heads: int, kv_heads: int, head_dim: int | None = None):
@@ -78,12 +49,14 @@ def _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_fr
         q, k = qk_norm[0](q), qk_norm[1](k)
     if rope_theta is not None:
         rotated = head_dim if rope_dims is None else rope_dims
-        cos, sin = rope_cos_sin(tokens, rotated, rope_theta, q.device, positions=positions, inv_freq=rope_inv_freq,
-                                scale=rope_scale)
+        at = torch.arange(tokens, device=q.device) if positions is None else positions.to(q.device)
+        cos, sin = rope_tables_at(at, rotated, rope_theta, inv_freq=rope_inv_freq, scale=rope_scale)
+        if positions is not None:  # [B, T, half] -> [B, 1, T, half]: one table per row, every head
+            cos, sin = cos[:, None], sin[:, None]
         if rotated == head_dim:
-            q, k = apply_rope_reference(q, cos, sin), apply_rope_reference(k, cos, sin)
+            q, k = rotate_half_reference(q, cos, sin), rotate_half_reference(k, cos, sin)
         else:
-            q, k = (torch.cat([apply_rope_reference(t[..., :rotated], cos, sin), t[..., rotated:]], dim=-1)
+            q, k = (torch.cat([rotate_half_reference(t[..., :rotated], cos, sin), t[..., rotated:]], dim=-1)
                     for t in (q, k))
     return q, k, v
 
@@ -96,7 +69,7 @@ def multi_head_attention_reference(q, k, v, *, heads, kv_heads, causal, rope_the
     ``positions`` [B, T]: RoPE positions (default 0..T-1); ``segments`` [B, T]: the token layout of
     padded or packed rows (see :func:`sequence_mask`; default: one sequence per row); ``window``:
     sliding-window attention; ``qk_norm``: ``(q_norm, k_norm)`` modules applied per head before RoPE
-    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`rope_cos_sin`); ``rope_dims``:
+    (Qwen3); ``rope_inv_freq`` / ``rope_scale``: scaled RoPE (see :func:`.reference.rope_tables_at`); ``rope_dims``:
     partial rotary, the first ``rope_dims`` of each head rotated (frequencies over them)."""
     batch, tokens, _ = q.shape
     q, k, v = _heads(q, k, v, heads, kv_heads, qk_norm, rope_theta, positions, rope_inv_freq, rope_scale, rope_dims)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from . import dispatch, gemm, limits
 from .graph import backward_keeps_graph
 from .launches import LaunchPlan, PlanCache, cdiv, plan_key, unused_pointer
-from .reference import repeat_kv_heads, rope_inv_freq, sequence_mask
+from .reference import repeat_kv_heads, rope_tables_at, rotate_half_reference, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
 from .tma import ensure_descriptor_allocator, tma_ready
@@ -114,18 +114,9 @@ def rope_tables(tokens: int, head_dim: int, theta: float, device):
 
 
 def rope_rotate_reference(t, cos, sin):
-    """t [B, T, heads, D] rotated (rotate-half); cos/sin [T, D/2], or [B, T, D/2] (a table per row)."""
-    half = t.shape[-1] // 2
-    t1, t2 = t.float()[..., :half], t.float()[..., half:]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1).to(t.dtype)
-
-
-def rope_tables_at(positions, head_dim: int, theta: float):
-    """cos, sin [..., head_dim / 2] fp32 at integer ``positions`` [...] ([T], or [B, T] for packed or
-    padded rows): one product per entry, the bits ``ops.attention.rope_cos_sin`` gives there."""
-    angles = positions.to(torch.float32)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
-    return angles.cos().contiguous(), angles.sin().contiguous()
+    """t [B, T, heads, D] rotated (the QKV epilogue's layout); cos/sin [T, D/2], or [B, T, D/2] (a table
+    per row): :func:`~revtriton.ops.reference.rotate_half_reference` with the tables over the heads."""
+    return rotate_half_reference(t, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def rope_unrotate_reference(t, cos, sin):

@@ -334,7 +334,9 @@ def normalize_with_stats(x, stats, norm_weight, norm_bias, norm, dtype):
     return y.to(dtype)
 
 
-def normalize_reference(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
+def normalize_and_stats_reference(x, *, norm="layer", eps=1e-6, norm_weight=None, norm_bias=None, out_dtype=None):
+    """What the ``normalize`` launcher returns: the normalized rows and their (mean, rstd), the stats
+    at the kernels' precision (the norm alone: :func:`revtriton.ops.reference.normalize_reference`)."""
     stats = row_stats_reference(x, norm=norm, eps=eps)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     return (normalize_with_stats(x, stats, norm_weight, norm_bias, norm, out_dtype),) + stats

@@ -72,6 +72,32 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
 
 
+def rope_tables_at(positions, head_dim: int, theta: float, *, inv_freq=None, scale: float = 1.0) -> tuple:
+    """RoPE's cos, sin [..., head_dim / 2] fp32 at integer ``positions`` [...] ([T], or [B, T] for packed
+    or padded rows), rotate-half convention (both halves of a head share the angles): one product per
+    entry, the same bits wherever a position repeats. ``inv_freq`` [head_dim / 2] replaces theta's
+    frequencies and ``scale`` multiplies both tables (RoPE scaling: Llama 3, linear, YaRN, as the
+    model's own rotary embedding computes them)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, positions.device)
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float32)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.contiguous(), sin.contiguous()
+
+
+def rotate_half_reference(t, cos, sin):
+    """Rotate-half RoPE over ``t``'s last dim: ``[t1 c - t2 s, t2 c + t1 s]`` with ``cos`` / ``sin`` the
+    half-width tables (:func:`rope_tables_at`), shaped to broadcast against ``t[..., :half]``; computed
+    in float32 or wider (float64 stays float64), returned in t's dtype. ``-sin`` is the inverse (the
+    rotation's transpose: the backward)."""
+    half = t.shape[-1] // 2
+    compute = torch.promote_types(t.dtype, torch.float32)
+    t1, t2 = t[..., :half].to(compute), t[..., half:].to(compute)
+    return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(t.dtype)
+
+
 def repeat_kv_heads(t, heads):  # grouped-query attention: each kv head serves heads // kv_heads query heads
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
