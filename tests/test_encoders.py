@@ -21,7 +21,7 @@ from test_host_forward import assert_trains_saves_and_pickles
 from test_models import check_against_twin
 from test_token_layouts import _pad_right, assert_fused_kernels_match_the_reference, packed, real_tokens
 from test_token_layouts import padded as padded_with_positions
-from test_revify import DEPTH, hf_roberta_pre, hf_xlmr_xl
+from test_revify import DEPTH, hf_encoder, hf_roberta_pre, hf_xlmr_xl
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,11 +209,8 @@ def test_heads_and_the_base_model_convert(seeded, monkeypatch):
 
 
 def _esm(seed, **overrides):  # ESM-2's layers: attention.LayerNorm and the layer's LayerNorm before the MLP
-    torch.manual_seed(seed)
-    config = dict(vocab_size=33, hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=96,
-                  max_position_embeddings=64, pad_token_id=1, mask_token_id=32, position_embedding_type="absolute",
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.3)
-    return transformers.EsmForMaskedLM(transformers.EsmConfig(**{**config, **overrides})).eval()
+    esm = dict(vocab_size=33, pad_token_id=1, mask_token_id=32, position_embedding_type="absolute", initializer_range=0.3)
+    return hf_encoder("Esm", seed, **{**esm, **overrides}).eval()
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only

@@ -18,7 +18,7 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
 from test_models import check_against_twin
-from test_revify import DEPTH, hf_llama, hf_qwen2, hf_vit
+from test_revify import DEPTH, hf_bigcode, hf_gptj, hf_llama, hf_qwen2, hf_vit
 
 transformers = pytest.importorskip("transformers")
 
@@ -231,11 +231,8 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
 
 
-def _bigcode(seed, **overrides):
-    torch.manual_seed(seed)
-    config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                  attn_pdrop=0.0, initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    return transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(**{**config, **overrides})).eval()
+def _bigcode(seed, **overrides):  # weights off their small init, a padding id
+    return hf_bigcode(seed, **{"initializer_range": 0.3, "pad_token_id": 0, **overrides}).eval()
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
@@ -321,15 +318,13 @@ def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seede
 
 
 def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP in parallel
-    torch.manual_seed(seed)
-    common = dict(vocab_size=128, initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    common = dict(initializer_range=0.3, pad_token_id=0)
     if family in ("GPTJ", "CodeGen"):  # layers h: ln_1, attn, mlp; interleaved partial rotary
-        config = dict(n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0)
-    else:  # Phi (partial rotary, resid_dropout on both branches), Cohere (interleaved rotary, logit scale)
-        config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
-                      max_position_embeddings=64)
-    config = dict(common, **config)
+        return hf_gptj(seed, family, **{**common, **overrides}).eval()
+    torch.manual_seed(seed)
+    # Phi (partial rotary, resid_dropout on both branches), Cohere (interleaved rotary, logit scale)
+    config = dict(common, vocab_size=128, bos_token_id=None, eos_token_id=None, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=DEPTH, num_attention_heads=4, max_position_embeddings=64)
     config_class = getattr(transformers, f"{family}Config")
     return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
 

@@ -126,12 +126,15 @@ def hf_bigcode(seed=0, **overrides):  # GPT-2's layer parts, multi-query attenti
     return transformers.GPTBigCodeForCausalLM(transformers.GPTBigCodeConfig(**{**config, **overrides}))
 
 
-def hf_gptj(seed=0, **overrides):  # parallel layers of one norm, interleaved partial rotary (found by its conventions)
+def hf_gptj(seed=0, family="GPTJ", **overrides):
+    """Parallel layers of one norm, interleaved partial rotary (found by its conventions): GPT-J, or
+    CodeGen (``family``), which has its config's names."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, rotary_dim=8, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    return transformers.GPTJForCausalLM(transformers.GPTJConfig(**{**config, **overrides}))
+    config_class = getattr(transformers, f"{family}Config")
+    return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides}))
 
 
 BUILDERS = {"timm_vit": timm_vit, "gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_mistral, "qwen2": hf_qwen2,
