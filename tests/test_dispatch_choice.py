@@ -117,6 +117,45 @@ def test_a_choice_key_is_built_once_per_call_signature(monkeypatch):
     assert len(keys) == 3 and sum("autocast bfloat16" in k for k in keys) == 1, keys
 
 
+def test_a_kept_choice_follows_what_it_depends_on(monkeypatch, tmp_path):
+    """A call signature's choice is made once and then looked up (issue 44 step 5), but a change of
+    what it depends on is seen at the next call: the override (context manager or environment),
+    backend.reset(), a candidate registered again."""
+    made = []
+    real = backend._choose
+    monkeypatch.setattr(backend, "_choose", lambda *a: made.append(a[0]) or real(*a))
+    half, res, x, frac_bits = mlp_call(exact=False, grad=False)
+    timer = FakeTimer({"torch": 3.0, "fake_a": 1.0, "fake_b": 2.0})
+    with backend.use_timer(timer):
+        with fake_candidates(("fake_a", 0.0), ("fake_b", 0.0)):
+            couple(half, res, x, frac_bits)  # measured (the candidates run), chosen
+            RAN.clear()
+            for _ in range(2):
+                couple(half, res, x, frac_bits)
+            assert RAN == ["fake_a"] * 2 and len(made) == 1
+            with backend.use_backend("fake_b"):
+                couple(half, res, x, frac_bits)
+            monkeypatch.setenv(backend.ENV_BACKEND, "torch")
+            couple(half, res, x, frac_bits)  # the torch reference: no fake runs
+            monkeypatch.delenv(backend.ENV_BACKEND)
+            couple(half, res, x, frac_bits)
+            assert RAN[2:] == ["fake_b", "fake_a"]
+            backend.reset()
+            monkeypatch.setenv(backend.ENV_CACHE_DIR, str(tmp_path / "another"))  # (not the one it wrote)
+            timer.ms = {"torch": 3.0, "fake_a": 2.0, "fake_b": 1.0}
+            couple(half, res, x, frac_bits)  # measured again after the reset
+            assert RAN[-1] == "fake_b"
+            with backend.use_backend("fake_b"):
+                couple(half, res, x, frac_bits)
+        backend.register_candidate("norm_mlp", "fake_b", fake_run("fake_b again"))  # another under its name
+        try:
+            with backend.use_backend("fake_b"):
+                couple(half, res, x, frac_bits)
+        finally:
+            backend.unregister_candidate("norm_mlp", "fake_b")
+        assert RAN[-2:] == ["fake_b", "fake_b again"]
+
+
 def test_a_hiccup_in_one_round_does_not_decide():
     """The choice is each candidate's median over rounds that alternate the candidates: one slow
     round of the fastest one (a host stall, a clock ramp) does not hand the choice to another."""

@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from . import launches
+from . import dispatch, launches
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_BACKEND = "REVTRITON_BACKEND"
@@ -95,6 +95,7 @@ def register_op(name: str, key: Callable) -> Op:
     if name in _ops:
         raise ValueError(f"op {name!r} is registered twice")
     _ops[name] = Op(name, key)
+    _registry_changed()
     return _ops[name]
 
 
@@ -110,11 +111,19 @@ def register_candidate(op: str, name: str, run: Callable, *, available=None, sup
     if supports is not None:
         cand.supports = supports
     _ops[op].candidates[name] = cand
+    _registry_changed()
     return cand
 
 
 def unregister_candidate(op: str, name: str):
     _ops[op].candidates.pop(name, None)
+    _registry_changed()
+
+
+def _registry_changed():
+    """The kept choices (see :func:`choose_kept`) hold candidate objects: a change of the registry
+    forgets them all."""
+    _chosen.clear()
 
 
 def ops() -> dict:
@@ -177,6 +186,7 @@ def reset():
     """Forget every pinned choice (as a new process would). For tests and benchmarks."""
     _pins.clear()
     _decisions.clear()
+    _chosen.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,12 +564,10 @@ def call_signature(op_name: str, args, options):
         return None  # (under torch.compile the call is traced once: nothing to keep)
     device_type = args[1].device.type
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    signature = launches.call_signature(op_name, autocast, *args, *options, *options.values())
     try:
-        hash(signature)
-    except TypeError:
+        return launches.CallKey(launches.call_signature(op_name, autocast, *args, *options, *options.values()))
+    except TypeError:  # an unhashable argument
         return None
-    return signature
 
 
 _keys: dict = {}  # call signature -> the op's key string (see _key)
@@ -580,9 +588,35 @@ def _key(op: Op, args, options, signature) -> str:
     return key
 
 
+# (call signature, backend override, force_triton, timer) -> (the candidate chosen, the signature as
+# first seen). A choice is a function of those (the signature holds the op, devices, shapes, dtypes
+# and options), the registry and the pins: registering a candidate and reset() clear it.
+_chosen: dict = {}
+
+
 def choose(op_name: str, args, options, signature=None) -> Candidate:
     """The candidate that runs ``op_name`` on these arguments (see the module doc); ``signature``:
-    the call's :func:`call_signature`, when the caller has it."""
+    the call's :func:`call_signature`, when the caller has it (a repeated signature's choice is
+    then looked up, not made again)."""
+    return choose_kept(op_name, args, options, signature)[0]
+
+
+def choose_kept(op_name: str, args, options, signature) -> tuple:
+    """``(candidate, signature)``: :func:`choose`, and the signature object first seen equal to this
+    call's (None without one). Its later lookups (the key string, the launch plans) then match by
+    identity instead of comparing every tensor's metadata again."""
+    if signature is None:
+        return _choose(op_name, args, options, None), None
+    memo = (signature, current_backend(), dispatch.forcing_triton(), _timer)
+    kept = _chosen.get(memo)
+    if kept is None:
+        if len(_chosen) >= KEYS_KEPT:
+            _chosen.clear()
+        kept = _chosen[memo] = (_choose(op_name, args, options, signature), signature)
+    return kept
+
+
+def _choose(op_name: str, args, options, signature) -> Candidate:
     op = _ops[op_name]
     mode = current_backend()
     if mode != "auto":

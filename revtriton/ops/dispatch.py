@@ -63,11 +63,19 @@ def force_triton(enabled: bool = True):
         _force_triton = previous
 
 
+def forcing_triton() -> bool:
+    """Whether :func:`force_triton` is in force (part of what a choice of candidate depends on)."""
+    return _force_triton
+
+
 def scale_option(scale) -> dict:
     """A couple op's ``scale`` option for :func:`run_op`: ``{"scale": scale}`` for a scaled coupling,
     nothing otherwise (an unscaled call keeps the options, the backend key and the candidates'
     arguments it always had)."""
     return {} if scale is None else {"scale": scale}
+
+
+_backend = kept_import("backend")  # imported at the first call (ops.backend imports this module)
 
 
 def run_op(op: str, *args, **options):
@@ -76,10 +84,9 @@ def run_op(op: str, *args, **options):
     The call's signature is worked out once: the choice's key comes from it, and a candidate that
     keeps launch plans (``planned``) gets it as ``call_key`` (with its name: candidates of one op
     keep different plans)."""
-    from . import backend
-
+    backend = _backend()
     signature = backend.call_signature(op, args, options)
-    cand = backend.choose(op, args, options, signature)
+    cand, signature = backend.choose_kept(op, args, options, signature)
     if cand.planned and signature is not None:
         return cand.run(*args, call_key=(cand.name, signature), **options)
     return cand.run(*args, **options)

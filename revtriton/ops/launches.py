@@ -94,6 +94,27 @@ def count_launches():
 PLANS_PER_OP = 64  # signatures kept per op (a training run has a handful: forward, rebuild, eval)
 
 
+class CallKey:
+    """A call's signature as a dict key whose hash is computed once: a call's key is looked up and
+    stored in several dicts (the choice, the key string, the launch plans), and a tuple hashes its
+    whole nested contents at every lookup (about 1 us each). Raises TypeError when a value is
+    unhashable, as the tuple would."""
+
+    __slots__ = ("values", "hash")
+
+    def __init__(self, values: tuple):
+        self.values, self.hash = values, hash(values)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self is other or (type(other) is CallKey and self.hash == other.hash and self.values == other.values)
+
+    def __repr__(self):
+        return f"CallKey{self.values!r}"
+
+
 def call_signature(*values) -> tuple:
     """A hashable key of a call: each tensor's shape, strides, dtype and device (what the launchers'
     checks and launch arguments depend on; not its data, nor its address: the launches check their
