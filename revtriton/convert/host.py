@@ -14,7 +14,7 @@ from torch import nn
 
 from ..engine import ReversibleStack, is_reversible_block
 from ..ops.reference import packed_segments
-from ..ops.streams import couple_output, from_fixed, to_fixed
+from ..ops.streams import couple_output
 from .core import SWAPPED_MODULE, _convert_blocks, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
 
 
@@ -64,16 +64,16 @@ class _BlockSteps(nn.Module):
                                "unchanged (the reversible stack keeps two streams between them)")
         else:
             streams = state["streams"]
-        k, dtype = stack.frac_bits, state["dtype"]
+        fmt = stack.stream_format(state["dtype"])
         fixed = streams[0].dtype == torch.int32
-        if is_reversible_block(stack[i]) and stack.exact and not torch.is_grad_enabled() and not fixed:
-            streams = tuple(to_fixed(s, k) for s in streams)  # as a segment of the whole stack starts
+        if is_reversible_block(stack[i]) and fmt.exact and not torch.is_grad_enabled() and not fixed:
+            streams = tuple(fmt.encode(s) for s in streams)  # as a segment of the whole stack starts
         elif fixed and not is_reversible_block(stack[i]):
-            streams = tuple(from_fixed(s, k, dtype) for s in streams)  # a stage transition takes float values
+            streams = tuple(fmt.value(s) for s in streams)  # a stage transition takes float values
         y1, y2 = self._one(i).forward_streams(*streams, cond=self.cond)
         state["streams"] = (y1, y2)
         if y1.dtype == torch.int32:
-            y1, y2 = from_fixed(y1, k, dtype), from_fixed(y2, k, dtype)
+            y1, y2 = fmt.value(y1), fmt.value(y2)
         out = torch.cat([y1, y2], dim=-1) if stack.streams == "split" else stack.read(y1, y2)
         state["returned"] = out
         return out

@@ -155,7 +155,8 @@ class ReversibleStack(nn.Module):
         if param is not None and param.device != x.device:
             raise ValueError(f"{name} is on {x.device} but the stack's parameters are on {param.device}")
 
-    def _format(self, dtype) -> StreamFormat:
+    def stream_format(self, dtype) -> StreamFormat:
+        """How this stack's streams hold values of ``dtype``: int32 fixed point (exact) or as they are."""
         return StreamFormat(self.frac_bits if self.exact else None, dtype)
 
     def _check_cond(self, cond):
@@ -252,7 +253,7 @@ class ReversibleStack(nn.Module):
 
     def _run_segment(self, plan, x1, x2, guards, checks, cond, join=False):
         """``(y1, y2, recorded)``; with ``join`` (float streams) possibly ``(cat([y1, y2], -1), None, True)``."""
-        fmt = self._format(x1.dtype)
+        fmt = self.stream_format(x1.dtype)
         run = SegmentRun(plan.modules, plan.first_index, fmt, self.anchor_every, self.schedule, guards=guards,
                          autocast=AutocastState.capture(), trace=self.trace,
                          checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple), plan=plan)
@@ -365,7 +366,7 @@ class ReversibleStack(nn.Module):
         cond = self._check_cond(cond)
         if self._fixed_pair("y", y1, y2):
             return self._run_fixed(y1, y2, inverse=True, cond=cond)
-        fmt = self._format(y1.dtype)
+        fmt = self.stream_format(y1.dtype)
         s1, s2 = fmt.encode(y1), fmt.encode(y2)
         if fmt.exact:  # what forward's guards check, here at once (inverse is not a training hot path)
             if not (torch.isfinite(y1).all() and torch.isfinite(y2).all()):
@@ -413,7 +414,7 @@ class ReversibleStack(nn.Module):
             raise TypeError("int32 streams are fixed-point streams: they need an exact=True stack")
         if s1.dtype != torch.int32 or s2.dtype != torch.int32:
             raise TypeError(f"both streams must be int32, got {s1.dtype} and {s2.dtype}")
-        fmt = self._format(None)  # no float input to take a dtype from: each block's parameters'
+        fmt = self.stream_format(None)  # no float input to take a dtype from: each block's parameters'
         if inverse:
             return self._invert(fmt, s1, s2, cond)
         for kind, index, item in plan_of(self).parts:
