@@ -119,12 +119,19 @@ def test_a_choice_key_is_built_once_per_call_signature(monkeypatch):
 
 def test_a_kept_choice_follows_what_it_depends_on(monkeypatch, tmp_path):
     """A call signature's choice is made once and then looked up (issue 44 step 5), but a change of
-    what it depends on is seen at the next call: the override (context manager or environment),
-    backend.reset(), a candidate registered again."""
+    what it depends on is seen at the next call: force_triton, the override (context manager or
+    environment), backend.reset(), a candidate registered again."""
     made = []
     real = backend._choose
     monkeypatch.setattr(backend, "_choose", lambda *a: made.append(a[0]) or real(*a))
     half, res, x, frac_bits = mlp_call(exact=False, grad=False)
+    launched = []
+    for forced in (False, True, False):  # force_triton: the interpreter's kernels, else the reference
+        with dispatch.force_triton(forced), dispatch.count_launches() as launches:
+            couple(half, res, x, frac_bits)
+        launched.append(launches.total())
+    assert launched[0] == launched[2] == 0 < launched[1]
+    made.clear()
     timer = FakeTimer({"torch": 3.0, "fake_a": 1.0, "fake_b": 2.0})
     with backend.use_timer(timer):
         with fake_candidates(("fake_a", 0.0), ("fake_b", 0.0)):

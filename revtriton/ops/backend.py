@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from . import dispatch, launches
+from . import launches
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_BACKEND = "REVTRITON_BACKEND"
@@ -588,9 +588,10 @@ def _key(op: Op, args, options, signature) -> str:
     return key
 
 
-# (call signature, backend override, force_triton, timer) -> (the candidate chosen, the signature as
-# first seen). A choice is a function of those (the signature holds the op, devices, shapes, dtypes
-# and options), the registry and the pins: registering a candidate and reset() clear it.
+# (call signature, backend override, the caller's dispatch state (force_triton), timer) -> (the
+# candidate chosen, the signature as first seen). A choice is a function of those (the signature holds
+# the op, devices, shapes, dtypes and options), the registry and the pins: registering a candidate and
+# reset() clear it.
 _chosen: dict = {}
 
 
@@ -598,16 +599,18 @@ def choose(op_name: str, args, options, signature=None) -> Candidate:
     """The candidate that runs ``op_name`` on these arguments (see the module doc); ``signature``:
     the call's :func:`call_signature`, when the caller has it (a repeated signature's choice is
     then looked up, not made again)."""
-    return choose_kept(op_name, args, options, signature)[0]
+    return _choose(op_name, args, options, signature)
 
 
-def choose_kept(op_name: str, args, options, signature) -> tuple:
-    """``(candidate, signature)``: :func:`choose`, and the signature object first seen equal to this
-    call's (None without one). Its later lookups (the key string, the launch plans) then match by
-    identity instead of comparing every tensor's metadata again."""
+def choose_kept(op_name: str, args, options, signature, dispatch_state) -> tuple:
+    """``(candidate, signature)``: :func:`choose`, kept per call signature, and the signature object
+    first seen equal to this call's (None without one): its later lookups (the key string, the launch
+    plans) then match by identity instead of comparing every tensor's metadata again.
+    ``dispatch_state``: what else of the caller's decides the candidates' availability (hashable:
+    ops.dispatch's force_triton)."""
     if signature is None:
         return _choose(op_name, args, options, None), None
-    memo = (signature, current_backend(), dispatch.forcing_triton(), _timer)
+    memo = (signature, current_backend(), dispatch_state, _timer)
     kept = _chosen.get(memo)
     if kept is None:
         if len(_chosen) >= KEYS_KEPT:

@@ -63,11 +63,6 @@ def force_triton(enabled: bool = True):
         _force_triton = previous
 
 
-def forcing_triton() -> bool:
-    """Whether :func:`force_triton` is in force (part of what a choice of candidate depends on)."""
-    return _force_triton
-
-
 def scale_option(scale) -> dict:
     """A couple op's ``scale`` option for :func:`run_op`: ``{"scale": scale}`` for a scaled coupling,
     nothing otherwise (an unscaled call keeps the options, the backend key and the candidates'
@@ -75,7 +70,7 @@ def scale_option(scale) -> dict:
     return {} if scale is None else {"scale": scale}
 
 
-_backend = kept_import("backend")  # imported at the first call (ops.backend imports this module)
+_backend = kept_import("backend")  # imported at the first call
 
 
 def run_op(op: str, *args, **options):
@@ -86,7 +81,7 @@ def run_op(op: str, *args, **options):
     keep different plans)."""
     backend = _backend()
     signature = backend.call_signature(op, args, options)
-    cand, signature = backend.choose_kept(op, args, options, signature)
+    cand, signature = backend.choose_kept(op, args, options, signature, _force_triton)
     if cand.planned and signature is not None:
         return cand.run(*args, call_key=(cand.name, signature), **options)
     return cand.run(*args, **options)
