@@ -9,7 +9,7 @@ from ..ops.attention import multi_head_attention_reference, norm_attention_coupl
 from ..ops.mlp import norm_mlp_couple
 from .core import Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
-from .probe import _causal_layer_inputs, _check_block_loop, _probe_layers
+from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
 
 
 class _GPT2AttentionHalf(_Half):
@@ -115,20 +115,11 @@ def _gpt2_convention_base(model: nn.Module):
     exactly ln_1, attn, ln_2 and mlp), whatever its class, or None. Raises NotImplementedError naming
     what differs for one that nearly does (other parts; a layer loop that does not take each layer's
     output as the next hidden states, GPT-Neo's ``outputs[0]``)."""
-    base = getattr(model, "transformer", model)
-    layers = getattr(base, "h", None)
-    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
+    found = _library_layers(model, "transformer", "h")
+    if found is None or not _has_layer_parts(found[1][0], _GPT2_LAYER_PARTS, "GPT-2"):
         return None
-    layer = layers[0]
-    parts = {name for name, _ in layer.named_children()}
-    if not set(_GPT2_LAYER_PARTS) <= parts:
-        return None
-    extra = sorted(parts - set(_GPT2_LAYER_PARTS))
-    if extra:
-        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides GPT-2's pre-norm "
-                                  f"layer parts ({', '.join(_GPT2_LAYER_PARTS)}): not supported")
-    _check_block_loop(base)
-    return base
+    _check_block_loop(found[0])
+    return found[0]
 
 
 class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):

@@ -12,7 +12,7 @@ from ..ops.mlp import swiglu_mlp_couple
 from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
                    _residual_dropout, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
-from .probe import _check_layer_slice, _probe_layers, _rotary_layer_inputs
+from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
 
 
 def _is_plain_rms_norm(norm) -> bool | None:
@@ -213,21 +213,12 @@ def _llama_convention_base(model: nn.Module):
     whatever its class, or None when it does not look like one. Raises NotImplementedError naming
     what differs for one that nearly does (other parts in its layers: Gemma 2's sandwich norms; a
     forward that does not run its layers as one slice)."""
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers)
-            or getattr(base, "rotary_emb", None) is None):
+    found = _library_layers(model, "model", "layers")
+    if (found is None or getattr(found[0], "rotary_emb", None) is None
+            or not _has_layer_parts(found[1][0], _LLAMA_LAYER_PARTS, "LLaMA", _LLAMA_LAYER_EXTRAS)):
         return None
-    layer = layers[0]
-    parts = {name for name, _ in layer.named_children()}
-    if not set(_LLAMA_LAYER_PARTS) <= parts:
-        return None
-    extra = sorted(parts - set(_LLAMA_LAYER_PARTS) - set(_LLAMA_LAYER_EXTRAS))
-    if extra:
-        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides LLaMA's pre-norm "
-                                  f"layer parts ({', '.join(_LLAMA_LAYER_PARTS)}): not supported")
-    _check_layer_slice(base)
-    return base
+    _check_layer_slice(found[0])
+    return found[0]
 
 
 class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):

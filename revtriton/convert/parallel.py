@@ -15,7 +15,7 @@ from torch import nn
 from .core import (Family, LayerSpec, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers, _residual_dropout,
                    _spec_of)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
-from .probe import _check_block_loop, _check_layer_slice, _probe_layers, _rotary_layer_inputs
+from .probe import _check_block_loop, _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
 
 def _parallel_norm(block) -> nn.Module:
@@ -41,11 +41,10 @@ def _parallel_convention(model: nn.Module):
     layers have exactly one norm, an attention and an MLP (see the section's comment), whatever its
     class, or None."""
     for owner, attribute, parts in _PARALLEL_CONVENTIONS:
-        base = getattr(model, owner, model)
-        layers = getattr(base, attribute, None)
-        if (not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList)
-                or not len(layers)):
+        found = _library_layers(model, owner, attribute)
+        if found is None:
             continue
+        base, layers = found
         if {name for name, _ in layers[0].named_children()} - {"resid_dropout"} != set(parts):
             continue
         if attribute == "h":

@@ -12,6 +12,30 @@ from .core import _spec_of
 from .host import _pack_host_cond
 
 
+def _library_layers(model: nn.Module, owner: str, attribute: str):
+    """``(base, layers)``: a Hugging Face base model (``model.<owner>``, or the model itself) and its
+    layers at ``attribute`` (a non-empty ModuleList), or None."""
+    base = getattr(model, owner, model)
+    layers = getattr(base, attribute, None)
+    if not type(base).__module__.startswith("transformers") or not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    return base, layers
+
+
+def _has_layer_parts(layer: nn.Module, parts: tuple, family: str, extras: tuple = ()) -> bool:
+    """Whether ``layer`` has the submodules ``parts`` (``family``'s pre-norm layer); a layer that has
+    them and more (besides ``extras``) is a near miss, refused naming what else it has (Gemma 2's
+    sandwich norms)."""
+    names = {name for name, _ in layer.named_children()}
+    if not set(parts) <= names:
+        return False
+    extra = sorted(names - set(parts) - set(extras))
+    if extra:
+        raise NotImplementedError(f"revify: {type(layer).__name__} has {', '.join(extra)} besides {family}'s pre-norm "
+                                  f"layer parts ({', '.join(parts)}): not supported")
+    return True
+
+
 def _check_block_loop(base):
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
     stand-in returns them; GPT-Neo's and ImageGPT's loops read ``outputs[0]``)."""
