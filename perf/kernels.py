@@ -433,8 +433,8 @@ def print_table(result: dict):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="fused-half kernel microbenchmarks (GPU)")
     parser.add_argument("--cases", nargs="*", default=None, help=f"subset of {sorted(CASES)}")
-    parser.add_argument("--dims", nargs="*", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--dims", nargs="*", type=int, default=None, help="model widths (default: each case's own)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"results folder (default {RESULTS_DIR})")
     parser.add_argument("--dispatch", action="store_true", help="add the dispatcher's choices (issue 19)")
     parser.add_argument("--dispatch-only", action="store_true",
                         help="only the dispatcher's choices; exit 1 if a chosen path is < 0.98 x the faster")

@@ -927,8 +927,10 @@ def markdown(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.roofline", description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--gpus", nargs="+", choices=list(GPUS), default=["h100", "h200"])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="production shapes to count (default: all)")
+    parser.add_argument("--gpus", nargs="+", choices=list(GPUS), default=["h100", "h200"],
+                        help="GPUs whose peaks the estimates use")
     parser.add_argument("--float-streams", action="store_true", help="fp32 streams instead of int32 fixed point")
     parser.add_argument("--no-engine", action="store_true", help="leave out the engine's passes around a half")
     parser.add_argument("--json", metavar="PATH", help="also write the rows and speed-ups as JSON")

@@ -225,14 +225,14 @@ def parse_args(argv=None):
                     help="depths, e.g. 6 12 24 or 6,12,24; with --batches / --seq-lens, exactly their product runs")
     ap.add_argument("--batches", nargs="*", action=_IntList, help="batch sizes (see --depths)")
     ap.add_argument("--seq-lens", nargs="*", action=_IntList, help="sequence lengths of token models (see --depths)")
-    ap.add_argument("--base-batch", type=int)
-    ap.add_argument("--base-depth", type=int)
+    ap.add_argument("--base-batch", type=int, help="the batch of the depth sweep (default: the suite's)")
+    ap.add_argument("--base-depth", type=int, help="the depth of the batch sweep (default: the suite's)")
     ap.add_argument("--seq", type=int, help="base sequence length for every preset / your model")
     ap.add_argument("--variants", help=f"comma list of {','.join(VARIANTS)} (variant/fused for fused halves; "
                                        f"old names: {', '.join(f'{a} = {v}' for a, v in VARIANT_ALIASES.items())})")
-    ap.add_argument("--warmup", type=int)
-    ap.add_argument("--repeats", type=int)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"))
+    ap.add_argument("--warmup", type=int, help="untimed steps per point (default: the suite's)")
+    ap.add_argument("--repeats", type=int, help="timed steps per point (default: the suite's)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), help="bf16: autocast (default: the suite's)")
     ap.add_argument("--threads", type=int, help="CPU threads for torch (default on a CPU: 1)")
     ap.add_argument("--float-streams", action="store_true", help="revtriton with exact=False")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=None,
@@ -243,7 +243,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help=f"results folder (default {DEFAULT_OUT}: perf/results in a checkout, else ./perf-results)")
     ap.add_argument("--tag", default=None, help="suffix of the file names (default: the suite unless full)")
-    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar: one heartbeat line per point on stderr instead (also when stderr is "
                          "not a terminal or tqdm is missing)")

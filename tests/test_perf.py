@@ -955,3 +955,17 @@ def test_kernel_benchmark_reports_the_gemm_configs_the_autotuners_kept(monkeypat
     kernels.print_tuned(tuned)
     out = capsys.readouterr().out
     assert "(1 of 2 persistent)" in out and "128x128x64 w8 s4 persistent" in out and "128x256x64 w8 s3  [" in out
+
+
+def test_every_perf_option_has_a_description():
+    """Issue 38: each option of a perf tool's --help says what it does (read from the source: every
+    ``add_argument`` call gives ``help=``)."""
+    import ast
+
+    missing = []
+    for path in sorted((REPO / "perf").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+                    and not any(k.arg == "help" for k in node.keywords)):
+                missing.append(f"{path.name}:{node.lineno} {ast.unparse(node.args[0])}")
+    assert missing == []
