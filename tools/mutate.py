@@ -671,7 +671,7 @@ MUTANTS = [
            ("tests/test_host_forward.py", "-k", "gpt2_style_layers"),
            "GPT-Neo converts although its loop reads outputs[0] of a stand-in that returns the hidden states"),
     Mutant("head-class-not-swapped", "revtriton/convert/host.py",
-           "    if model is not base:\n        _swap_class(model, _RevifiedLM,", "    if False:\n        _swap_class(model, _RevifiedLM,",
+           "    if model is not base:\n        _swap_class(model, _RevifiedLM)", "    if False:\n        _swap_class(model, _RevifiedLM)",
            ("tests/test_host_forward.py", "-k", "head_classes"),
            "a classifier around a converted model takes gradient-checkpointing requests silently (never applied)"),
     Mutant("layer-slice-unchecked", "revtriton/convert/probe.py",

@@ -102,8 +102,7 @@ def _parallel_residual(block) -> bool:
 
 def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Conversion, mixins):
     """Swap each block's class (reversible, or ordinary for the top ``ordinary_top``), add the preserve
-    mode's adapters and couplings, and replace the block list by a ReversibleStack. The swapped
-    classes of the first block's class are the ones the package names (see :func:`_swap_class`)."""
+    mode's adapters and couplings, and replace the block list by a ReversibleStack."""
     blocks = getattr(owner, attribute)
     if isinstance(blocks, ReversibleStack):
         raise ValueError(f"{type(owner).__name__}.{attribute} is already a ReversibleStack (revify was applied)")
@@ -112,12 +111,11 @@ def _convert_blocks(owner: nn.Module, attribute: str, dim: int, conversion: _Con
     reversible, ordinary = mixins
     first_ordinary = len(blocks) - conversion.ordinary_top
     coupling = conversion.coupling()
-    base = (type(blocks[0]).__module__, type(blocks[0]).__name__)
     for i, block in enumerate(blocks):
         if i >= first_ordinary:
-            _swap_class(block, ordinary, *base)
+            _swap_class(block, ordinary)
             continue
-        _swap_class(block, reversible, *base)
+        _swap_class(block, reversible)
         if coupling is not None:
             block._revtriton_preserve = conversion.preserve
             block.coupling = coupling
@@ -153,7 +151,7 @@ class Family:
 # process from its registry), so pickles stay valid when code moves between its modules.
 SWAPPED_MODULE = "revtriton.convert"
 _swapped = {}  # (library class, mixin) -> swapped class
-_named = {}  # name -> swapped class of a model's own class (not a subclass of it), made in this process
+_named = {}  # name -> the first swapped class made under it in this process
 
 
 def _swapped_class(name: str, mixin: type, cls: type) -> type:
@@ -169,16 +167,16 @@ def _swapped_class(name: str, mixin: type, cls: type) -> type:
     return new_cls
 
 
-def _swap_class(module: nn.Module, mixin: type, base_module: str, base_name: str):
+def _swap_class(module: nn.Module, mixin: type):
+    """Give ``module`` the class ``mixin + its class`` (made once per pair; the package answers its
+    name, the first class made under a name keeping it)."""
     cls = type(module)
     if issubclass(cls, mixin):
         return
     name = f"{getattr(mixin, '_class_prefix', 'Revified')}{cls.__name__}"
     if (cls, mixin) not in _swapped:
-        new_cls = _swapped_class(name, mixin, cls)
-        _swapped[(cls, mixin)] = new_cls
-        if cls.__name__ == base_name and cls.__module__ == base_module:
-            _named[name] = new_cls
+        new_cls = _swapped[(cls, mixin)] = _swapped_class(name, mixin, cls)
+        _named.setdefault(name, new_cls)
     module.__class__ = _swapped[(cls, mixin)]
 
 

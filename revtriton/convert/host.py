@@ -611,6 +611,6 @@ def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, 
     owner, _, attribute = layers.rpartition(".")
     _convert_blocks(base.get_submodule(owner), attribute, base.config.hidden_size, conversion, mixins)
     base.get_submodule(layers).layers_view = _host_layer_calls
-    _swap_class(base, model_mixin, type(base).__module__, type(base).__name__)
+    _swap_class(base, model_mixin)
     if model is not base:
-        _swap_class(model, _RevifiedLM, type(model).__module__, type(model).__name__)
+        _swap_class(model, _RevifiedLM)

@@ -87,7 +87,7 @@ def _convert_eva(model, conversion, found=None):
     model.grad_checkpointing = False
     _convert_blocks(model, "blocks", model.embed_dim, conversion, (_EvaBlock, _EvaOrdinaryBlock))
     model.blocks.layers_view = _host_layer_calls
-    _swap_class(model, _EvaRevifiedModel, "timm.models.eva", "Eva")
+    _swap_class(model, _EvaRevifiedModel)
 
 
 FAMILY = Family("timm_eva", ("timm Eva (EVA-02, pre-norm EvaBlock)",), _convert_eva, classes=(("timm", "Eva"),),

@@ -150,7 +150,7 @@ def _convert_timm_vit(model, conversion, found=None):
     for i, block in enumerate(model.blocks):
         _check_timm_block(i, block)
     model.grad_checkpointing = False  # checkpoint_seq would call blocks one by one
-    _swap_class(model, _TimmRevifiedModel, "timm.models.vision_transformer", "VisionTransformer")
+    _swap_class(model, _TimmRevifiedModel)
     _convert_blocks(model, "blocks", model.embed_dim, conversion, (_TimmBlock, _TimmOrdinaryBlock))
 
 

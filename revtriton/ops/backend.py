@@ -121,7 +121,7 @@ def unregister_candidate(op: str, name: str):
 
 
 def _registry_changed():
-    """The kept choices (see :func:`choose_kept`) hold candidate objects: a change of the registry
+    """The kept choices (see :func:`choose`) hold candidate objects: a change of the registry
     forgets them all."""
     _chosen.clear()
 
@@ -595,19 +595,13 @@ def _key(op: Op, args, options, signature) -> str:
 _chosen: dict = {}
 
 
-def choose(op_name: str, args, options, signature=None) -> Candidate:
-    """The candidate that runs ``op_name`` on these arguments (see the module doc); ``signature``:
-    the call's :func:`call_signature`, when the caller has it (a repeated signature's choice is
-    then looked up, not made again)."""
-    return _choose(op_name, args, options, signature)
-
-
-def choose_kept(op_name: str, args, options, signature, dispatch_state) -> tuple:
-    """``(candidate, signature)``: :func:`choose`, kept per call signature, and the signature object
-    first seen equal to this call's (None without one): its later lookups (the key string, the launch
-    plans) then match by identity instead of comparing every tensor's metadata again.
-    ``dispatch_state``: what else of the caller's decides the candidates' availability (hashable:
-    ops.dispatch's force_triton)."""
+def choose(op_name: str, args, options, signature=None, dispatch_state=None) -> tuple:
+    """``(candidate, signature)``: the candidate that runs ``op_name`` on these arguments (see the
+    module doc), and the signature object first seen equal to ``signature`` (the call's
+    :func:`call_signature`; None without one). A repeated signature's choice is looked up, not made
+    again, and its later lookups (the key string, the launch plans) match by identity instead of
+    comparing every tensor's metadata again. ``dispatch_state``: what else of the caller's decides
+    the candidates' availability (hashable: ops.dispatch's force_triton)."""
     if signature is None:
         return _choose(op_name, args, options, None), None
     memo = (signature, current_backend(), dispatch_state, _timer)

@@ -81,7 +81,7 @@ def run_op(op: str, *args, **options):
     keep different plans)."""
     backend = _backend()
     signature = backend.call_signature(op, args, options)
-    cand, signature = backend.choose_kept(op, args, options, signature, _force_triton)
+    cand, signature = backend.choose(op, args, options, signature, _force_triton)
     if cand.planned and signature is not None:
         return cand.run(*args, call_key=(cand.name, signature), **options)
     return cand.run(*args, **options)
