@@ -14,6 +14,52 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
+def _cache_the_interpreters_builtin_lists():
+    """Triton's interpreter re-patches ``triton.language`` at every call of a ``@triton.jit`` helper
+    (``_patch_lang``), listing each patched namespace's members with ``inspect.getmembers`` each time:
+    about a tenth of an interpreted attention kernel's time (more under cProfile). The builtins a
+    namespace holds never change, so list them once. The same patching as before: a builtin is
+    patched when the namespace holds it unpatched (the original patches what ``is_builtin`` says is
+    one: the unpatched builtins). Left as it is when this Triton lacks the private functions."""
+    try:
+        from triton.runtime import interpreter
+        import triton.language as tl
+    except ImportError:
+        return
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    is_builtin = getattr(tl.core, "is_builtin", None)
+    if getattr(interpreter, "_patch_builtin", None) is None or patch_attr is None or is_builtin is None:
+        return
+    import inspect
+
+    builtins_of = {}  # id(namespace) -> (namespace, its builtins as (name, function)), first seen unpatched
+
+    def patch_builtin(pkg, builder, scope):
+        entry = builtins_of.get(id(pkg))
+        if entry is None:
+            entry = builtins_of[id(pkg)] = (pkg, [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)])
+        for name, member in entry[1]:
+            if getattr(pkg, name, None) is member:
+                patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+_cache_the_interpreters_builtin_lists()
+
+# Tests that share a module-scoped fixture (a spawned process group, the quick sweep, the static
+# gate's compiles: 15-65 s each) form one xdist group: under `-n auto --dist loadgroup` (the README's
+# command) they run on one worker, which builds the fixture once. xdist's default scheduling ("load")
+# hands such a module's tests to every worker, and each builds the fixture again. The other tests
+# are scheduled as under "load". (tryfirst: xdist's worker reads the groups in its own hook.)
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)  # the fixtures a test uses, with their definitions
+        if info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(f"module-fixtures-of-{item.module.__name__}"))
+
+
 SEED_ENV = "REVTRITON_TEST_SEED"
 
 
