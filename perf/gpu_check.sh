@@ -204,7 +204,12 @@ fi
 
 if [ "$dry_run" = 1 ]; then
     echo "gpu_check requirements (dry run, checked now):"
-    requirements --collect
+    # The GPU tests are collected (every test module imported, about 10 s) when the plan runs them.
+    collect=""
+    for step in "${steps[@]}"; do
+        case "${step%%|*}" in gpu-tests|gemm-configs) collect="--collect" ;; esac
+    done
+    requirements $collect
     req=$?
     echo "gpu_check plan (dry run): outputs under $out, total budget ${budget} s"
     echo "  0. probe: torch.cuda.is_available() within 60 s, else exit 2"

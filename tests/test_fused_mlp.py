@@ -30,7 +30,7 @@ def rand(*shape, dtype=torch.float32, scale=1.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,dim,hidden", [(1, 96, 200), (7, 200, 64), (130, 64, 96), (130, 200, 96),
-                                             (197, 768, 64)])
+                                             (197, 384, 64)])  # the last: more output tiles than programs
 def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
     tol = TOL[dtype]
     x = rand(rows, dim, dtype=dtype) + 0.5  # a non-zero mean exercises the centering

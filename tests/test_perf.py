@@ -572,7 +572,8 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     out = tmp_path / "gpu"
     proc = _run(["bash", "perf/gpu_check.sh", str(out), "--dry-run"], timeout=30)
     assert proc.returncode == 0, proc.stderr
-    for needle in ("pytest -m gpu", "perf.sweep --suite short", "perf.kernels", "--suite pareprop", str(out)):
+    for needle in ("pytest -m gpu", "perf.sweep --suite short", "perf.kernels", "--suite pareprop", str(out),
+                   "  ok    gpu tests: collect"):
         assert needle in proc.stdout, needle
     # The GEMM-config test (many compiles) runs in its own step, after the measurements, not twice.
     steps = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"  [1-9]\d*\. ", line)}
@@ -585,10 +586,11 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
 def test_gpu_check_runs_the_named_steps_only(tmp_path):
     out = tmp_path / "gpu"
     proc = _run(["bash", "perf/gpu_check.sh", str(out), "--dry-run"], timeout=30,
-                env={"GPU_CHECK_STEPS": "kernels,gpu-tests"})
+                env={"GPU_CHECK_STEPS": "kernels,sweep"})
     assert proc.returncode == 0, proc.stderr
     plan = [line.split()[1] for line in proc.stdout.splitlines() if re.match(r"  [1-9]\d*\. ", line)]
-    assert plan == ["gpu-tests", "kernels"]  # the script's order, not the variable's
+    assert plan == ["sweep", "kernels"]  # the script's order, not the variable's
+    assert "gpu tests: collect" not in proc.stdout  # no pytest step: the GPU tests are not collected
     bad = _run(["bash", "perf/gpu_check.sh", str(out), "--dry-run"], timeout=30, env={"GPU_CHECK_STEPS": "kernel"})
     assert bad.returncode == 2 and "unknown step 'kernel'" in bad.stderr
 
