@@ -162,6 +162,9 @@ CONVENTION_FAMILIES = {
     "Helium": {},  # interleaved rotary: the library path
     "Starcoder2": {},  # LayerNorm with bias, a GELU MLP (c_fc / c_proj)
     "Llama": dict(mlp_bias=True),  # a known family with what the fused MLP lacks
+    # LayerNorm with bias, partial rotary, per-head q / k LayerNorms, a loop over self.layers, a dropout
+    # on the MLP branch: the library path
+    "StableLm": dict(qk_layernorm=True),
 }
 
 
@@ -201,6 +204,31 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     assert _convention_class("RevifiedHostNoSuchDecoderLayer") is None
 
 
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+@pytest.mark.parametrize("preserve,parallel", [("meft3", False), ("meft1", True)], ids=["sequential", "parallel"])
+def test_stablelm_drops_what_its_mlp_dropout_drops(preserve, parallel, seeded):
+    """StableLM's one branch dropout sits on the MLP's output (not the attention's): at p = 1 the MLP
+    branch is zero in training, so a preserving conversion computes the library's training-mode
+    logits (no random draw decides them); one that dropped the dropout, or put it on the attention
+    branch, would not."""
+    build = _parallel_decoder if parallel else _decoder
+    original = build("StableLm", seeded, hidden_dropout=1.0).train()
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).train()
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs = original(input_ids=ids, use_cache=False).logits
+        ours = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+def test_stablelm_with_its_mlp_dropout_trains_saves_and_pickles(seeded, tmp_path):
+    """StableLM (issue 48): its one branch dropout (``dropout``, on the MLP's output) is the MLP half's,
+    replayed in the rebuild: an exact training step bitwise equals its stored-activation twin; save /
+    load and a fresh process's unpickling give the converted model back."""
+    model = revify(_decoder("StableLm", seeded, hidden_dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+
+
 class _WrappedGraniteModel(transformers.GraniteModel):
     """A base model whose own forward does not show its layer loop (a library class: revify admits
     only transformers' own models by their conventions)."""
@@ -218,7 +246,7 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
         revify(_decoder("Gemma2", seeded))
     wrapped = _decoder("Granite", seeded)
     wrapped.model.__class__ = _WrappedGraniteModel
-    with pytest.raises(NotImplementedError, match=r"does not run its layers as one slice"):
+    with pytest.raises(NotImplementedError, match=r"does not run its layers as one slice \(self.layers\[...\]\) or a"):
         revify(wrapped)
     original = _decoder("Granite", seeded, residual_multiplier=0.5)
     model = copy.deepcopy(original)
@@ -325,15 +353,20 @@ def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP
     # Phi (partial rotary, resid_dropout on both branches), Cohere (interleaved rotary, logit scale)
     config = dict(common, vocab_size=128, bos_token_id=None, eos_token_id=None, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=DEPTH, num_attention_heads=4, max_position_embeddings=64)
+    if family == "StableLm":  # its parallel form (dropout on the MLP branch only); its default is 32 kv heads
+        config.update(use_parallel_residual=True, num_key_value_heads=2)
     config_class = getattr(transformers, f"{family}Config")
     return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
 
 
+PARALLEL_FAMILIES = ["GPTJ", "CodeGen", "Phi", "Cohere", "StableLm"]
+
+
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("family", ["GPTJ", "CodeGen", "Phi", "Cohere"])
+@pytest.mark.parametrize("family", PARALLEL_FAMILIES)
 @pytest.mark.parametrize("preserve", ["meft1", "meft2"])
 def test_decoders_with_parallel_layers_compute_the_librarys_function(family, preserve, seeded):
-    """GPT-J, CodeGen, Phi and Cohere (x + attn(norm(x)) + mlp(norm(x)), their own rotary): a preserving
+    """GPT-J, CodeGen, Phi, Cohere, StableLM (x + attn(norm(x)) + mlp(norm(x)), their own rotary): a preserving
     conversion that keeps each layer whole computes their logits on whole, padded and packed rows,
     and their cached greedy generation."""
     original = _parallel_decoder(family, seeded)
@@ -354,19 +387,19 @@ def test_decoders_with_parallel_layers_compute_the_librarys_function(family, pre
     assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
 
 
-@pytest.mark.parametrize("family", ["GPTJ", "CodeGen", "Phi", "Cohere"])
+@pytest.mark.parametrize("family", PARALLEL_FAMILIES)
 def test_decoders_with_parallel_layers_refuse_meft3(family, seeded):
     """meft3 (sublayer after sublayer) cannot compose a parallel layer's two branches: refused."""
     with pytest.raises(NotImplementedError, match="meft3"):
         revify(_parallel_decoder(family, seeded), preserve="meft3")
 
 
-@pytest.mark.parametrize("family", ["GPTJ", "Phi"])
+@pytest.mark.parametrize("family", ["GPTJ", "Phi", "StableLm"])
 def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded, tmp_path):
-    """An exact training step (Phi: with its branch dropout) bitwise equals its stored-activation twin;
-    save / load and a fresh process's unpickling give the converted model back; a half called alone
-    refuses (its RoPE is the model's)."""
-    dropout = dict(resid_pdrop=0.1) if family == "Phi" else {}
+    """An exact training step (Phi: with its dropout on both branches; StableLM: on the MLP branch)
+    bitwise equals its stored-activation twin; save / load and a fresh process's unpickling give the
+    converted model back; a half called alone refuses (its RoPE is the model's)."""
+    dropout = dict(Phi=dict(resid_pdrop=0.1), StableLm=dict(hidden_dropout=0.1)).get(family, {})
     model = revify(_parallel_decoder(family, seeded, **dropout), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):

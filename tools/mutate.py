@@ -675,7 +675,7 @@ MUTANTS = [
            ("tests/test_host_forward.py", "-k", "head_classes"),
            "a classifier around a converted model takes gradient-checkpointing requests silently (never applied)"),
     Mutant("layer-slice-unchecked", "revtriton/convert/probe.py",
-           '    _require_layer_loop(base, r"self\\.layers\\[",', '    _require_layer_loop(base, r"",',
+           '    _require_layer_loop(base, r"self\\.layers\\[|\\bin self\\.layers\\b",', '    _require_layer_loop(base, r"",',
            ("tests/test_host_forward.py", "-k", "not_llamas"),
            "a base model whose forward hides its layer loop converts (the stand-ins may never be asked)"),
     Mutant("encoder-loop-unchecked", "revtriton/convert/encoder.py",
@@ -872,6 +872,20 @@ MUTANTS = [
            "use_reentrant=False, early_stop=self.early_stop)", "use_reentrant=False)",
            ("tests/test_perf.py", "-k", "early_stop"),
            "the benchmark's no-early-stop row recomputes what checkpoint does (the explanation would not show)"),
+    # ---- families a user brings (issue 48)
+    Mutant("stablelm-mlp-dropout-ignored", "revtriton/convert/llama.py",
+           '"resid_mlp_dropout" if hasattr(block, "resid_mlp_dropout") else "dropout"', '"resid_mlp_dropout"',
+           ("tests/test_host_forward.py", "-k", "drops_what and sequential"),
+           "StableLM's MLP-branch dropout left out of the MLP half: training computes another function"),
+    Mutant("stablelm-parallel-dropout-on-both-branches", "revtriton/convert/parallel.py",
+           '        return _residual_dropout(self.block, "resid_dropout")\n',
+           '        return _mlp_branch_dropout(self.block)\n',
+           ("tests/test_host_forward.py", "-k", "drops_what and parallel"),
+           "parallel StableLM's dropout applied to the attention branch too (only Phi's is on both)"),
+    Mutant("stablelm-parallel-dropout-ignored", "revtriton/convert/parallel.py",
+           '"resid_dropout" if hasattr(block, "resid_dropout") else "dropout"', '"resid_dropout"',
+           ("tests/test_host_forward.py", "-k", "drops_what and parallel"),
+           "parallel StableLM's MLP-branch dropout left out"),
 ]
 
 

@@ -114,6 +114,12 @@ class _LlamaAttentionHalf(_LlamaHalf):
         return out(a.o_proj(o))
 
 
+def _mlp_branch_dropout(block):
+    """The dropout on the MLP branch's output: Phi-3's ``resid_mlp_dropout``, StableLM's ``dropout``
+    (its ``hidden_dropout``; the attention branch has none there)."""
+    return _residual_dropout(block, "resid_mlp_dropout" if hasattr(block, "resid_mlp_dropout") else "dropout")
+
+
 class _LlamaMlpHalf(_LlamaHalf):
     def _projections(self):
         m = self.block.mlp
@@ -122,7 +128,7 @@ class _LlamaMlpHalf(_LlamaHalf):
         return m.gate_proj, m.up_proj, m.down_proj
 
     def _dropouts(self):
-        return (_p(_residual_dropout(self.block, "resid_mlp_dropout")),)
+        return (_p(_mlp_branch_dropout(self.block)),)
 
     def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
         spec = self._spec()
@@ -142,7 +148,7 @@ class _LlamaMlpHalf(_LlamaHalf):
     def _modules(self, x):
         b = self.block
         h = b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight", None))))
-        return _residual_dropout(b, "resid_mlp_dropout")(h)
+        return _mlp_branch_dropout(b)(h)
 
 
 def _sliding_windows(config, depth) -> list:
@@ -204,7 +210,8 @@ def _convert_llama(model, conversion, found=None):
 
 
 _LLAMA_LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-_LLAMA_LAYER_EXTRAS = ("resid_attn_dropout", "resid_mlp_dropout")  # Phi-3's dropouts on the branches
+# Dropouts on the branches: Phi-3's two, StableLM's one on the MLP branch.
+_LLAMA_LAYER_EXTRAS = ("resid_attn_dropout", "resid_mlp_dropout", "dropout")
 
 
 def _llama_convention_base(model: nn.Module):
@@ -212,7 +219,7 @@ def _llama_convention_base(model: nn.Module):
     with exactly self_attn, mlp, input_layernorm and post_attention_layernorm; a rotary embedding),
     whatever its class, or None when it does not look like one. Raises NotImplementedError naming
     what differs for one that nearly does (other parts in its layers: Gemma 2's sandwich norms; a
-    forward that does not run its layers as one slice)."""
+    forward that does not run its layers as one slice or loop)."""
     found = _library_layers(model, "model", "layers")
     if (found is None or getattr(found[0], "rotary_emb", None) is None
             or not _has_layer_parts(found[1][0], _LLAMA_LAYER_PARTS, "LLaMA", _LLAMA_LAYER_EXTRAS)):

@@ -2,8 +2,9 @@
 
 ``x + attn(norm(x)) + mlp(norm(x))`` (GPT-NeoX's parallel residual with one norm shared by both
 branches), RoPE from the model's rotary embedding: GPT-J and CodeGen (``h`` of blocks with exactly
-ln_1, attn, mlp), Phi and Cohere (``layers`` of layers with exactly input_layernorm, self_attn, mlp;
-Phi's resid_dropout on each branch). Both branches run the layer's own modules (interleaved or
+ln_1, attn, mlp), Phi, Cohere and StableLM with ``use_parallel_residual`` (``layers`` of layers with
+exactly input_layernorm, self_attn, mlp; Phi's resid_dropout on each branch, StableLM's dropout on
+the MLP branch). Both branches run the layer's own modules (interleaved or
 partial rotary, one norm for both); the attention half is ``_HostParallelAttentionHalf`` (with the
 other halves that take the model's inputs).
 """
@@ -28,12 +29,18 @@ class _ParallelMlpHalf(_Half):
 
     def _modules(self, x):
         b, norm = self.block, _parallel_norm(self.block)
-        return _residual_dropout(b, "resid_dropout")(b.mlp(norm(self._input(x, getattr(norm, "weight", None)))))
+        return _mlp_branch_dropout(b)(b.mlp(norm(self._input(x, getattr(norm, "weight", None)))))
 
 
-# Where the layers are, and their parts (norm, attention, mlp), besides a branch dropout.
+def _mlp_branch_dropout(block):
+    """Phi's ``resid_dropout`` (on both branches), else StableLM's ``dropout`` (on the MLP branch only)."""
+    return _residual_dropout(block, "resid_dropout" if hasattr(block, "resid_dropout") else "dropout")
+
+
+# Where the layers are, and their parts (norm, attention, mlp), besides the branch dropouts.
 _PARALLEL_CONVENTIONS = (("transformer", "h", ("ln_1", "attn", "mlp")),  # GPT-J, CodeGen
-                         ("model", "layers", ("input_layernorm", "self_attn", "mlp")))  # Phi, Cohere
+                         ("model", "layers", ("input_layernorm", "self_attn", "mlp")))  # Phi, Cohere, StableLM
+_BRANCH_DROPOUTS = {"resid_dropout", "dropout"}  # Phi's on both branches; StableLM's on the MLP branch
 
 
 def _parallel_convention(model: nn.Module):
@@ -45,7 +52,7 @@ def _parallel_convention(model: nn.Module):
         if found is None:
             continue
         base, layers = found
-        if {name for name, _ in layers[0].named_children()} - {"resid_dropout"} != set(parts):
+        if {name for name, _ in layers[0].named_children()} - _BRANCH_DROPOUTS != set(parts):
             continue
         if attribute == "h":
             _check_block_loop(base)
@@ -98,8 +105,8 @@ _HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_HostParall
 
 
 class _HostParallelModel(_HostDecoderModel):
-    """A decoder with parallel layers (GPTJModel, CodeGenModel: layers ``h``; PhiModel, CohereModel:
-    ``layers``), RoPE from position ids."""
+    """A decoder with parallel layers (GPTJModel, CodeGenModel: layers ``h``; PhiModel, CohereModel,
+    StableLmModel: ``layers``), RoPE from position ids."""
 
     _class_prefix = "RevifiedHostParallel"
     _layers = ("h", "layers")
@@ -107,7 +114,8 @@ class _HostParallelModel(_HostDecoderModel):
 
 FAMILY = Family(
     "parallel", ("decoders with parallel layers of one norm (ln_1, attn, mlp: GPT-J, CodeGen; input_layernorm, "
-                 "self_attn, mlp: Phi, Cohere)",), _convert_parallel, detect=_parallel_convention,
+                 "self_attn, mlp: Phi, Cohere, StableLM with use_parallel_residual)",), _convert_parallel,
+    detect=_parallel_convention,
     conventions={("HostParallel", None, "Block"): _HostParallelBlock,  # GPT-J's blocks
                  ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
                  ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,  # Phi's and Cohere's layers
