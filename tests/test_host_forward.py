@@ -146,6 +146,19 @@ def test_stand_ins_refuse_a_loop_that_skips_or_changes_layers(seeded):
 # -- decoders admitted by their layer conventions, not their class -------------------------------
 
 
+def assert_keeps_the_librarys_function(original, model, ids, *inputs):
+    """A preserving conversion's logits on each of ``inputs`` (the model's keyword inputs) within its
+    term of the library's, and its cached greedy generation from ``ids[:, :4]`` the library's."""
+    with torch.no_grad():
+        for kwargs in inputs:
+            theirs = original(**kwargs, use_cache=False).logits
+            ours = model(**kwargs, use_cache=False).logits  # no cache: the fused kernels where chosen
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    prompt = ids[:, :4]
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+
+
 def _decoder(family, seed, **overrides):
     torch.manual_seed(seed)
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
@@ -177,13 +190,7 @@ def test_decoders_with_llamas_layer_conventions_compute_the_librarys_function(fa
     original = _decoder(family, seeded, **CONVENTION_FAMILIES[family])
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     ids = torch.randint(1, 128, (2, 10))
-    with torch.no_grad():
-        theirs = original(input_ids=ids).logits
-        ours = model(input_ids=ids, use_cache=False).logits  # no cache: the fused kernels where chosen
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
-    prompt = ids[:, :4]
-    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+    assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids))
 
 
 def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp_path):
@@ -204,7 +211,53 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     assert _convention_class("RevifiedHostNoSuchDecoderLayer") is None
 
 
-@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+# Decoders whose layers normalise each branch's output (issue 48): the library path, probed per layer.
+SANDWICH_FAMILIES = {
+    "Gemma2": dict(sliding_window=4),  # norms before and after each branch; sliding layers shorter than the rows
+    "Olmo2": {},  # norms after each branch only; q / k norms over the whole projection
+}
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
+    """Gemma 2 and OLMo 2 (``x + post_norm(attn(norm(x)))``, then the MLP's): a preserving conversion
+    computes their logits on whole and left-padded rows, and their cached greedy generation."""
+    original = _decoder(family, seeded, **SANDWICH_FAMILIES[family])
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids),
+                                       dict(input_ids=ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
+def test_a_sandwich_norm_decoder_trains_saves_and_pickles(family, seeded, tmp_path):
+    """An exact training step bitwise equals its stored-activation twin; save / load and a fresh
+    process's unpickling give the converted model back; a half called alone refuses (its RoPE is
+    the model's)."""
+    model = revify(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
+
+
+def test_gemma3s_rotary_per_layer_type_is_refused_and_named(seeded):
+    """Gemma 3 has Gemma 2's layer parts but hands each layer its kind's rotary embedding (local and
+    global RoPE): refused at conversion, naming why, the model unchanged."""
+    torch.manual_seed(seeded)
+    config = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                           num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16, max_position_embeddings=64, pad_token_id=0)
+    model = transformers.Gemma3ForCausalLM(config)
+    with pytest.raises(NotImplementedError, match="each layer type its own rotary embedding"):
+        revify(model)
+    assert type(model.model.layers) is torch.nn.ModuleList
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("preserve,parallel", [("meft3", False), ("meft1", True)], ids=["sequential", "parallel"])
 def test_stablelm_drops_what_its_mlp_dropout_drops(preserve, parallel, seeded):
     """StableLM's one branch dropout sits on the MLP's output (not the attention's): at p = 1 the MLP
@@ -240,10 +293,14 @@ class _WrappedGraniteModel(transformers.GraniteModel):
 
 
 def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
-    """A layer with other parts (Gemma 2's sandwich norms) is named; a layer whose parts match but
-    whose function does not (Granite's residual multiplier) fails the probe; the model is unchanged."""
-    with pytest.raises(NotImplementedError, match="pre_feedforward_layernorm"):
-        revify(_decoder("Gemma2", seeded))
+    """A layer with other parts (LLaMA's and a norm after the attention) is named; a layer whose parts
+    match but whose function does not (Granite's residual multiplier) fails the probe; the model is
+    unchanged."""
+    extra = _decoder("Granite", seeded)  # admitted by its layers' parts, not its class
+    for layer in extra.model.layers:
+        layer.attention_out_norm = torch.nn.LayerNorm(64)
+    with pytest.raises(NotImplementedError, match="has attention_out_norm besides LLaMA's"):
+        revify(extra)
     wrapped = _decoder("Granite", seeded)
     wrapped.model.__class__ = _WrappedGraniteModel
     with pytest.raises(NotImplementedError, match=r"does not run its layers as one slice \(self.layers\[...\]\) or a"):
@@ -376,15 +433,9 @@ def test_decoders_with_parallel_layers_compute_the_librarys_function(family, pre
     mask[1, :3] = 0  # left padding, with the positions generate would use
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     packed = torch.cat([torch.arange(6), torch.arange(4)])[None].expand(2, 10)
-    with torch.no_grad():
-        for inputs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask, position_ids=positions),
-                       dict(input_ids=ids, position_ids=packed)):
-            theirs = original(**inputs, use_cache=False).logits
-            ours = model(**inputs, use_cache=False).logits
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
-    prompt = ids[:, :4]
-    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
-    assert torch.equal(ours, original.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True))
+    assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids),
+                                       dict(input_ids=ids, attention_mask=mask, position_ids=positions),
+                                       dict(input_ids=ids, position_ids=packed))
 
 
 @pytest.mark.parametrize("family", PARALLEL_FAMILIES)

@@ -886,6 +886,23 @@ MUTANTS = [
            '"resid_dropout" if hasattr(block, "resid_dropout") else "dropout"', '"resid_dropout"',
            ("tests/test_host_forward.py", "-k", "drops_what and parallel"),
            "parallel StableLM's MLP-branch dropout left out"),
+    Mutant("sandwich-attention-post-norm-dropped", "revtriton/convert/host.py",
+           "        return self._branch_output()(_first(out))\n", "        return self._branch_dropout()(_first(out))\n",
+           ("tests/test_host_forward.py", "-k", "sandwich_norm_decoders_compute"),
+           "the norm after a sandwich layer's attention left out of its half (the probe must refuse, or the "
+           "logits differ)"),
+    Mutant("sandwich-sliding-windows-not-set", "revtriton/convert/sandwich.py",
+           "        block._revtriton_spec = replace(spec, window=window)\n", "        block._revtriton_spec = spec\n",
+           ("tests/test_host_forward.py", "-k", "sandwich_norm_decoders_compute and Gemma2"),
+           "Gemma 2's sliding-window layers get the full causal mask"),
+    Mutant("sandwich-detected-after-llama", "revtriton/convert/__init__.py",
+           "sandwich.FAMILY, llama.FAMILY,", "llama.FAMILY, sandwich.FAMILY,",
+           ("tests/test_host_forward.py", "-k", "sandwich_norm_decoders_compute and Gemma2"),
+           "LLaMA's detector, run first, refuses Gemma 2 for its extra norms"),
+    Mutant("gemma3-rotary-per-layer-type-admitted", "revtriton/convert/sandwich.py",
+           "    _refuse_rotary_per_layer_type(base, name)\n", "",
+           ("tests/test_host_forward.py", "-k", "gemma3s_rotary"),
+           "Gemma 3 converts, then fails at its first forward (or would use one rotary embedding for all)"),
 ]
 
 

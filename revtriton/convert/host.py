@@ -377,8 +377,8 @@ class _HostAttention:
     """Mixin of the attention half of a layer run through its library's own forward: the fused
     kernels (with the token layout) where they compute what the library does, else the layer's own
     attention module with the library's mask, rotary embedding and, while decoding, its cache.
-    Families name the layer's parts (``_attention_module``, ``_attention_norm``, ``_branch_dropout``)
-    or say how to call them (``_library_call``)."""
+    Families name the layer's parts (``_attention_module``, ``_attention_norm``, ``_branch_dropout`` or
+    ``_branch_output``) or say how to call them (``_library_call``)."""
 
     def _attention_module(self) -> nn.Module:
         raise NotImplementedError
@@ -389,15 +389,20 @@ class _HostAttention:
     def _branch_dropout(self) -> nn.Module:  # a dropout on the branch's output outside the attention module
         return nn.Identity()
 
+    def _branch_output(self) -> nn.Module:
+        """What the layer applies to its attention module's output before the residual add: the
+        branch's dropout; a norm after the branch (sandwich layers)."""
+        return self._branch_dropout()
+
     def _library_call(self, x, host: "_HostCond", extra: dict) -> torch.Tensor:
         """The layer's own norm and attention module (its hidden states, mask, position ids, the rotary
-        embedding when the loop gave one, while decoding its cache), then the branch's dropout."""
+        embedding when the loop gave one, while decoding its cache), then the branch's output module."""
         norm = self._attention_norm()
         x = self._input(x, getattr(norm, "weight", None))
         rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
         out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(self.block),
                                        position_ids=self._position_ids(host), **rotary, **extra)
-        return self._branch_dropout()(_first(out))
+        return self._branch_output()(_first(out))
 
     def _needs_model_rope(self) -> bool:  # RoPE only the model's rotary embedding computes
         return bool(self._spec().library_rope)

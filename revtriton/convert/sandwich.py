@@ -1,0 +1,116 @@
+"""Hugging Face decoders whose layers normalise each branch's output ("sandwich" norms).
+
+Gemma 2: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``. OLMo 2: the same without the
+norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
+``h + post_feedforward_layernorm(mlp(h))``. A norm after a branch is still an additive residual:
+each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
+modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
+and cache); each layer is probed against its own forward at conversion.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .core import Family, LayerSpec, _Half, _host_block_mixins
+from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .llama import _sliding_windows
+from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
+
+# A layer's parts, exactly: Gemma 2's (and Gemma 3's), OLMo 2's (no norm before a branch).
+_SANDWICH_LAYERS = (frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                               "pre_feedforward_layernorm", "post_feedforward_layernorm"}),
+                    frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"}))
+
+
+def _norm_before(block, name) -> nn.Module:
+    """The norm before a branch, or Identity where the layer has none (OLMo 2)."""
+    return getattr(block, name, None) or nn.Identity()
+
+
+class _SandwichAttentionHalf(_HostAttention, _Half):
+    takes_cond = True
+
+    def _beyond_fused(self, x):
+        return True
+
+    def _attention_module(self):
+        return self.block.self_attn
+
+    def _attention_norm(self):
+        return _norm_before(self.block, "input_layernorm")
+
+    def _branch_output(self):
+        return self.block.post_attention_layernorm
+
+    def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
+        return torch.zeros_like(x)
+
+
+class _SandwichMlpHalf(_Half):
+    def _beyond_fused(self, x):
+        return True
+
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, getattr(b.post_feedforward_layernorm, "weight", None))
+        return b.post_feedforward_layernorm(b.mlp(_norm_before(b, "pre_feedforward_layernorm")(x)))
+
+
+_HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAttentionHalf, _SandwichMlpHalf),
+                                                                    "RevifiedHostSandwich")
+
+
+def _sandwich_convention(model: nn.Module):
+    """The base model of a Hugging Face decoder whose ``layers`` have exactly Gemma 2's or OLMo 2's
+    parts and a rotary embedding, whatever its class, or None."""
+    found = _library_layers(model, "model", "layers")
+    if found is None or getattr(found[0], "rotary_emb", None) is None:
+        return None
+    if frozenset(name for name, _ in found[1][0].named_children()) not in _SANDWICH_LAYERS:
+        return None
+    _check_layer_slice(found[0])
+    return found[0]
+
+
+def _refuse_rotary_per_layer_type(base, name):
+    """Gemma 3 hands each layer its kind's rotary embedding (local / global RoPE); the stack's layers
+    take one for all."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        source = ""
+    if re.search(r"position_embeddings=position_embeddings\[", source):
+        raise NotImplementedError(f"revify: {name} gives each layer type its own rotary embedding (Gemma 3's local "
+                                  f"and global RoPE), where a reversible stack's layers take one: not supported")
+
+
+def _convert_sandwich(model, conversion, found):
+    """A decoder with sandwich-norm layers (``found``: its base model): every branch on the layer's
+    own modules, each layer probed against its own forward; sliding-window layers get the library's
+    sliding mask (``layer_types``)."""
+    base, name = found, type(model).__name__
+    if not len(base.layers):
+        raise ValueError(f"revify: {name} has no decoder layers")
+    _require_hosted_layer_loop(name)
+    _refuse_rotary_per_layer_type(base, name)
+    spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
+    for block, window in zip(base.layers, _sliding_windows(base.config, len(base.layers))):
+        block._revtriton_spec = replace(spec, window=window)
+    _probe_layers(base, name, base.layers, (_SandwichAttentionHalf, _SandwichMlpHalf), _rotary_layer_inputs(base),
+                  "a sandwich-norm layer x + post_norm(attention(norm(x))), then + post_norm(mlp(norm(h)))")
+    _convert_hosted_layers(model, base, "layers", conversion, (_HostSandwichBlock, _HostSandwichOrdinaryBlock),
+                           _HostDecoderModel)
+
+
+FAMILY = Family(
+    "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
+                 "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
+                 "the branches: Gemma 2, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention,
+    conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
+                 ("HostSandwich", "Ordinary", "DecoderLayer"): _HostSandwichOrdinaryBlock})
