@@ -272,8 +272,9 @@ def _convention_class(name: str):
     """``_BLOCK_BASES``' entry of a swapped class of a model admitted by its layer conventions, or None:
     a decoder with LLaMA's layers (``RevifiedHost[Ordinary]<Family>DecoderLayer``,
     ``RevifiedHost<Family>Model``), one with GPT-2's (``RevifiedHostGPT2Style[Ordinary]<Family>Block``,
-    ``RevifiedHostGPT2Style<Family>Model``) or parallel ones (``RevifiedHostParallel...``: GPT-J,
-    Phi), or a pre-norm BERT-style encoder (``RevifiedHostEncoder[Ordinary]<Family>Layer``,
+    ``RevifiedHostGPT2Style<Family>Model``), parallel ones (``RevifiedHostParallel...``: GPT-J,
+    Phi) or sandwich-norm ones (``RevifiedHostSandwich[Ordinary]<Family>DecoderLayer``: Gemma 2,
+    OLMo 2), or a pre-norm BERT-style encoder (``RevifiedHostEncoder[Ordinary]<Family>Layer``,
     ``RevifiedHostEncoder<Family>Model``), its class found in the module of transformers'
     ``<Family>Model``; or the head class around any of them (``Revified<Head class>``: an LM, a
     classifier), which transformers exports by its name."""
