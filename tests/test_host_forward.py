@@ -27,10 +27,6 @@ def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
     """A revified model's exact training step (labels = the ids) bitwise equals its stored-activation
     twin's (``seed``: the same dropout draws in both); then, in eval mode, save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process's unpickling give its logits."""
-    import pickle
-
-    from revtriton import from_pretrained
-
     twin = to_stored_activations(copy.deepcopy(model))
     torch.manual_seed(seed)
     loss = model(input_ids=ids, labels=ids).loss
@@ -39,16 +35,26 @@ def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
     twin_loss = twin(input_ids=ids, labels=ids).loss
     twin_loss.backward()
     check_against_twin(model, twin, loss, twin_loss, exact=True)
+    assert_saves_and_pickles(model, ids, tmp_path)
+
+
+def assert_saves_and_pickles(model, inputs, tmp_path, input_name="input_ids"):
+    """In eval mode: save_pretrained -> revtriton.from_pretrained, a pickle and a fresh process's
+    unpickling give the model's logits on ``inputs`` (its ``input_name`` argument)."""
+    import pickle
+
+    from revtriton import from_pretrained
+
     model.eval()
     model.save_pretrained(tmp_path)
     with torch.no_grad():
-        expected = model(input_ids=ids).logits
-        assert torch.equal(from_pretrained(tmp_path).eval()(input_ids=ids).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, expected)
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+        expected = model(**{input_name: inputs}).logits
+        assert torch.equal(from_pretrained(tmp_path).eval()(**{input_name: inputs}).logits, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(**{input_name: inputs}).logits, expected)
+    assert_loads_in_a_fresh_process(model, inputs, expected, tmp_path, input_name)
 
 
-def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
+def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path, input_name="input_ids"):
     """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
     by name, and gives the same logits. ``expected`` comes from under torch.no_grad(): so does the fresh
     process's (with grad a decoder runs the fused halves, without it and a cache the library's modules:
@@ -56,8 +62,9 @@ def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path):
     torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
     fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
              "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
-             "out = saved['model'](input_ids=saved['ids']).logits; sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt"), str(torch.get_num_threads())],
+             "out = saved['model'](**{sys.argv[3]: saved['ids']}).logits; "
+             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt"), str(torch.get_num_threads()), input_name],
                    check=True, timeout=300)
 
 
@@ -497,6 +504,47 @@ def test_an_unpickled_gpt2_runs_the_fused_halves_in_a_fresh_process(seeded, tmp_
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def _dinov2(seed, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, mlp_ratio=2,
+                                       image_size=32, patch_size=8, num_labels=3, layerscale_value=0.5, **overrides)
+    return transformers.Dinov2ForImageClassification(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("swiglu", [False, True], ids=["mlp", "swiglu"])
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_dinov2_keeps_the_librarys_function(preserve, swiglu, seeded):
+    """DINOv2 (issue 48): ``x + drop_path(layer_scale(attention(norm1(x))))``, then the MLP's (or its
+    SwiGLU MLP's): a preserving conversion computes the library's logits."""
+    original = _dinov2(seeded, use_swiglu_ffn=swiglu)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        theirs, ours = original(pixel_values=x).logits, model(pixel_values=x).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+def test_dinov2_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with drop-path bitwise equals its stored-activation twin (the same draws,
+    replayed in the rebuild); the one parameter without a gradient is the library's own (the mask
+    token, used only with bool_masked_pos); save / load, a pickle and a fresh process's unpickling
+    give the converted model back."""
+    model = revify(_dinov2(seeded, drop_path_rate=0.2), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    x, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    losses = []
+    for m in (model, twin):
+        torch.manual_seed(seeded)
+        losses.append(m(pixel_values=x, labels=labels).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert [name for name, p in model.named_parameters() if p.grad is None] == ["dinov2.embeddings.mask_token"]
+    assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
+
+
 def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     """HF ViT runs its own forward too: an attention_mask over the patches (the library builds its
     bidirectional mask) reaches its attention modules, so a preserving conversion computes the

@@ -903,6 +903,11 @@ MUTANTS = [
            "    _refuse_rotary_per_layer_type(base, name)\n", "",
            ("tests/test_host_forward.py", "-k", "gemma3s_rotary"),
            "Gemma 3 converts, then fails at its first forward (or would use one rotary embedding for all)"),
+    Mutant("dinov2-attention-layer-scale-dropped", "revtriton/convert/dinov2.py",
+           "        return b.drop_path(b.layer_scale1(_first(b.attention(b.norm1(x), host.mask_for(b), **extra))))",
+           "        return b.drop_path(_first(b.attention(b.norm1(x), host.mask_for(b), **extra)))",
+           ("tests/test_host_forward.py", "-k", "dinov2_keeps"),
+           "DINOv2's attention half without its layer scale (another function than the pretrained one)"),
 ]
 
 

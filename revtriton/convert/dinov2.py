@@ -1,0 +1,74 @@
+"""Hugging Face DINOv2 (``Dinov2Model``, ``Dinov2ForImageClassification``): a pre-norm ViT encoder
+whose branches end in a layer scale and drop-path, ``x + drop_path(layer_scale1(attention(norm1(x))))``
+then ``h + drop_path(layer_scale2(mlp(norm2(h))))``, run through the library's own forward. Both
+halves run the layer's own modules (its attention with the library's mask, its MLP or SwiGLU MLP);
+drop-path draws are replayed in the rebuild as any half's random draws are."""
+from __future__ import annotations
+
+from .core import Family, _Half, _host_block_mixins
+from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
+
+_DINOV2_LAYER_PARTS = {"norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"}
+
+
+class _Dinov2AttentionHalf(_HostAttention, _Half):
+    takes_cond = True  # the library's mask (an attention_mask given to the model), no token layout
+
+    def _beyond_fused(self, x):
+        return True
+
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.norm1.weight)
+        return b.drop_path(b.layer_scale1(_first(b.attention(b.norm1(x), host.mask_for(b), **extra))))
+
+    def _standalone(self, cond) -> bool:  # no RoPE and no mask: alone, the half runs its modules
+        return cond is None
+
+    def _modules(self, x):
+        b = self.block
+        return b.drop_path(b.layer_scale1(_first(b.attention(b.norm1(self._input(x, b.norm1.weight))))))
+
+
+class _Dinov2MlpHalf(_Half):
+    def _beyond_fused(self, x):
+        return True
+
+    def _modules(self, x):
+        b = self.block
+        return b.drop_path(b.layer_scale2(b.mlp(b.norm2(self._input(x, b.norm2.weight)))))
+
+
+_HostDinov2Block, _HostDinov2OrdinaryBlock = _host_block_mixins((_Dinov2AttentionHalf, _Dinov2MlpHalf))
+
+
+class _HostDinov2Model(_HostDecoderModel):
+    """Dinov2Model: patches in, no cache; its layers are ``encoder.layer``, its last hidden state the
+    last layer's (before layernorm)."""
+
+    _layers = "encoder.layer"
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_dinov2(model, conversion, found=None):
+    base = model.dinov2 if hasattr(model, "dinov2") else model
+    layers = base.encoder.layer
+    if not len(layers):
+        raise ValueError(f"revify: {type(model).__name__} has no layers")
+    parts = {name for name, _ in layers[0].named_children()}
+    if parts != _DINOV2_LAYER_PARTS:
+        raise NotImplementedError(f"revify: {type(layers[0]).__name__} has parts {sorted(parts)}, not DINOv2's "
+                                  f"{sorted(_DINOV2_LAYER_PARTS)}: not supported")
+    _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostDinov2Block, _HostDinov2OrdinaryBlock),
+                           _HostDinov2Model)
+
+
+_DINOV2 = "transformers.models.dinov2.modeling_dinov2"
+FAMILY = Family("dinov2", ("transformers Dinov2Model / Dinov2ForImageClassification",), _convert_dinov2,
+                classes=(("transformers", "Dinov2ForImageClassification"), ("transformers", "Dinov2Model")),
+                pickled={"RevifiedHostDinov2Layer": (_DINOV2, "Dinov2Layer", _HostDinov2Block),
+                         "RevifiedHostOrdinaryDinov2Layer": (_DINOV2, "Dinov2Layer", _HostDinov2OrdinaryBlock),
+                         "RevifiedHostDinov2Model": (_DINOV2, "Dinov2Model", _HostDinov2Model)})
