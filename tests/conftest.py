@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)  # the fixtures a test uses, with their definitions
         if info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(f"module-fixtures-of-{item.module.__name__}"))
+            item.add_marker(pytest.mark.xdist_group(f"module-fixtures-of-{item.nodeid.split('::')[0]}"))
 
 
 SEED_ENV = "REVTRITON_TEST_SEED"
