@@ -231,7 +231,12 @@ SANDWICH_FAMILIES = {
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
     """Gemma 2 and OLMo 2 (``x + post_norm(attn(norm(x)))``, then the MLP's): a preserving conversion
     computes their logits on whole and left-padded rows, and their cached greedy generation."""
-    original = _decoder(family, seeded, **SANDWICH_FAMILIES[family])
+    assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
+
+
+def assert_preserved_on_whole_and_padded_rows(original, preserve):
+    """A preserving conversion of ``original`` keeps its logits on whole and left-padded rows and its
+    cached greedy generation (:func:`assert_keeps_the_librarys_function`)."""
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     ids = torch.randint(1, 128, (2, 10))
     mask = torch.ones_like(ids)
@@ -272,7 +277,13 @@ def test_stablelm_drops_what_its_mlp_dropout_drops(preserve, parallel, seeded):
     logits (no random draw decides them); one that dropped the dropout, or put it on the attention
     branch, would not."""
     build = _parallel_decoder if parallel else _decoder
-    original = build("StableLm", seeded, hidden_dropout=1.0).train()
+    assert_training_logits_are_the_librarys(build("StableLm", seeded, hidden_dropout=1.0), preserve)
+
+
+def assert_training_logits_are_the_librarys(original, preserve):
+    """A preserving conversion of ``original`` computes its training-mode logits (its dropouts at
+    p = 1: no random draw decides them)."""
+    original.train()
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).train()
     ids = torch.randint(1, 128, (2, 10))
     with torch.no_grad():
@@ -504,6 +515,45 @@ def test_an_unpickled_gpt2_runs_the_fused_halves_in_a_fresh_process(seeded, tmp_
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def _opt(seed, **overrides):
+    torch.manual_seed(seed)
+    config = dict(hidden_size=64, ffn_dim=96, num_attention_heads=4, num_hidden_layers=DEPTH, vocab_size=128,
+                  max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=0, init_std=0.3)
+    config = transformers.OPTConfig(**{**config, **overrides})
+    return transformers.OPTForCausalLM(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_opt_keeps_the_librarys_function(preserve, seeded):
+    """OPT (issue 48): pre-norm layers with other names (self_attn_layer_norm, fc1 / fc2,
+    final_layer_norm), learned positions: a preserving conversion computes the library's logits on
+    whole and left-padded rows and its cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_opt(seeded), preserve)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_opt_drops_what_its_dropout_drops(seeded):
+    """OPT's dropout sits on each branch's output: at p = 1 both branches are zero in training, so a
+    preserving conversion computes the library's training-mode logits (no random draw decides them);
+    one that left the dropout out would not."""
+    assert_training_logits_are_the_librarys(_opt(seeded, dropout=1.0), "meft1")
+
+
+def test_opt_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with OPT's branch dropout bitwise equals its stored-activation twin;
+    save / load and a fresh process's unpickling give the converted model back; a half called alone
+    refuses (the mask is the model's); post-norm OPT (350M) and layerdrop are refused, named."""
+    model = revify(_opt(seeded, dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.model.decoder.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
+    with pytest.raises(NotImplementedError, match="do_layer_norm_before=False"):
+        revify(_opt(seeded, do_layer_norm_before=False))
+    with pytest.raises(NotImplementedError, match="layerdrop=0.1"):
+        revify(_opt(seeded, layerdrop=0.1))
+
+
 def _dinov2(seed, **overrides):
     torch.manual_seed(seed)
     config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, mlp_ratio=2,

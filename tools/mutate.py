@@ -908,6 +908,15 @@ MUTANTS = [
            "        return b.drop_path(_first(b.attention(b.norm1(x), host.mask_for(b), **extra)))",
            ("tests/test_host_forward.py", "-k", "dinov2_keeps"),
            "DINOv2's attention half without its layer scale (another function than the pretrained one)"),
+    Mutant("opt-branch-dropout-ignored", "revtriton/convert/opt.py",
+           "    return lambda h: nn.functional.dropout(h, p=block.dropout, training=block.training)",
+           "    return lambda h: h",
+           ("tests/test_host_forward.py", "-k", "opt_drops_what"),
+           "OPT's dropout on the branches left out: training computes another function"),
+    Mutant("opt-post-norm-admitted", "revtriton/convert/opt.py",
+           "    if not config.do_layer_norm_before:\n", "    if False:\n",
+           ("tests/test_host_forward.py", "-k", "opt_with_its_dropout"),
+           "post-norm OPT (350M) converted as if its layers were pre-norm: another function, silently"),
 ]
 
 

@@ -14,11 +14,10 @@ import inspect
 import re
 from dataclasses import replace
 
-import torch
 from torch import nn
 
 from .core import Family, LayerSpec, _Half, _host_block_mixins
-from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
@@ -33,23 +32,12 @@ def _norm_before(block, name) -> nn.Module:
     return getattr(block, name, None) or nn.Identity()
 
 
-class _SandwichAttentionHalf(_HostAttention, _Half):
-    takes_cond = True
-
-    def _beyond_fused(self, x):
-        return True
-
-    def _attention_module(self):
-        return self.block.self_attn
-
+class _SandwichAttentionHalf(_LibraryAttentionHalf):
     def _attention_norm(self):
         return _norm_before(self.block, "input_layernorm")
 
     def _branch_output(self):
         return self.block.post_attention_layernorm
-
-    def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
-        return torch.zeros_like(x)
 
 
 class _SandwichMlpHalf(_Half):
