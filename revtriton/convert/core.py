@@ -73,6 +73,17 @@ def _host_block_mixins(halves: tuple, prefix: str = "RevifiedHost") -> tuple:
     return reversible, ordinary
 
 
+def _pickled_host_classes(module: str, layer: str, blocks: tuple, model: str, model_mixin: type) -> dict:
+    """``Family.pickled`` of a family converted by its class: its swapped layer classes (reversible,
+    ordinary: ``blocks`` from :func:`_host_block_mixins`) and its swapped base model class, each under
+    the name ``_swap_class`` gives it (the mixin's ``_class_prefix`` and the library class's name) ->
+    (the library's module, class name, mixin)."""
+    reversible, ordinary = blocks
+    return {f"{reversible._class_prefix}{layer}": (module, layer, reversible),
+            f"{ordinary._class_prefix}{layer}": (module, layer, ordinary),
+            f"{model_mixin._class_prefix}{model}": (module, model, model_mixin)}
+
+
 def _concatenated_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple:
     """The weight and bias (None without) of three q / k / v projections as one, rows [q; k; v]
     (what the fused attention reads)."""

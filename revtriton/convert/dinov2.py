@@ -5,7 +5,7 @@ halves run the layer's own modules (its attention with the library's mask, its M
 drop-path draws are replayed in the rebuild as any half's random draws are."""
 from __future__ import annotations
 
-from .core import Family, _Half, _host_block_mixins
+from .core import Family, _Half, _host_block_mixins, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
 
 _DINOV2_LAYER_PARTS = {"norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"}
@@ -66,9 +66,8 @@ def _convert_dinov2(model, conversion, found=None):
                            _HostDinov2Model)
 
 
-_DINOV2 = "transformers.models.dinov2.modeling_dinov2"
 FAMILY = Family("dinov2", ("transformers Dinov2Model / Dinov2ForImageClassification",), _convert_dinov2,
                 classes=(("transformers", "Dinov2ForImageClassification"), ("transformers", "Dinov2Model")),
-                pickled={"RevifiedHostDinov2Layer": (_DINOV2, "Dinov2Layer", _HostDinov2Block),
-                         "RevifiedHostOrdinaryDinov2Layer": (_DINOV2, "Dinov2Layer", _HostDinov2OrdinaryBlock),
-                         "RevifiedHostDinov2Model": (_DINOV2, "Dinov2Model", _HostDinov2Model)})
+                pickled=_pickled_host_classes("transformers.models.dinov2.modeling_dinov2", "Dinov2Layer",
+                                              (_HostDinov2Block, _HostDinov2OrdinaryBlock), "Dinov2Model",
+                                              _HostDinov2Model))

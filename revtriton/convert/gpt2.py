@@ -7,7 +7,7 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p
+from .core import Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
 
@@ -153,14 +153,12 @@ class _HostGPT2StyleModel(_HostGPT2Model):
     _class_prefix = "RevifiedHostGPT2Style"
 
 
-_GPT2 = "transformers.models.gpt2.modeling_gpt2"
 FAMILY = Family(
     "gpt2", ("transformers GPT2LMHeadModel", "transformers GPT2Model",
              "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode)"), _convert_gpt2,
     classes=(("transformers", "GPT2LMHeadModel"), ("transformers", "GPT2Model")), detect=_gpt2_convention_base,
-    pickled={"RevifiedHostGPT2Block": (_GPT2, "GPT2Block", _HostGPT2Block),
-             "RevifiedHostOrdinaryGPT2Block": (_GPT2, "GPT2Block", _HostGPT2OrdinaryBlock),
-             "RevifiedHostGPT2Model": (_GPT2, "GPT2Model", _HostGPT2Model)},
+    pickled=_pickled_host_classes("transformers.models.gpt2.modeling_gpt2", "GPT2Block",
+                                  (_HostGPT2Block, _HostGPT2OrdinaryBlock), "GPT2Model", _HostGPT2Model),
     conventions={("HostGPT2Style", None, "Block"): _HostGPT2StyleBlock,
                  ("HostGPT2Style", "Ordinary", "Block"): _HostGPT2StyleOrdinaryBlock,
                  ("HostGPT2Style", None, "Model"): _HostGPT2StyleModel})

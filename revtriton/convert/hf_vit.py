@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p
+from .core import Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _pickled_host_classes
 from .host import _first, _convert_hosted_layers, _HostAttention, _HostDecoderModel
 
 
@@ -86,9 +86,7 @@ class _HostViTModel(_HostDecoderModel):
     _rope, _tokens_input, _caches, _tie_last = False, False, False, False
 
 
-_VIT = "transformers.models.vit.modeling_vit"
 FAMILY = Family("hf_vit", ("transformers ViTForImageClassification / ViTModel",), _convert_hf_vit,
                 classes=(("transformers", "ViTForImageClassification"), ("transformers", "ViTModel")),
-                pickled={"RevifiedHostViTLayer": (_VIT, "ViTLayer", _HostViTBlock),
-                         "RevifiedHostOrdinaryViTLayer": (_VIT, "ViTLayer", _HostViTOrdinaryBlock),
-                         "RevifiedHostViTModel": (_VIT, "ViTModel", _HostViTModel)})
+                pickled=_pickled_host_classes("transformers.models.vit.modeling_vit", "ViTLayer",
+                                              (_HostViTBlock, _HostViTOrdinaryBlock), "ViTModel", _HostViTModel))

@@ -10,7 +10,7 @@ from torch import nn
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
 from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
-                   _residual_dropout, _rope_spec, _scores_scaled_plainly)
+                   _pickled_host_classes, _residual_dropout, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
 
@@ -251,11 +251,8 @@ def _pickled_by_class() -> dict:
     pickled = {}
     for module, prefix in _BY_CLASS.items():
         path = f"transformers.models.{module}.modeling_{module}"
-        pickled.update({
-            f"RevifiedHost{prefix}DecoderLayer": (path, f"{prefix}DecoderLayer", _HostLlamaBlock),
-            f"RevifiedHostOrdinary{prefix}DecoderLayer": (path, f"{prefix}DecoderLayer", _HostLlamaOrdinaryBlock),
-            f"RevifiedHost{prefix}Model": (path, f"{prefix}Model", _HostDecoderModel),
-        })
+        pickled.update(_pickled_host_classes(path, f"{prefix}DecoderLayer", (_HostLlamaBlock, _HostLlamaOrdinaryBlock),
+                                             f"{prefix}Model", _HostDecoderModel))
     return pickled
 
 

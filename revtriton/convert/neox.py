@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
-                   _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly)
+                   _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
 
@@ -126,9 +126,8 @@ class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
 _HostNeoXBlock, _HostNeoXOrdinaryBlock = _host_block_mixins((_HostNeoXAttentionHalf, _NeoXMlpHalf))
 
 
-_NEOX = "transformers.models.gpt_neox.modeling_gpt_neox"
 FAMILY = Family("gpt_neox", ("transformers GPTNeoXForCausalLM / GPTNeoXModel",), _convert_neox,
                 classes=(("transformers", "GPTNeoXForCausalLM"), ("transformers", "GPTNeoXModel")),
-                pickled={"RevifiedHostGPTNeoXLayer": (_NEOX, "GPTNeoXLayer", _HostNeoXBlock),
-                         "RevifiedHostOrdinaryGPTNeoXLayer": (_NEOX, "GPTNeoXLayer", _HostNeoXOrdinaryBlock),
-                         "RevifiedHostGPTNeoXModel": (_NEOX, "GPTNeoXModel", _HostDecoderModel)})
+                pickled=_pickled_host_classes("transformers.models.gpt_neox.modeling_gpt_neox", "GPTNeoXLayer",
+                                              (_HostNeoXBlock, _HostNeoXOrdinaryBlock), "GPTNeoXModel",
+                                              _HostDecoderModel))

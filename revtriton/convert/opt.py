@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .core import Family, LayerSpec, _Half, _host_block_mixins
+from .core import Family, LayerSpec, _Half, _host_block_mixins, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 
 
@@ -63,9 +63,7 @@ def _convert_opt(model, conversion, found=None):
                            _HostOPTDecoder)
 
 
-_OPT = "transformers.models.opt.modeling_opt"
 FAMILY = Family("opt", ("transformers OPTForCausalLM / OPTModel (pre-norm layers)",), _convert_opt,
                 classes=(("transformers", "OPTForCausalLM"), ("transformers", "OPTModel")),
-                pickled={"RevifiedHostOPTDecoderLayer": (_OPT, "OPTDecoderLayer", _HostOPTBlock),
-                         "RevifiedHostOrdinaryOPTDecoderLayer": (_OPT, "OPTDecoderLayer", _HostOPTOrdinaryBlock),
-                         "RevifiedHostOPTDecoder": (_OPT, "OPTDecoder", _HostOPTDecoder)})
+                pickled=_pickled_host_classes("transformers.models.opt.modeling_opt", "OPTDecoderLayer",
+                                              (_HostOPTBlock, _HostOPTOrdinaryBlock), "OPTDecoder", _HostOPTDecoder))

@@ -10,12 +10,11 @@ other halves that take the model's inputs).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .core import (Family, LayerSpec, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers, _residual_dropout,
                    _spec_of)
-from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .probe import _check_block_loop, _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
 
@@ -81,12 +80,7 @@ def _convert_parallel(model, conversion, found):
                            _HostParallelModel)
 
 
-class _HostParallelAttentionHalf(_HostAttention, _Half):
-    takes_cond = True
-
-    def _beyond_fused(self, x):
-        return True
-
+class _HostParallelAttentionHalf(_LibraryAttentionHalf):
     def _attention_module(self):
         return getattr(self.block, self._spec().attention)
 
@@ -95,9 +89,6 @@ class _HostParallelAttentionHalf(_HostAttention, _Half):
 
     def _branch_dropout(self):
         return _residual_dropout(self.block, "resid_dropout")
-
-    def _modules(self, x):  # an empty batch only (alone, the half refuses: its RoPE is the model's)
-        return torch.zeros_like(x)
 
 
 _HostParallelBlock, _HostParallelOrdinaryBlock = _host_block_mixins((_HostParallelAttentionHalf, _ParallelMlpHalf),
