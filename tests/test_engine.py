@@ -112,6 +112,25 @@ def test_exact_float64_keeps_float64_precision():
     assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_rebuilt_halfs_input_is_the_forwards_value_bitwise_from_a_storage_less_leaf(dtype):
+    """The rebuild's differentiable value of an int32 stream (StreamFormat.differentiable_value):
+    the forward's value bit for bit (zeros, both extremes of the stream range, values float32 must
+    round), its gradient whole in the leaf, and the leaf one element of storage, so the engine holds
+    no stream-sized copy (tests/test_pareprop.py's peak counts the rest)."""
+    fmt = engine.guards.StreamFormat(16, dtype)
+    limit = 2**29 - 1
+    stream = torch.tensor([[0, 1, -1, limit, -limit, 2**24 + 1, -(2**24 + 3), 12345]], dtype=torch.int32)
+    stream = torch.cat([stream, to_fixed(torch.randn(3, 8), 16)])
+    leaf, value = fmt.differentiable_value(stream)
+    assert value.dtype == dtype and torch.equal(value, fmt.value(stream))
+    assert not torch.signbit(value[0, 0])  # +0.0: the leaf's zeros add no sign
+    assert leaf.is_leaf and leaf.untyped_storage().nbytes() == leaf.element_size()
+    grad = torch.randn(stream.shape, dtype=torch.float64).to(dtype)
+    value.backward(grad)
+    assert leaf.grad.shape == stream.shape and torch.equal(leaf.grad.to(dtype), grad)
+
+
 def test_exact_inverse_is_bitwise_at_depth_96_and_float_drift_is_reported():
     stack = make_stack(96, dim=8, dtype=torch.float32)
     x1, x2 = torch.randn(2, 2, 4, 8).unbind(0)

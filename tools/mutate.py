@@ -44,6 +44,23 @@ class Mutant:
 
 MUTANTS = [
     # ---- the six bugs that survived the suite in issue 21
+    Mutant("rebuilt-value-leaf-holds-a-stream", "revtriton/engine/guards.py",
+           "leaf = torch.zeros((), dtype=wide, device=stream.device).expand(stream.shape).detach().requires_grad_()",
+           "leaf = torch.zeros(stream.shape, dtype=wide, device=stream.device).requires_grad_()",
+           ("tests/test_engine.py", "-k", "storage_less"),
+           "an exact rebuild's leaf holds a stream of zeros: one stream more alive per rebuilt half"),
+    Mutant("block-grads-subtract-into-the-leaf-first", "revtriton/engine/segment.py",
+           "            if owned and n.dtype == dtype:  # (the leaf's gradient goes with the leaf)\n"
+           "                return n.sub_(g), True\n"
+           "            if g.dtype == dtype:\n"
+           "                return torch.sub(n, g, out=g), True\n",
+           "            if g.dtype == dtype:\n"
+           "                return torch.sub(n, g, out=g), True\n"
+           "            if owned and n.dtype == dtype:\n"
+           "                return n.sub_(g), True\n",
+           ("tests/test_pareprop.py", "-k", "at_most_two_blocks"),
+           "an input gradient subtracted into the leaf's buffer while the engine's own one stays alive: "
+           "one stream more at the sequential schedule's peak"),
     Mutant("pareprop-final-wait-removed", "revtriton/schedules.py",
            "    for lane in lanes:\n        main.wait_stream(lane)\n", "",
            ("tests/test_pareprop.py", "-k", "exactly_the_waits"),

@@ -43,6 +43,19 @@ class StreamFormat:
         """The float value of a stream, as halves see it and the stack returns it."""
         return from_fixed(stream, self.frac_bits, self.value_dtype) if self.exact else stream
 
+    def differentiable_value(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(leaf, value)`` for an int32 stream: ``value`` bitwise :meth:`value`'s, and its gradient
+        arrives in ``leaf.grad``. The leaf is zeros of the stream's shape with one element of storage
+        (stride 0) and ``value = leaf + stream * 2**-frac_bits`` in one add (adding +0.0 changes no
+        bit: the stream's values have no -0.0), in float32 (float64) as from_fixed rounds, then cast:
+        autograd's add and cast save nothing, so no one keeps the value but the ops that read it (a
+        leaf holding the value itself would keep a stream-sized copy alive until the block's
+        gradients are done)."""
+        wide = torch.float64 if self.value_dtype == torch.float64 else torch.float32
+        leaf = torch.zeros((), dtype=wide, device=stream.device).expand(stream.shape).detach().requires_grad_()
+        value = torch.add(leaf, stream, alpha=2.0**-self.frac_bits)
+        return leaf, (value if self.value_dtype == wide else value.to(self.value_dtype))
+
 
 @dataclass
 class ForwardGuards:

@@ -335,62 +335,43 @@ class ReversibleSegmentFunction(torch.autograd.Function):
                 *(leaf.grad if leaf.requires_grad else None for leaf in cond_leaves))
 
 
-class _GradTap(torch.autograd.Function):
-    """Identity on a rebuilt half's float input that hands its gradient to ``sink.grad`` instead of a
-    leaf's ``.grad``.
-
-    Used where that input is a float copy of an int32 stream (exact streams): the engine then keeps
-    no reference to the copy, which lives only as long as the half's graph needs it, where a leaf
-    would keep it until the block's gradients are done. ``leaf`` (an empty tensor that requires
-    grad) is what ``backward(inputs=...)`` names to reach this node."""
-
-    @staticmethod
-    def forward(ctx, value, leaf, sink):
-        ctx.sink = sink
-        ctx.set_materialize_grads(False)  # no gradient reached the input: sink.grad stays None, as a leaf's
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.grad = grad
-        return None, None, None
-
-
 class _HalfInput:
     """Where a rebuilt half's input gets its gradient: a leaf sharing the stream's storage (float
-    streams), or a tap (:class:`_GradTap`) on a float copy of an int32 stream."""
+    streams), or a storage-less leaf its float value is computed from (exact streams:
+    StreamFormat.differentiable_value), so the engine keeps no copy of the value alive: the half's
+    graph keeps it only if an op saves it."""
 
-    __slots__ = ("leaf", "grad", "tapped")
+    __slots__ = ("leaf",)
 
     def __init__(self):
-        self.leaf, self.grad, self.tapped = None, None, False
+        self.leaf = None
 
-    def attach(self, value: torch.Tensor, copy: bool) -> torch.Tensor:
-        """The tensor the half takes (the caller must not keep it when ``copy``: the half's graph does)."""
-        if copy:
-            self.tapped = True
-            self.leaf = torch.empty(0, device=value.device, requires_grad=True)
-            return _GradTap.apply(value, self.leaf, self)
-        self.leaf = value.detach().requires_grad_()
+    def attach(self, stream: torch.Tensor, fmt: StreamFormat) -> torch.Tensor:
+        """The tensor the half takes: the stream's value, whose gradient ``gradient()`` then returns."""
+        if fmt.exact:
+            self.leaf, value = fmt.differentiable_value(stream)
+            return value
+        self.leaf = stream.detach().requires_grad_()
         return self.leaf
 
     def gradient(self):
-        return self.grad if self.tapped else self.leaf.grad
+        return self.leaf.grad
 
     def subtract_from(self, n: torch.Tensor, owned: bool = False):
         """``(n - the input's gradient, fresh)``: ``n`` itself (fresh False) when none arrived (``n`` is a
-        negated gradient: see _block_grads). The difference goes in place where that is safe: into a
-        leaf's gradient (autograd's own buffer, which nothing else holds), or into ``n`` when the engine
-        owns it; the bits are those of ``n - grad`` either way."""
+        negated gradient: see _block_grads). The difference goes in place where that is safe: into ``n``
+        when the engine owns it (the leaf's gradient then goes with the leaf), else into the leaf's
+        gradient (autograd's own buffer, which nothing else holds); the bits are those of ``n - grad``
+        either way."""
         g = self.gradient()
         if g is None:
             return n, False
         if g.shape == n.shape:
             dtype = torch.result_type(n, g)
-            if not self.tapped and g.dtype == dtype:
-                return torch.sub(n, g, out=g), True
-            if owned and n.dtype == dtype:
+            if owned and n.dtype == dtype:  # (the leaf's gradient goes with the leaf)
                 return n.sub_(g), True
+            if g.dtype == dtype:
+                return torch.sub(n, g, out=g), True
         return n - g, True
 
 
@@ -470,7 +451,7 @@ class _SegmentBackward:
         run, fmt = self.run, self.run.fmt
         rb.token = token
         rb.input_g = _HalfInput()
-        y1_value = rb.input_g.attach(fmt.value(rb.y1), fmt.exact)
+        y1_value = rb.input_g.attach(rb.y1, fmt)
         with HalfRandomness.replayed(rb.state_g):
             x2, rb.port_g = couple_half(g, rb.y2, y1_value, -1, fmt.frac_bits, self.cond, rb.scale2)
         rb.x2, rb.y2 = x2.detach(), None  # the output stream G's rebuild consumed is not needed any more
@@ -481,7 +462,7 @@ class _SegmentBackward:
         """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1."""
         run, fmt = self.run, self.run.fmt
         rb.input_f = _HalfInput()
-        x2_value = rb.input_f.attach(fmt.value(rb.x2), fmt.exact)
+        x2_value = rb.input_f.attach(rb.x2, fmt)
         if rb.token_leaf is not None:  # (only FSDP2's post-backward hook waits on the token)
             x2_value = _AfterToken.apply(x2_value, rb.token)
         with HalfRandomness.replayed(rb.state_f):
