@@ -131,6 +131,27 @@ def test_a_rebuilt_halfs_input_is_the_forwards_value_bitwise_from_a_storage_less
     assert leaf.grad.shape == stream.shape and torch.equal(leaf.grad.to(dtype), grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_an_inverse_couples_port_holds_no_stream_and_passes_exact_adds_gradient(dtype):
+    """The rebuild's exact couple (sign -1) makes its port without ExactAdd (ops.streams.inverse_port):
+    the same stream, a port of the stream's gradient dtype (fp32 for 16-bit halves) with one element
+    of storage, and the gradient ExactAdd's backward gives, bit for bit."""
+    from revtriton.ops.streams import ExactAdd, couple_output, stream_grad_dtype
+
+    weight = torch.randn(8, 8, dtype=dtype, requires_grad=True)
+    x = torch.randn(3, 8, dtype=dtype)
+    res = to_fixed(torch.randn(3, 8), 16)
+    grad = torch.randn(3, 8, dtype=stream_grad_dtype(dtype))
+    stream, port = couple_output(res, x @ weight, -1, 16)
+    want_stream, want_port = ExactAdd.apply(res, x @ weight, -1, 16)
+    assert torch.equal(stream, want_stream) and port.shape == stream.shape
+    assert port.dtype == want_port.dtype == stream_grad_dtype(dtype)
+    assert port.untyped_storage().nbytes() == port.element_size()
+    (got,) = torch.autograd.grad(port, weight, grad)
+    (want,) = torch.autograd.grad(want_port, weight, grad)
+    assert torch.equal(got, want)
+
+
 def test_exact_inverse_is_bitwise_at_depth_96_and_float_drift_is_reported():
     stack = make_stack(96, dim=8, dtype=torch.float32)
     x1, x2 = torch.randn(2, 2, 4, 8).unbind(0)

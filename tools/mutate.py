@@ -61,6 +61,10 @@ MUTANTS = [
            ("tests/test_pareprop.py", "-k", "at_most_two_blocks"),
            "an input gradient subtracted into the leaf's buffer while the engine's own one stays alive: "
            "one stream more at the sequential schedule's peak"),
+    Mutant("inverse-port-keeps-its-values", "revtriton/ops/streams.py",
+           "    port.data = torch.zeros((), dtype=grad_dtype, device=h.device).expand(h.shape)\n", "",
+           ("tests/test_engine.py", "-k", "inverse_couples_port"),
+           "an exact rebuild's port holds -h, a stream-sized buffer, until its half's backward (test_pareprop's sequential peak: 1.29 blocks)"),
     Mutant("pareprop-final-wait-removed", "revtriton/schedules.py",
            "    for lane in lanes:\n        main.wait_stream(lane)\n", "",
            ("tests/test_pareprop.py", "-k", "exactly_the_waits"),
