@@ -466,12 +466,12 @@ def stream_checksum_reference(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tenso
     swap of two equal-sum rows at an even distance (issue 39). Products and sums
     wrap in int32 (two's complement): an int32 sum is one vectorised pass where an int64 one
     widens every element (about 5x slower on a CPU). The weights are cached per element count and
-    device; both products share one buffer."""
+    device. Both streams in one buffer, weighted in place and summed per row: three torch calls
+    (the sums wrap, so their order changes no bit)."""
     _check_stream_pair(s1, s2)
-    weights = _checksum_weights(s1.numel(), s1.device).view(s1.shape)
-    products = s1 * weights
-    first = products.sum(dtype=torch.int32)
-    return torch.stack([first, torch.mul(s2, weights, out=products).sum(dtype=torch.int32)])
+    weights = _checksum_weights(s1.numel(), s1.device)
+    both = torch.stack((s1.reshape(-1), s2.reshape(-1)))
+    return both.mul_(weights).sum(1, dtype=torch.int32)
 
 
 def stream_checksum_triton(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
