@@ -8,9 +8,11 @@ and is rebuilt only when something it depends on changed:
 * a module, parameter or buffer assigned anywhere (``module.x = ...``, ``register_*``): PyTorch's
   global registration hooks bump :data:`structure_epoch`;
 * a submodule, parameter, buffer or attribute added or deleted, a layer's class changed
-  (``fully_shard`` does that), a training flag or a dropout probability changed, a tensor held as a
-  plain attribute replaced or starting to require grad: part of the plan's signature, recomputed at
-  every forward from the plan's own module list (a few attribute reads per module, no walk).
+  (``fully_shard`` does that), a training flag or a dropout probability changed, a module compiled
+  in place (``module.compile()`` adds the attribute ``_compiled_call_impl``: tests/test_compile.py),
+  a tensor held as a plain attribute replaced or starting to require grad: part of the plan's
+  signature, recomputed at every forward from the plan's own module list (a few attribute reads
+  per module, no walk).
 
 What no signature sees: a tensor a half reads through a closure or a global. The captured-tensor
 walk (engine.segment) is then done once per plan and input shape, as the README states.
@@ -53,6 +55,15 @@ def _random_settings(module: nn.Module):
                  and (name == "p" or "drop" in name))
 
 
+def runs_compiled_code(half) -> bool:
+    """Whether a half runs code torch.compile compiles: a module of it compiled in place
+    (``module.compile()``) or wrapped (``torch.compile(module)``, an OptimizedModule: ``_orig_mod``).
+    Such a half never runs under the engine's RNG routing mode (a TorchDispatchMode): Dynamo skips
+    a frame it meets under one, and keeps skipping that code for the rest of the process."""
+    return isinstance(half, nn.Module) and any(m._compiled_call_impl is not None or "_orig_mod" in m._modules
+                                               for m in half.modules())
+
+
 def _tensor_identity(value):
     return (id(value), value.requires_grad) if isinstance(value, torch.Tensor) else None
 
@@ -61,7 +72,7 @@ class LayerPlan:
     """One layer of a segment as the engine uses it."""
 
     __slots__ = ("layer", "is_block", "coupling", "fsdp", "params", "modules", "buffers", "running_stats",
-                 "bumped", "cond_f", "cond_g", "draws")
+                 "bumped", "cond_f", "cond_g", "draws", "routing")
 
     def __init__(self, layer):
         self.layer = layer
@@ -81,6 +92,8 @@ class LayerPlan:
         halves = layer.coupling_halves() if self.is_block else (None, None)
         self.cond_f, self.cond_g = takes_cond(halves[0]), takes_cond(halves[1])
         self.draws = None  # how F and G draw (False, "own", "routed" or "global": segment._recording), once probed
+        # Whether F's and G's draws may be routed (HalfRandomness.recorded): not in compiled code.
+        self.routing = (not runs_compiled_code(halves[0]), not runs_compiled_code(halves[1]))
 
     def parameters(self):
         return list(self.layer.parameters()) if self.params is None else self.params

@@ -198,14 +198,16 @@ class HalfRandomness:
 
     @staticmethod
     @contextlib.contextmanager
-    def recorded(sink: list, kind: str | None = None):
+    def recorded(sink: list, kind: str | None = None, routing: bool = True):
         """Run a half's forward; appends to ``sink`` its :class:`HalfDraws` (None: it drew nothing).
-        ``kind``: how the half draws, from an earlier probe (:attr:`HalfDraws.kind`), or None: probe."""
+        ``kind``: how the half draws, from an earlier probe (:attr:`HalfDraws.kind`), or None: probe.
+        ``routing`` False: never under the routing mode (its draws with no generator are then
+        recorded by the global generators' state)."""
         # The probe, and every forward of a half seen escaping, compare the global generators' states
         # around the half: another thread drawing during the half looks the same as an escape, so a
         # half is recorded by its global start only while the global generator keeps moving under it.
         global_start = GlobalStart() if kind is None or kind == "global" else None
-        routed = kind != "own"
+        routed = routing and kind != "own"
         with HalfGenerators() as half, (_RoutedToHalf(half) if routed else _NO_ROUTING) as mode:
             yield
         escaped = global_start is not None and global_start.moved()

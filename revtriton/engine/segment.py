@@ -130,8 +130,9 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
             # Which halves draw random numbers, and how: known from the plan, or probed now (None:
             # both run under HalfRandomness.recorded with routing, which sees how they draw).
             draws = (lp.draws if lp is not None else None) if record else (False, False)
+            routing = lp.routing if lp is not None else (True, True)
 
-            def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling, draws=draws, lp=lp):
+            def forward_phase(f, g, s1=s1, s2=s2, index=index, coupling=coupling, draws=draws, routing=routing, lp=lp):
                 values = run.fmt.for_block(f)
                 scale1, scale2 = residual_scale(coupling.scale1), residual_scale(coupling.scale2)
                 # Exact scaled couplings drop the low bits of the scaled stream: kept for the inverse.
@@ -141,13 +142,13 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 states = []  # what each half that may draw drew (HalfRandomness.recorded)
                 x = values.value(s2)
                 version = _version_of(x)
-                with _recording(draws, 0, states):
+                with _recording(draws, 0, states, routing[0]):
                     y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
                 state_f = states.pop() if states else None
                 _check_input_untouched(x, version, "F", index)
                 x = values.value(y1)
                 version = _version_of(x)
-                with _recording(draws, 1, states):
+                with _recording(draws, 1, states, routing[1]):
                     y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
                 state_g = states.pop() if states else None
                 _check_input_untouched(x, version, "G", index)
@@ -191,15 +192,17 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
     return s1, s2, anchors, checksums
 
 
-def _recording(draws, half: int, states: list):
+def _recording(draws, half: int, states: list, routing: bool = True):
     """The context a half's forward runs in: ``draws`` is the plan's (kind of F, kind of G), or None
     (not known yet: probe); a kind is False (draws nothing), "own" (asks for the half's generator:
     halves.randomness), "routed" (draws with no generator: the routing mode) or "global" (draws the
-    routing cannot reach: replayed from the global generators' state, engine.replay.GlobalStart)."""
+    routing cannot reach: replayed from the global generators' state, engine.replay.GlobalStart).
+    ``routing`` False (a half running compiled code, engine.plan.runs_compiled_code): no routing
+    mode, draws with no generator are "global"."""
     if draws is None:
-        return HalfRandomness.recorded(states)
+        return HalfRandomness.recorded(states, routing=routing)
     kind = draws[half]
-    return HalfRandomness.recorded(states, kind) if kind else _NO_DRAWS
+    return HalfRandomness.recorded(states, kind, routing) if kind else _NO_DRAWS
 
 
 def _draw_kind(recorded) -> bool | str:

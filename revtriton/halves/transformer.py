@@ -83,6 +83,11 @@ class _TransformerHalf(CouplingHalf):
         return type(self).reference_op(x, *args, **options)
 
     def couple(self, res, x, sign, frac_bits=None, scale: ResidualScale | None = None):
+        if self._compiled_call_impl is not None:
+            # Compiled (``half.compile(...)``, regional compilation): H(x) is the compiled forward,
+            # the epilogue eager, as any CouplingHalf's; torch.compile's kernels then stand in for
+            # the fused ones (both are code generated for the same math).
+            return super().couple(res, x, sign, frac_bits, scale=scale)
         self._check_input(x)
         args, options = self.operands(x)
         return type(self).couple_op(res, x, sign, frac_bits, *args, scale=scale, **options)
