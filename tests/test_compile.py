@@ -108,3 +108,14 @@ def test_the_readmes_regional_compile_snippet_runs(monkeypatch):
     monkeypatch.setattr(nn.Module, "compile", lambda self, **options: compile_module(self, backend="eager"))
     exec(compile(block, "README.md", "exec"), {})
     assert counters["stats"]["unique_graphs"] >= 2
+
+
+def test_a_half_wrapped_by_torch_compile_is_told_to_compile_in_place():
+    """torch.compile(half) returns a wrapper whose attributes are the half's: the engine would call
+    the half's own, uncompiled couple(). Said at once, with what to do."""
+    with pytest.warns(UserWarning, match=r"torch.compile\(LayerNormMLP.*half.compile\(\)"):
+        ReversibleBlock(torch.compile(LayerNormMLP(DIM, HIDDEN), backend="eager"), LayerNormMLP(DIM, HIDDEN))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compiled plain module becomes a GenericHalf around the wrapper: compiled
+        ReversibleBlock(LayerNormMLP(DIM, HIDDEN), torch.compile(nn.Linear(DIM, DIM), backend="eager"))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -132,6 +133,10 @@ class GenericHalf(CouplingHalf):
 
 def as_half(module) -> CouplingHalf:
     """Return ``module`` if it already is a coupling half, else wrap it in :class:`GenericHalf`."""
+    if isinstance(getattr(module, "_orig_mod", None), CouplingHalf):
+        warnings.warn(f"revtriton: a half given as torch.compile({type(module._orig_mod).__name__}(...)): the "
+                      f"wrapper hands the engine the half's own couple(), which runs uncompiled; compile the "
+                      f"half in place instead (half.compile(), README \"torch.compile\")", UserWarning, stacklevel=3)
     if hasattr(module, "couple"):
         return module
     if not isinstance(module, nn.Module):
