@@ -50,6 +50,46 @@ def test_old_version_raises_import_error_naming_the_minimum(monkeypatch, package
     _versions.check()
 
 
+def test_triton_is_read_from_its_distribution_without_importing_it(monkeypatch):
+    """``import revtriton`` reads Triton's version from its distribution record (importing Triton is
+    about 0.15 s: issue 38's import-time bar), from the module once it is imported, and imports it
+    only where there is no record; an installed Triton that fails to import raises when the kernels
+    first ask for it (ops.dispatch.triton_available), naming why."""
+    import importlib.metadata
+
+    from revtriton.ops import dispatch
+
+    monkeypatch.delenv("REVTRITON_SKIP_VERSION_CHECK", raising=False)
+    monkeypatch.delitem(sys.modules, "triton")
+    versions = {"triton": "3.5.1"}
+
+    def version(name):
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ImportError, match=r"triton>=3\.6 \(found triton 3\.5\.1\)"):
+        _versions.check()
+    assert "triton" not in sys.modules
+    versions = {"pytorch-triton": "3.7.0+git"}  # a nightly's distribution
+    _versions.check()
+    versions = {}  # no record (a source tree): the module's own version
+    assert _versions.installed_triton_version() == triton.__version__ and "triton" in sys.modules
+
+    def broken_import(name, *args, **kwargs):
+        if name == "triton":
+            raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
+        return real_import(name, *args, **kwargs)
+
+    import builtins
+    real_import = builtins.__import__
+    monkeypatch.delitem(sys.modules, "triton")
+    monkeypatch.setattr(builtins, "__import__", broken_import)
+    with pytest.raises(ImportError, match="triton is installed but fails to import: No module named 'numpy'"):
+        dispatch.triton_available()
+
+
 def test_import_fails_on_old_torch():
     """The real import: a torch reporting 2.10 stops ``import revtriton`` at once with the minimum."""
     code = ("import torch; torch.__version__ = '2.10.0'\n"

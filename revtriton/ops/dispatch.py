@@ -34,10 +34,15 @@ def kept_import(module: str):
 
 
 def triton_available() -> bool:
+    """Whether Triton imports (False where it is not installed: ``REVTRITON_SKIP_VERSION_CHECK``).
+    An installed Triton that fails to import raises, naming why: the fused kernels would otherwise
+    give way to the torch path without a word (``import revtriton`` does not import Triton)."""
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
+    except ModuleNotFoundError as e:
+        if e.name == "triton":
+            return False
+        raise ImportError(f"revtriton: triton is installed but fails to import: {e}") from e
     return True
 
 
