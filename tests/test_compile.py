@@ -8,8 +8,6 @@ routing of engine.replay), and Dynamo skips a frame it meets under one and keeps
 for the rest of the process. A half that runs compiled code is never routed (engine.plan
 ``runs_compiled_code``); a built-in half compiled in place couples through its compiled forward.
 """
-import pathlib
-
 import pytest
 import torch
 from torch import nn
@@ -96,18 +94,6 @@ def test_a_half_wrapping_a_torch_compiled_module_is_not_routed():
     half = LayerNormMLP(DIM, HIDDEN)
     half.norm.compile(backend="eager")
     assert runs_compiled_code(half)
-
-
-def test_the_readmes_regional_compile_snippet_runs(monkeypatch):
-    """README "torch.compile": the snippet as written (Dynamo's eager backend for the test's time:
-    the default, inductor, spends half a minute in a C++ compiler on a CPU)."""
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## torch.compile", 1)[1]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
-    compile_module = nn.Module.compile
-    monkeypatch.setattr(nn.Module, "compile", lambda self, **options: compile_module(self, backend="eager"))
-    exec(compile(block, "README.md", "exec"), {})
-    assert counters["stats"]["unique_graphs"] >= 2
 
 
 def test_a_half_wrapped_by_torch_compile_is_told_to_compile_in_place():

@@ -810,16 +810,6 @@ def test_import_revtriton_does_not_import_torch_dynamo_or_triton():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_readme_example_runs():
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
-    assert blocks, "README has no python example"
-    exec(compile(blocks[0], "README.md", "exec"), {})
-
-
 @pytest.mark.parametrize("exact", [True, False])
 def test_stream_pairs_with_different_shapes_or_dtypes_are_refused(exact):
     stack = make_stack(2, exact=exact)
