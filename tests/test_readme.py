@@ -33,7 +33,9 @@ CHECKS = {
 }
 
 
-@pytest.mark.parametrize("line, code", PYTHON, ids=[f"line-{line}" for line, _ in PYTHON])
+@pytest.mark.parametrize("line, code", [
+    pytest.param(line, code, id=f"line-{line}", marks=[pytest.mark.timm] if re.search(OPTIONAL["timm"], code) else [])
+    for line, code in PYTHON])
 def test_every_python_block_runs_as_written(line, code, tmp_path, monkeypatch):
     for name, uses in OPTIONAL.items():
         if re.search(uses, code) and importlib.util.find_spec(name) is None:
