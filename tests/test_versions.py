@@ -122,7 +122,8 @@ def _clean_tree_and_python(tmp_path: Path) -> tuple[Path, dict]:
     for name in ("revtriton", "kernels", "perf", "tests", "examples"):
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, tree / name, ignore=skip)
-    shutil.copy(REPO / "pyproject.toml", tree / "pyproject.toml")
+    for name in ("pyproject.toml", "README.md"):  # (tests/test_readme.py reads the README at collection)
+        shutil.copy(REPO / name, tree / name)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     sitepkgs = os.pathsep.join(p for p in site.getsitepackages() if os.path.isdir(p))
