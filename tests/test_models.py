@@ -120,6 +120,29 @@ def test_gpt_preset_counts_match_transformers():
     assert meta_count(lambda: transformers.LlamaForCausalLM(llama)) == GPT_COUNTS["llama2-7b"]
 
 
+def test_the_presets_truncated_normal_is_the_distribution_in_its_bounds(seeded):
+    """models.common.trunc_normal_ (the inverse CDF in one pass, where torch's redraws whole tensors):
+    every value within [a, b], and the mean and standard deviation of N(0, std) truncated there
+    (2**20 draws: the bounds below are over 10 standard errors of each estimate)."""
+    import math
+
+    from revtriton.models.common import trunc_normal_
+
+    std, n = 0.02, 2**20
+    for a, b in ((-2 * std, 2 * std), (-std, 3 * std)):
+        x = trunc_normal_(torch.empty(n, dtype=torch.float64), std=std, a=a, b=b)
+        assert a <= x.min() and x.max() <= b
+        alpha, beta = a / std, b / std
+        pdf = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+        cdf = lambda t: (1 + math.erf(t / math.sqrt(2))) / 2  # noqa: E731
+        z = cdf(beta) - cdf(alpha)
+        mean = std * (pdf(alpha) - pdf(beta)) / z
+        var = std**2 * (1 + (alpha * pdf(alpha) - beta * pdf(beta)) / z - ((pdf(alpha) - pdf(beta)) / z) ** 2)
+        assert abs(x.mean().item() - mean) < 10 * math.sqrt(var / n)
+        assert abs(x.std().item() / math.sqrt(var) - 1) < 10 / math.sqrt(2 * n)
+    assert trunc_normal_(torch.empty(8, 8), std=1.0, a=-2.0, b=2.0).dtype == torch.float32
+
+
 # -- gradients vs the stored-activation twin ----------------------------------------------------
 
 

@@ -22,7 +22,8 @@ from torch import nn
 from ..engine import ReversibleBlock
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from ..halves import LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU
-from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
+from .common import (check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options,
+                     trunc_normal_)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class RevGPT(nn.Module):
             f, g = block.coupling_halves()
             for linear in (f.proj, getattr(g, "fc2", None), getattr(g, "down", None)):
                 if linear is not None:
-                    nn.init.trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
+                    trunc_normal_(linear.weight, std=std, a=-2 * std, b=2 * std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, return_logits: bool | None = None):
         """``(logits, loss)``. With ``targets`` the loss is the chunked linear + cross-entropy

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..engine import ReversibleBlock
 from ..halves import CouplingHalf, LayerNormMLP
-from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
+from .common import (check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options,
+                     trunc_normal_)
 
 MVIT_PRESETS = {
     # CPU-sized: three stages (grid side s, s/2, s/4).
@@ -184,7 +185,7 @@ class RevMViT(nn.Module):
         self.norm = nn.LayerNorm(dims[-1], eps=eps)
         self.head = nn.Linear(dims[-1], num_classes)
         init_transformer_weights(self)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02, a=-0.04, b=0.04)
+        trunc_normal_(self.pos_embed, std=0.02, a=-0.04, b=0.04)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dim() != 4 or images.shape[-2:] != (self.img_size, self.img_size):

@@ -16,7 +16,8 @@ from ..convert import CHECKPOINTING_MESSAGE
 from ..engine import ReversibleBlock
 from ..halves import LayerNormAttention, LayerNormMLP
 from ..ops.arguments import checked_int
-from .common import check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options
+from .common import (check_positive, drop_path_schedule, init_transformer_weights, make_stack, stack_options,
+                     trunc_normal_)
 
 # name: (embed dim, depth, heads); patch 16, MLP ratio 4, as timm's vit_*_patch16_224.
 VIT_PRESETS = {
@@ -108,11 +109,11 @@ class RevViT(nn.Module):
 
     def _init_weights(self):
         init_transformer_weights(self)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02, a=-0.04, b=0.04)
+        trunc_normal_(self.pos_embed, std=0.02, a=-0.04, b=0.04)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         fan_in = self.patch_embed.in_channels * self.patch_size**2
-        nn.init.trunc_normal_(self.patch_embed.weight, std=(1.0 / fan_in) ** 0.5)
+        trunc_normal_(self.patch_embed.weight, std=(1.0 / fan_in) ** 0.5, a=-2.0, b=2.0)
         nn.init.zeros_(self.patch_embed.bias)
 
     def forward_features(self, images: torch.Tensor) -> torch.Tensor:
