@@ -128,8 +128,8 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
     cpu_seq = {"vit-b": 65, "gpt2": 64, "llama": 64}  # 8x8 patches + class token; 64 tokens
     if suite == "quick":
         return SweepConfig(**{**common, "dim": 64, "heads": 2, "max_batch": False, "threads": None if cuda else 1},
-                           base_seq={"vit-b": 17, "gpt2": 32, "llama": 32}, depths=[6, 12, 24], batches=[2, 4],
-                           base_depth=12, base_batch=4, warmup=1, repeats=2)
+                           base_seq={"vit-b": 17, "gpt2": 32, "llama": 32}, depths=[6, 12], batches=[2, 4],
+                           base_depth=6, base_batch=4, warmup=1, repeats=2)
     if not cuda:
         # One thread: the shapes are small, and on a busy (CI) machine multi-threaded CPU timings
         # swing by 10x; --threads overrides.
