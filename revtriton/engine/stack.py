@@ -175,6 +175,9 @@ class ReversibleStack(nn.Module):
 
     # -- forward --------------------------------------------------------------------------
 
+    # The graph break is the whole forward under torch.compile: Dynamo tracing its checks (the plan's
+    # signature reads every module) took 8 s for a 3-block stack, growing with the modules.
+    @torch._disable_dynamo
     def forward(self, x: torch.Tensor, cond=None) -> torch.Tensor:
         plan = plan_of(self)  # once a call: checking that it is current reads every module's flags
         self._check_float_input("input", x, plan)
