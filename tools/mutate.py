@@ -794,7 +794,7 @@ MUTANTS = [
            ("tests/test_revify.py", "-k", "stray_line"),
            "from_pretrained quiets the library by its logger's level: the library then warns of a TP plan"),
     Mutant("import-pulls-in-dynamo", "revtriton/engine/stack.py",
-           "    @torch._disable_dynamo\n", "    @torch.compiler.disable\n",
+           "    @torch._disable_dynamo\n    def forward(", "    @torch.compiler.disable\n    def forward(",
            ("tests/test_engine.py", "-k", "import_revtriton"),
            "the stack's graph break imports torch._dynamo at import: `import revtriton` 1.5 s longer"),
     # ---- nothing silently wrong, round two (issue 39)
