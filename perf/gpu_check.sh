@@ -139,7 +139,11 @@ while not os.path.exists(parent):
     parent = os.path.dirname(parent)
 say("ok" if os.access(parent, os.W_OK) else "FAIL", "OUTDIR", f"{out} (created under {parent})")
 if collect:
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    # The files that carry the gpu mark, as the steps run them (importing every test module: about 10 s)
+    files = sorted(os.path.join("tests", name) for name in os.listdir(os.path.join(repo, "tests"))
+                   if re.fullmatch(r"test_\w+\.py", name)
+                   and re.search(r"mark\.gpu", open(os.path.join(repo, "tests", name)).read())) or ["tests"]
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     r = subprocess.run(cmd, cwd=repo, capture_output=True, text=True)
     last = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
     ok = r.returncode in (0, 5) and not re.search(r"\berror", last)
@@ -164,16 +168,19 @@ EOF
 # (the timing test runs alone afterwards: it compares two paths' speed and needs a quiet GPU).
 if "$py" -c "import xdist" > /dev/null 2>&1; then parallel="-n 8"; else parallel=""; fi
 if "$py" -c "import pytest_timeout" > /dev/null 2>&1; then per_test="--timeout 120"; else per_test=""; fi
+# Only the test files that carry the gpu mark (collecting every test module imports them all: about 10 s).
+gpu_files="$(cd "$repo" && grep -l 'mark\.gpu' tests/test_*.py | tr '\n' ' ')"
+gpu_files="${gpu_files:-tests}"
 timing_test="test_dispatch_choice_is_at_least_098_of_the_faster_path"
 # Every GEMM table config pinned and checked on the compiled path: many compiles, so a step of its own
 # after the measurements (the autotuner picks among these configs by speed alone).
 configs_test="test_every_gemm_table_config_matches_the_reference_compiled"
 steps=(
-    "gpu-tests|170|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k 'not $timing_test and not $configs_test' --junitxml=\$OUT/gpu-tests.xml tests; a=\$?; $py -m pytest -m gpu -q -p no:cacheprovider $per_test -k $timing_test --junitxml=\$OUT/gpu-timing-test.xml tests; b=\$?; [ \$a -eq 0 ] && exit \$b; exit \$a"
+    "gpu-tests|170|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k 'not $timing_test and not $configs_test' --junitxml=\$OUT/gpu-tests.xml $gpu_files; a=\$?; $py -m pytest -m gpu -q -p no:cacheprovider $per_test -k $timing_test --junitxml=\$OUT/gpu-timing-test.xml $gpu_files; b=\$?; [ \$a -eq 0 ] && exit \$b; exit \$a"
     "autotune|60|$py -m perf.autotune --presets vit-b,gpt2 --dtypes bf16"
     "sweep|100|$py -m perf.sweep --suite short --time-limit \$TL --out \$OUT/sweep --tag short --no-progress"
     "kernels|150|$py -m perf.kernels --out \$OUT/kernels"
-    "gemm-configs|60|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k $configs_test --junitxml=\$OUT/gemm-configs.xml tests"
+    "gemm-configs|60|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k $configs_test --junitxml=\$OUT/gemm-configs.xml $gpu_files"
     # issue 18: flash attention forward / backward vs SDPA's flash backend (head dims 64, 128, 80)
     "attention|50|$py -m perf.kernels_attention --cases gpt2,llama-d128,phi-d80 --csv \$OUT/attention.csv"
     "pareprop|80|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"

@@ -581,6 +581,8 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     steps = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"  [1-9]\d*\. ", line)}
     configs_test = "test_every_gemm_table_config_matches_the_reference_compiled"
     assert f"not {configs_test}" in steps["gpu-tests"] and f"-k {configs_test}" in steps["gemm-configs"]
+    # The pytest steps collect only the files carrying the gpu mark (all of them: about 10 s of imports).
+    assert "tests/test_gpu.py" in steps["gpu-tests"] and " tests;" not in steps["gpu-tests"]
     assert list(steps).index("gemm-configs") > list(steps).index("kernels")
     assert not out.exists()
 
