@@ -364,6 +364,30 @@ def test_grad_of_the_input_leaves_parameters_alone(exact, schedule, depth):
     assert all(p.grad is not None for p in stack.parameters())
 
 
+@pytest.mark.parametrize("exact", MODES)
+def test_a_module_used_inside_a_half_and_before_the_stack_refuses_a_partial_gradient(exact):
+    """Issue 39 case 3: a module used by a half and before the stack. ``torch.autograd.grad(loss,
+    [its weight])`` and ``backward(inputs=[its weight])`` would return the outside part alone (0.45
+    relative off, silently): they raise, naming the parameter and loss.backward(); requests of
+    other tensors, and loss.backward() (checked against plain autograd), are as before."""
+    torch.manual_seed(0)
+    shared = nn.Linear(DIM, DIM).to(dtype_of(exact))
+    stack = stack_of([ReversibleBlock(nn.Sequential(nn.LayerNorm(DIM), shared), mlp(DIM))], exact, "sequential")
+    stack.to(dtype_of(exact))
+    x = torch.randn(2, 3, DIM, dtype=dtype_of(exact), requires_grad=True)
+    for ask in (lambda loss: torch.autograd.grad(loss, [shared.weight]),
+                lambda loss: loss.backward(inputs=[shared.weight])):
+        with pytest.raises(RuntimeError, match=r"gradient of f\.module\.1\.weight \(layer 0\).*loss\.backward\(\)"):
+            ask(loss_of(stack(shared(x))))
+    assert shared.weight.grad is None
+    torch.autograd.grad(loss_of(stack(shared(x))), [x])  # the input: as before
+    loss_of(stack(shared(x))).backward()
+    got = [x.grad, shared.weight.grad]
+    to_stored_activations(stack)  # in place: the twin's half holds the same shared module
+    want = torch.autograd.grad(loss_of(stack(shared(x))), [x, shared.weight])
+    assert max_rel_error(got, list(want)) <= (1e-5 if exact else 1e-10)
+
+
 # -- 11. in-place op on a half's input -------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..halves.base import couple_half
 from ..ops.dispatch import replayed
@@ -59,6 +60,32 @@ def _accumulates_into_leaves(anchor) -> bool:
         if fn is not None and getattr(fn, "variable", None) is anchor:
             return torch._C._will_engine_execute_node(fn)
     return True
+
+
+def _requested_or_reached(accumulator) -> bool:
+    """Whether the running backward reaches a leaf's accumulator: ``backward(inputs=...)`` answers;
+    ``torch.autograd.grad`` refuses to answer for a leaf it captures (RuntimeError "A leaf node was
+    passed ...": that leaf is one it was asked for), and answers False for one it does not reach."""
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:
+        return True
+
+
+def _refuse_requested_block_parameters(run):
+    """Raise when ``torch.autograd.grad`` or ``backward(inputs=...)`` asks for a block parameter that the
+    outer graph reaches (a module used inside a half and also before the stack): autograd would
+    return its outside part alone, as if the stack did not use it (block parameters get their
+    gradients from ``loss.backward()`` only). A parameter only the stack uses is not in the outer
+    graph: autograd itself refuses it. Run only in such a backward, not in ``loss.backward()``."""
+    for i, layer in enumerate(run.layers):
+        for name, p in layer.named_parameters():
+            if p.requires_grad and _requested_or_reached(get_gradient_edge(p).node):
+                raise RuntimeError(
+                    f"revtriton: the gradient of {name} (layer {run.first_index + i}) was asked for with "
+                    f"torch.autograd.grad or backward(inputs=...), and the graph reaches it outside the stack too "
+                    f"(a module used both inside a half and outside): autograd would return only the outside part. "
+                    f"Block parameters get their gradients from loss.backward(): call it and read .grad")
 
 
 @dataclass
@@ -313,7 +340,10 @@ class ReversibleSegmentFunction(torch.autograd.Function):
         # One leaf per conditioning tensor for the whole segment: every half's rebuild uses it, so its
         # .grad sums their contributions, in backward order (as autograd sums the uses of a tensor).
         cond_leaves = tuple(c.detach().requires_grad_() if c.requires_grad else c.detach() for c in cond)
-        stepper = _SegmentBackward(run, anchors, checksum, _accumulates_into_leaves(run.grad_anchor), cond_leaves,
+        accumulate = _accumulates_into_leaves(run.grad_anchor)
+        if not accumulate:
+            _refuse_requested_block_parameters(run)
+        stepper = _SegmentBackward(run, anchors, checksum, accumulate, cond_leaves,
                                    [_low_bits_of(entry, low_tensors) for entry in run.low_bits])
         stepper._owned = tuple(grads)
         try:
