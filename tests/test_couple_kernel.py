@@ -178,7 +178,7 @@ def test_couple_output_runs_the_kernel_when_selected_and_grads_pass_straight_thr
             with dispatch.count_launches() as launches:
                 plain, no_port = couple_output(res, h, sign, 16)  # no grad: the value only
                 leaf = h.clone().requires_grad_(True)
-                out, port = couple_output(res, leaf, sign, 16)  # grad: ExactAdd, its port
+                out, port = couple_output(res, leaf, sign, 16)  # grad: its port (ExactAdd's, or inverse_port's for sign -1)
             assert dict(launches) == ({"exact_add_kernel": 2} if selected else {})
             assert no_port is None and not out.requires_grad and port.requires_grad
             (grad,) = torch.autograd.grad(port, leaf, g)

@@ -387,16 +387,13 @@ class _HalfInput:
         self.leaf = stream.detach().requires_grad_()
         return self.leaf
 
-    def gradient(self):
-        return self.leaf.grad
-
     def subtract_from(self, n: torch.Tensor, owned: bool = False):
         """``(n - the input's gradient, fresh)``: ``n`` itself (fresh False) when none arrived (``n`` is a
         negated gradient: see _block_grads). The difference goes in place where that is safe: into ``n``
         when the engine owns it (the leaf's gradient then goes with the leaf), else into the leaf's
         gradient (autograd's own buffer, which nothing else holds); the bits are those of ``n - grad``
         either way."""
-        g = self.gradient()
+        g = self.leaf.grad
         if g is None:
             return n, False
         if g.shape == n.shape:

@@ -225,8 +225,8 @@ def exact_couple_from_output(res: torch.Tensor, h: torch.Tensor, sign: int, frac
 
 
 def inverse_port(h: torch.Tensor) -> torch.Tensor:
-    """The gradient port of an inverse couple (``sign`` -1: the engine's rebuild, run for every half
-    of every backward) made without a Python autograd Function, as ExactAdd's port otherwise: ``-h``
+    """ExactAdd's port for an inverse couple (``sign`` -1: the engine's rebuild, run for every half
+    of every backward), made without a Python autograd Function: ``-h``
     in the stream's gradient dtype by torch's own negation (its backward saves nothing and negates
     the port's gradient, then the cast rounds it to ``h``'s dtype: the bits of ExactAdd.backward),
     then the result's storage swapped for one zero element (``.data``: autograd keeps the node and
