@@ -22,7 +22,8 @@ PYTHON = [(line, code) for line, lang, code in BLOCKS if lang == "python"]
 # Fragments that need what a CPU test has not: FSDP2 over a device mesh of GPUs, under torchrun.
 FRAGMENTS = ("shard_reversible(model, init_device_mesh(\"cuda\"",)
 SHELL = re.compile(r"^(python3? |pip |torchrun |bash |perf/|git |cd |export |[A-Z_]+=\S* |#|$)")
-OPTIONAL = {"timm": r"\bimport timm\b", "transformers": r"\btransformers\b|\brev_causal_lm\b"}
+OPTIONAL = {"timm": r"\bimport timm\b", "transformers": r"\btransformers\b|\brev_causal_lm\b",
+            "peft": r"\bpeft\b"}
 
 # What some blocks leave behind, checked beyond running (the block's first distinctive call).
 CHECKS = {
@@ -30,7 +31,13 @@ CHECKS = {
     "revify(model)": lambda scope: scope["loss"].ndim == 0,
     "train_adapters_only(model)": lambda scope: abs(float(scope["before"]) - float(scope["after"])) < 0.01,
     "half.compile()": lambda scope: counters["stats"]["unique_graphs"] >= 2,
+    "PeftModel.from_pretrained(": lambda scope: _same_logits(scope["loaded"], scope["model"], scope["ids"]),
 }
+
+
+def _same_logits(loaded, model, ids) -> bool:
+    with torch.no_grad():
+        return torch.equal(loaded.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("line, code", [

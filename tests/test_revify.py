@@ -563,7 +563,11 @@ def test_gradient_checkpointing_requests_warn_and_training_still_runs(family, se
 def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     # revify(get_peft_model(model)) converts the PEFT model's base model; revify then LoRA was fine already.
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    from revtriton import ADAPTER_MODULES
+
+    # (modules_to_save: revify of a PEFT model adds the adapters there itself; PEFT applied after it needs them named)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                             modules_to_save=[*ADAPTER_MODULES])
 
     def lora(model):
         torch.manual_seed(seeded + 1)  # the same LoRA weights in both orders
@@ -583,9 +587,11 @@ def test_peft_lora_in_either_order_gives_the_same_model(seeded, preserve):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, g in grads[0].items():
         assert g is not None and g.abs().sum() > 0 and torch.equal(g, grads[1][name]), name
-    # PEFT freezes what is there when it wraps: the preserving adapters added after it stay trainable.
-    trainable = {n for n, p in lora_first.named_parameters() if p.requires_grad and "lora_" not in n}
-    assert all(".revtriton_adapters." in n for n in trainable) and bool(trainable) == (preserve is not None)
+    # Either way the preserving adapters train as PEFT's modules to save (a trained copy beside the original).
+    for model in (lora_first, revify_first):
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+        assert all(".revtriton_adapters.f.modules_to_save." in n or ".revtriton_adapters.g.modules_to_save." in n
+                   for n in trainable) and bool(trainable) == (preserve is not None)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "neox", "roberta_pre"])

@@ -43,6 +43,24 @@ class Mutant:
 
 
 MUTANTS = [
+    # ---- PEFT with a preserving conversion (issue 38, point 1)
+    Mutant("peft-model-adapters-not-saved", "revtriton/convert/__init__.py",
+           "        if preserve is not None and peft_model:\n            _peft_trains_adapters(model, target)\n", "",
+           ("tests/test_peft.py", "-k", "resumed and lora_then_revify"),
+           "revify of a PEFT model leaves the adapters out of modules_to_save: checkpoints lack them, resume resets them"),
+    Mutant("peft-frozen-adapters-unchecked", "revtriton/convert/core.py",
+           "            check_adapters_train(self, list(adapters.values()))\n", "            pass\n",
+           ("tests/test_peft.py", "-k", "raises_on_a_training_step"),
+           "LoRA after revify(preserve=...) without modules_to_save: the frozen zero adapters never train, silently"),
+    Mutant("peft-wrapper-original-trained", "revtriton/convert/preserve.py",
+           "    return copies[active[0]]\n", "    return module.original_module\n",
+           ("tests/test_peft.py", "-k", "adapters_train_beside"),
+           "the engine runs PEFT's frozen original adapter, not the trained copy: the adapters never learn"),
+    Mutant("train-adapters-only-trains-peft-originals", "revtriton/convert/preserve.py",
+           '    return ".revtriton_adapters." in f".{name}" and ".original_module." not in f".{name}."\n',
+           '    return ".revtriton_adapters." in f".{name}"\n',
+           ("tests/test_peft.py", "-k", "train_adapters_only"),
+           "train_adapters_only unfreezes PEFT's kept original adapters beside the trained copies"),
     # ---- the six bugs that survived the suite in issue 21
     Mutant("rebuilt-value-leaf-holds-a-stream", "revtriton/engine/guards.py",
            "leaf = torch.zeros((), dtype=wide, device=stream.device).expand(stream.shape).detach().requires_grad_()",

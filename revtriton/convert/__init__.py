@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,10 +47,10 @@ from ..ops.streams import MAX_SCALE_SHIFT
 from . import dinov2, encoder, gpt2, hf_vit, llama, neox, opt, parallel, sandwich, timm_eva, timm_vit
 from .core import CHECKPOINTING_MESSAGE, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls  # noqa: F401 (a converted stack's layers_view pickles by this name)
-from .preserve import PRESERVE_MODES, _Conversion, train_adapters_only
+from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
 
-__all__ = ["CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MODES", "SUPPORTED", "from_pretrained", "revify",
-           "train_adapters_only"]
+__all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MODES", "SUPPORTED", "from_pretrained",
+           "revify", "train_adapters_only"]
 
 # The families. revify takes a model by its class (in any family) first, then by the layer conventions
 # of the families that detect them, in this order (LLaMA's layers before parallel ones, GPT-2's, then
@@ -89,7 +90,10 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
 
     Train everything, or only the adapters with :func:`train_adapters_only` (PEFT-style). LoRA
     (PEFT) on the pretrained projections works in either order: ``revify(get_peft_model(model,
-    config))`` converts the PEFT model's base model in place and returns the PEFT model.
+    config))`` converts the PEFT model's base model in place and returns the PEFT model; with
+    ``preserve``, the adapters join the PEFT config's ``modules_to_save`` (PEFT trains and saves
+    them). ``get_peft_model`` after a preserving ``revify`` needs them named there
+    (``modules_to_save=[*ADAPTER_MODULES]``), else a training forward raises.
     Raises TypeError for an unsupported architecture and NotImplementedError for a supported
     one using a feature the reversible blocks do not reproduce (the message names it).
     """
@@ -105,16 +109,21 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
     conversion = _Conversion(options, preserve, scale_bits, adapter_size, ordinary_top)
     target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
+    peft_model = target is not model
     if type(target).__name__ == "FeatureGetterNet" and type(target).__module__.startswith("timm"):
         target = target.model  # timm features_only: the wrapped model (its forward_intermediates) is converted
     if not isinstance(fused_loss, bool):
         raise TypeError(f"fused_loss must be a bool, got {fused_loss!r}")
     recorded = dict(options, preserve=preserve, scale_bits=scale_bits, adapter_size=adapter_size,
                     ordinary_top=ordinary_top, fused_loss=fused_loss)
+    if preserve is not None and peft_model:
+        _check_peft_saves_modules(model)
     family, found = _family_of(target)
     if family is not None:
         family.convert(target, conversion, found)
         _finish_conversion(target, recorded)
+        if preserve is not None and peft_model:
+            _peft_trains_adapters(model, target)
         return model
     cls = type(target)
     post_norm = _post_norm_layer(target)
@@ -171,6 +180,11 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
     """
     import transformers
 
+    if (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"{path} holds a PEFT adapter (adapter_config.json), not a model: load its base model converted as it "
+            f"was trained (revtriton.from_pretrained(saved revified model), or revify(<Model>.from_pretrained(base), "
+            f"preserve=...) with the training's options), then peft.PeftModel.from_pretrained(model, {str(path)!r})")
     config = transformers.AutoConfig.from_pretrained(path)
     options = getattr(config, "revtriton", None)
     if not isinstance(options, dict):
@@ -216,7 +230,6 @@ def _tied_keys(model) -> set:
 def _checkpoint_state(path) -> dict:
     """Every tensor of a save_pretrained directory (safetensors, sharded or not; else pytorch_model.bin)."""
     import json
-    from pathlib import Path
 
     directory = Path(path)
     index = directory / "model.safetensors.index.json"
@@ -238,6 +251,28 @@ def _peft_base_model(model: nn.Module) -> nn.Module:
     if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
         return model.get_base_model()
     return model
+
+
+def _check_peft_saves_modules(model: nn.Module):
+    for name, config in model.peft_config.items():
+        if not hasattr(config, "modules_to_save"):  # prompt learning: nothing wraps modules to save
+            raise NotImplementedError(
+                f"revify(preserve=...) of a PEFT model needs PEFT adapters that save modules (LoRA and the like), "
+                f"to train and save the preserving adapters; PEFT adapter {name!r} ({type(config).__name__}) has "
+                f"no modules_to_save")
+
+
+def _peft_trains_adapters(model: nn.Module, target: nn.Module):
+    """A PEFT model converted with ``preserve``: its adapters join every PEFT adapter's
+    ``modules_to_save`` (PEFT wraps each, trains a copy per PEFT adapter, and saves it with the LoRA
+    weights: ``save_pretrained``, the Trainer's checkpoints, ``load_adapter`` on resume)."""
+    from peft.utils import set_additional_trainable_modules
+
+    for name, config in model.peft_config.items():
+        names = list(config.modules_to_save or [])
+        config.modules_to_save = names + [m for m in ADAPTER_MODULES if m not in names]
+        set_additional_trainable_modules(target, config, getattr(target, "config", None), name,
+                                         activate_adapter=name in model.active_adapters)
 
 
 # Swapped class name -> (library module, class name, mixin), for unpickling in a fresh process (the

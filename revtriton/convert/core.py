@@ -14,7 +14,8 @@ from torch import nn
 from ..engine import ReversibleStack, block_phase
 from ..ops.reference import rope_inv_freq
 from ..ops.streams import couple_output
-from .preserve import _add_adapters, _Conversion, _SublayerWithAdapter, _WholeLayer
+from .preserve import (_add_adapters, _Conversion, _SublayerWithAdapter, _WholeLayer, active_adapter,
+                       check_adapters_train)
 
 
 class _RevifiedBlock:
@@ -32,7 +33,9 @@ class _RevifiedBlock:
         mode = getattr(self, "_revtriton_preserve", None)
         if mode is None:
             return attention, mlp
-        adapters = self.revtriton_adapters
+        adapters = {slot: active_adapter(module) for slot, module in self.revtriton_adapters.items()}
+        if self.training and torch.is_grad_enabled():
+            check_adapters_train(self, list(adapters.values()))
         parallel = _parallel_residual(self)
         if mode == "meft1":
             return _WholeLayer(attention, mlp, adapters["f"], parallel), adapters["g"]

@@ -129,11 +129,50 @@ def _add_adapters(block: nn.Module, dim: int, conversion: _Conversion):
          for slot in slots})
 
 
+#: The adapters' module names as PEFT's ``modules_to_save`` takes them (it matches name endings):
+#: ``LoraConfig(..., modules_to_save=[*ADAPTER_MODULES])`` trains and saves them with the LoRA weights.
+ADAPTER_MODULES = ("revtriton_adapters.f", "revtriton_adapters.g")
+
+
+def _trains_adapter(name: str) -> bool:
+    # PEFT's modules_to_save keeps the wrapped original frozen beside the trained copy.
+    return ".revtriton_adapters." in f".{name}" and ".original_module." not in f".{name}."
+
+
 def train_adapters_only(model: nn.Module) -> nn.Module:
     """Freeze everything but the adapters a preserving ``revify`` added (PEFT-style fine-tuning)."""
-    names = [name for name, _ in model.named_parameters() if ".revtriton_adapters." in f".{name}"]
+    names = [name for name, _ in model.named_parameters() if _trains_adapter(name)]
     if not names:
         raise ValueError("the model has no revtriton adapters: convert it with revify(model, preserve=...) first")
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(".revtriton_adapters." in f".{name}")
+        parameter.requires_grad_(_trains_adapter(name))
     return model
+
+
+def active_adapter(module: nn.Module) -> nn.Module:
+    """The adapter module a forward runs: itself, or, wrapped by PEFT's ``modules_to_save``
+    (a ``ModulesToSaveWrapper``: the original and a trained copy per PEFT adapter), the module the
+    wrapper's own forward would run (the active adapter's copy; the original while disabled)."""
+    copies = module._modules.get("modules_to_save")
+    if copies is None or "original_module" not in module._modules:
+        return module
+    active = module.active_adapters
+    if module.disable_adapters or not active or any(name not in copies for name in active):
+        return module.original_module
+    return copies[active[0]]
+
+
+def check_adapters_train(block: nn.Module, adapters: list):
+    """Raise when a training forward finds the block's adapters frozen while PEFT layers in it train:
+    ``get_peft_model`` after ``revify(preserve=...)`` freezes what PEFT does not own, and the zero
+    adapters would stay zero through training, silently."""
+    if any(a.up.weight.requires_grad or a.up.bias.requires_grad for a in adapters):
+        return
+    peft_layers = (m for m in block.modules() if type(m).__module__.startswith("peft."))
+    if any(p.requires_grad for m in peft_layers for p in m.parameters()):
+        raise RuntimeError(
+            f"revtriton: the preserving adapters (revtriton_adapters) of a {type(block).__name__} are frozen while its PEFT "
+            f"(LoRA) layers train: get_peft_model, applied after revify(..., preserve=...), freezes every module "
+            f"PEFT does not own, so the zero-initialised adapters would never train. Convert the PEFT model "
+            f"instead (revify(get_peft_model(model, config), preserve=...)), or name the adapters in the PEFT "
+            f"config: LoraConfig(..., modules_to_save=[*revtriton.ADAPTER_MODULES])")
