@@ -36,7 +36,7 @@ def _source_tree_kernels() -> None:
 _source_tree_kernels()
 
 from .convert import ADAPTER_MODULES, PRESERVE_MODES, from_pretrained, revify, train_adapters_only  # noqa: E402
-from .engine import Coupling, ReversibleBlock, ReversibleStack, check_step, deferred_checks  # noqa: E402
+from .engine import CapturedStep, Coupling, ReversibleBlock, ReversibleStack, check_step, deferred_checks  # noqa: E402
 from .halves import (  # noqa: E402
     Adapter, CouplingHalf, GenericHalf, LayerNormAttention, LayerNormMLP, RMSNormAttention, RMSNormSwiGLU, as_half)
 from .models import (  # noqa: E402
@@ -51,4 +51,4 @@ __all__ = ["revify", "from_pretrained", "train_adapters_only", "PRESERVE_MODES",
            "LayerNormMLP", "RMSNormAttention", "RMSNormSwiGLU", "as_half", "GPTConfig", "RevGPT", "RevMViT", "RevViT",
            "rev_causal_lm",
            "rev_gpt", "rev_llama", "rev_mvit", "rev_vit", "to_reversible", "to_stored_activations", "ScheduleTrace",
-           "check_step", "deferred_checks"]
+           "check_step", "deferred_checks", "CapturedStep"]

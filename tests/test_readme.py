@@ -19,8 +19,9 @@ BLOCKS = [(README[:m.start()].count("\n") + 1, m.group(1), m.group(2))
           for m in re.finditer(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)]
 PYTHON = [(line, code) for line, lang, code in BLOCKS if lang == "python"]
 
-# Fragments that need what a CPU test has not: FSDP2 over a device mesh of GPUs, under torchrun.
-FRAGMENTS = ("shard_reversible(model, init_device_mesh(\"cuda\"",)
+# Fragments that need what a CPU test has not: FSDP2 over a device mesh of GPUs, under torchrun; a
+# CUDA graph (tests/test_graphs.py runs CapturedStep with a stand-in, tests/test_gpu.py for real).
+FRAGMENTS = ("shard_reversible(model, init_device_mesh(\"cuda\"", "revtriton.CapturedStep(train_step")
 SHELL = re.compile(r"^(python3? |pip |torchrun |bash |perf/|git |cd |export |[A-Z_]+=\S* |#|$)")
 OPTIONAL = {"timm": r"\bimport timm\b", "transformers": r"\btransformers\b|\brev_causal_lm\b",
             "peft": r"\bpeft\b"}

@@ -43,6 +43,29 @@ class Mutant:
 
 
 MUTANTS = [
+    # ---- a training step captured in a CUDA graph (issue 35; tests on a CPU stand-in)
+    Mutant("captured-check-not-kept", "revtriton/engine/graphs.py",
+           "                self._failed.logical_or_(torch.stack([c.failed_flag() for c in flagged]).any())\n",
+           "                pass\n",
+           ("tests/test_graphs.py", "-k", "failed_exact_check"),
+           "a replay's failed exact-stream check is never seen (the graph keeps no flag of it)"),
+    Mutant("captured-grads-not-put-back", "revtriton/engine/graphs.py",
+           "            if p.grad is not grad:", "            if False:",
+           ("tests/test_graphs.py", "-k", "gradients_stay"),
+           "zero_grad(set_to_none=True) outside a captured step leaves p.grad None while the graph trains on"),
+    Mutant("optimizer-resolves-checks-while-capturing", "revtriton/engine/checks.py",
+           "    if capturing_now():  # the step is being captured: its checks are read after each replay\n        return\n",
+           "",
+           ("tests/test_graphs.py", "-k", "bitwise"),
+           "the optimizer's pre-hook syncs to resolve checks inside a capture: the capture fails"),
+    Mutant("captured-inputs-not-copied", "revtriton/engine/graphs.py",
+           "            static.copy_(t)\n", "            pass\n",
+           ("tests/test_graphs.py", "-k", "bitwise"),
+           "a replay runs on the capturing call's batch, not the one given"),
+    Mutant("captured-lr-unchecked", "revtriton/engine/graphs.py",
+           "            self._check_rates()\n", "            pass\n",
+           ("tests/test_graphs.py", "-k", "scheduler"),
+           "a scheduler's new learning rate silently ignored by the replays"),
     # ---- PEFT with a preserving conversion (issue 38, point 1)
     Mutant("peft-model-adapters-not-saved", "revtriton/convert/__init__.py",
            "        if preserve is not None and peft_model:\n            _peft_trains_adapters(model, target)\n", "",
@@ -177,7 +200,7 @@ MUTANTS = [
            ("tests/test_step_checks.py", "-k", "optimizer_refuses"),
            "optimizer.step() applies the gradients of a backward whose check failed"),
     Mutant("check-step-forgets-deferred-checks", "revtriton/engine/checks.py",
-           "    if bool(failed):  # the one host sync", "    if False:",
+           "    if bool(torch.stack(flags).any()):  # the one host sync", "    if False:",
            ("tests/test_step_checks.py", "-k", "deferred_one_at_check_step"),
            "check_step() drops the waiting checks without raising their failure"),
     Mutant("split-output-copied-for-backward", "revtriton/engine/segment.py",

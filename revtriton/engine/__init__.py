@@ -24,6 +24,7 @@ Where things are:
 * ``replay``: RNG and autocast replay for the backward's recompute.
 * ``guards``: stream format, overflow guards, checksums, error hints.
 * ``checks``: exact streams' checks of a step resolved at one host point (deferred, optimizer guard).
+* ``graphs``: a whole training step captured in one CUDA graph (CapturedStep).
 * ``plan``: what a stack's steps reuse (modules, parameters, buffers, RNG draws), rebuilt on change.
 * ``state``: what the backward needs unchanged (modes, parameter versions, buffers, inputs).
 * ``hooks``: a block's forward / backward hooks, fired by the stack.
@@ -32,6 +33,7 @@ Where things are:
 """
 from .fsdp import PHASE_METHOD, PhaseResult, block_phase, hook_phase_for_fsdp, run_block_phase
 from .checks import StepChecks, check_step, deferred_checks
+from .graphs import CapturedStep
 from .guards import CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, ForwardGuards, StreamFormat, out_of_range
 from .hooks import BlockHooks
 from .protocol import Coupling, ReversibleBlock, coupled_forward, coupling_of, is_invertible_layer, is_reversible_block
@@ -40,7 +42,7 @@ from .segment import DOUBLE_BACKWARD_MESSAGE, ReversibleSegmentFunction, Segment
 from .stack import ReversibleStack
 from .state import StateWatch
 
-__all__ = ["PHASE_METHOD", "AutocastState", "StepChecks", "check_step", "deferred_checks", "BlockHooks", "CAPTURED_TENSOR_HINT", "Coupling",
+__all__ = ["PHASE_METHOD", "AutocastState", "CapturedStep", "StepChecks", "check_step", "deferred_checks", "BlockHooks", "CAPTURED_TENSOR_HINT", "Coupling",
            "DOUBLE_BACKWARD_MESSAGE", "FIND_UNUSED_HINT", "ForwardGuards", "PhaseResult", "ReversibleBlock",
            "ReversibleSegmentFunction", "ReversibleStack", "HalfRandomness", "SegmentRun", "StateWatch", "StreamFormat",
            "block_phase", "coupled_forward", "coupling_of", "hook_phase_for_fsdp", "is_invertible_layer", "is_reversible_block", "out_of_range",

@@ -17,6 +17,9 @@ default sets them to None, then a new backward).
 
 A forward whose backward never runs is resolved by the next forward of any exact stack in eager
 mode (or by check_step / the optimizer), so its overflow is never lost.
+
+A step captured in a CUDA graph (engine.graphs.CapturedStep) keeps a flag its replays OR into;
+check_step reads it with the rest. No optimizer step resolves checks while a step is captured.
 """
 from __future__ import annotations
 
@@ -38,7 +41,25 @@ def deferring() -> bool:
     """Whether checks wait for check_step: inside deferred_checks(), or while a CUDA graph is captured."""
     if getattr(_state, "deferred", 0):
         return True
+    return capturing_now()
+
+
+def capturing_now() -> bool:
+    """Whether a step is being captured (a CUDA graph, or engine.graphs' capture on a CPU's stand-in):
+    nothing may wait on the device then."""
+    if getattr(_state, "capturing", 0):
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def capturing():
+    """A step being captured (engine.graphs): checks wait, and no optimizer step resolves them."""
+    _state.capturing = getattr(_state, "capturing", 0) + 1
+    try:
+        yield
+    finally:
+        _state.capturing -= 1
 
 
 @contextlib.contextmanager
@@ -52,14 +73,22 @@ def deferred_checks():
         _state.deferred -= 1
 
 
+# Captured steps (engine.graphs.CapturedStep): check_step() checks their replays too.
+_replayed_steps: weakref.WeakSet = weakref.WeakSet()
+
+
 def check_step():
-    """Resolve every exact-stream check still waiting (one host sync); raise the first failure."""
+    """Resolve every exact-stream check still waiting, and the replays of captured steps
+    (engine.graphs), with one host sync; raise the first failure."""
+    steps = [step for step in list(_replayed_steps) if step.failed_flag() is not None]
     pending = list(_pending)
     _pending.clear()
-    if not pending:
+    if not pending and not steps:
         return
-    failed = torch.stack([checks.failed_flag() for checks in pending]).any()
-    if bool(failed):  # the one host sync
+    flags = [step.failed_flag() for step in steps] + [checks.failed_flag() for checks in pending]
+    if bool(torch.stack(flags).any()):  # the one host sync
+        for step in steps:
+            step.check()
         for checks in pending:
             checks.resolve()
 
@@ -167,6 +196,8 @@ def mark_failed(stack, error: str):
 
 
 def _before_optimizer_step(optimizer, args, kwargs):
+    if capturing_now():  # the step is being captured: its checks are read after each replay
+        return
     if _pending:
         check_step()  # raises on a failure, marking the gradients
     if not _failed_grads:

@@ -1,0 +1,241 @@
+"""engine.graphs.CapturedStep's host logic on a CPU (issue 35): warm-up, capture, static inputs and
+outputs, gradients that stay the graph's, exact streams' checks read after replays, and the errors
+where a step cannot be captured. A stand-in backend "captures" by running the step once under the
+rules of a capture (no host sync; checks wait) and "replays" by running it again under the same
+rules; tests/test_gpu.py runs the real CUDA graphs.
+"""
+import pytest
+import torch
+from torch import nn
+
+import revtriton
+from revtriton.engine import checks
+from revtriton.engine.graphs import HOST_SYNC_HINT, CapturedStep
+from test_host_sync import CountSyncs
+from test_pareprop import build
+
+
+class RerunGraphs:
+    """A CUDA graph's stand-in: the capturing call runs the step (a graph's capture records it and
+    its first replay runs it); each later replay runs it again, writing the outputs and the
+    gradients into the captured tensors as a graph's kernels would."""
+
+    def __init__(self):
+        self.warm_ups = self.captures = self.replays = 0
+        self.step = None  # the CapturedStep (for its gradient buffers)
+
+    def warm_up(self, run):
+        self.warm_ups += 1
+        return run()
+
+    def capture(self, run, pool):
+        self.captures += 1
+        return {"run": run, "fresh": True}, self._run_as_captured(run)
+
+    def replay(self, graph):
+        self.replays += 1
+        if graph["fresh"]:  # the capturing call: the capture already ran it
+            graph["fresh"] = False
+            return
+        out = self._run_as_captured(graph["run"])
+        _copy_into(self.step.static_outputs, out)
+        for p, buffer in self.step._grads:
+            if p.grad is not None and p.grad is not buffer:
+                buffer.copy_(p.grad)
+
+    @staticmethod
+    def _run_as_captured(run):
+        with checks.capturing(), CountSyncs() as syncs:
+            out = run()
+        if syncs.total():
+            raise RuntimeError(f"operation not permitted when stream is capturing (stand-in: {dict(syncs.counts)})")
+        return out
+
+
+def _copy_into(static, new):
+    if isinstance(static, torch.Tensor):
+        static.copy_(new)
+    elif isinstance(static, dict):
+        for key in static:
+            _copy_into(static[key], new[key])
+    elif isinstance(static, (tuple, list)):
+        for a, b in zip(static, new):
+            _copy_into(a, b)
+
+
+def captured(train_step, **options):
+    backend = RerunGraphs()
+    step = CapturedStep(train_step, _backend=backend, **options)
+    backend.step = step
+    return step, backend
+
+
+def trainer(stack, optimizer, set_to_none=True):
+    def train_step(x, target):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss = (stack(x) - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return train_step
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+@pytest.mark.parametrize("depth", [3, 4])
+def test_a_captured_step_trains_bitwise_as_the_eager_step(seeded, schedule, depth):
+    """Exact streams, dropout and drop-path: losses and parameters after every step bitwise the
+    eager run's, through the warm-up, the capturing call and the replays."""
+    stacks = [build(depth, schedule, True, seed=seeded) for _ in range(2)]
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.05, momentum=0.9) for s in stacks]
+    eager = trainer(stacks[0], optimizers[0])
+    step, backend = captured(trainer(stacks[1], optimizers[1]), warmup=2)
+    batches = [(torch.randn(2, 3, 12), torch.randn(2, 3, 12)) for _ in range(6)]
+    for i, batch in enumerate(batches):
+        torch.manual_seed(seeded + i)
+        expected = eager(*batch)
+        torch.manual_seed(seeded + i)
+        got = step(*batch)
+        assert torch.equal(got, expected), i
+        assert all(torch.equal(a, b) for a, b in zip(stacks[0].parameters(), stacks[1].parameters())), i
+        assert step.captured == (i >= 2)
+    assert (backend.warm_ups, backend.captures, backend.replays) == (2, 1, 4)
+    assert step.static_inputs[0] is not batches[-1][0] and torch.equal(step.static_inputs[0], batches[-1][0])
+
+
+def test_outputs_are_the_graphs_tensors_and_gradients_stay_its_buffers(seeded):
+    """zero_grad(set_to_none=True) outside the step cannot free the graph's gradient buffers: the
+    next replay writes them and puts them back, with the eager step's values."""
+    stacks = [build(2, "sequential", True, seed=seeded) for _ in range(2)]
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.01) for s in stacks]
+    eager = trainer(stacks[0], optimizers[0])
+    step, _ = captured(trainer(stacks[1], optimizers[1]), warmup=1)
+    x, target = torch.randn(2, 3, 12), torch.randn(2, 3, 12)
+    for i in range(2):  # (each step's dropout masks the same: the same seed)
+        torch.manual_seed(seeded + i)
+        eager(x, target)
+        torch.manual_seed(seeded + i)
+        first = step(x, target)  # the second call captures
+    buffers = {p: p.grad for p in stacks[1].parameters()}
+    assert all(g is not None for g in buffers.values())
+    optimizers[1].zero_grad(set_to_none=True)
+    torch.manual_seed(seeded)
+    eager(x * 2, target)
+    torch.manual_seed(seeded)
+    second = step(x * 2, target)
+    assert second is first  # the same tensor, overwritten by each replay
+    for p, q in zip(stacks[0].parameters(), stacks[1].parameters()):
+        assert q.grad is buffers[q] and torch.equal(q.grad, p.grad) and torch.equal(q, p)
+
+
+def test_a_host_sync_in_the_step_fails_the_capture_naming_it(seeded):
+    stack = build(2, "sequential", True, seed=seeded)
+    optimizer = torch.optim.SGD(stack.parameters(), lr=0.01)
+    inner = trainer(stack, optimizer)
+
+    def logging_step(x, target):
+        loss = inner(x, target)
+        print(f"loss {loss.item():.3f}")  # a host sync
+        return loss
+
+    step, _ = captured(logging_step, warmup=1)
+    batch = (torch.randn(2, 3, 12), torch.randn(2, 3, 12))
+    step(*batch)  # eager: fine
+    with pytest.raises(RuntimeError, match=r"could not be captured.*host sync.*\.item\(\)"):
+        step(*batch)
+    assert not step.captured
+
+
+def test_other_shapes_non_tensors_and_a_bad_warmup_raise(seeded):
+    stack = build(2, "sequential", True, seed=seeded)
+    step, _ = captured(trainer(stack, torch.optim.SGD(stack.parameters(), lr=0.01)), warmup=1)
+    x, target = torch.randn(2, 3, 12), torch.randn(2, 3, 12)
+    step(x, target)
+    step(x, target)
+    with pytest.raises(ValueError, match=r"input 0 is \(3, 3, 12\).*captured with \(2, 3, 12\).*fixed shapes"):
+        step(torch.randn(3, 3, 12), target)
+    with pytest.raises(ValueError, match=r"input 1 is .*torch.float64"):
+        step(x, target.double())
+    with pytest.raises(TypeError, match="pass tensors only"):
+        step(x, 1.0)
+    for warmup in (0, True, 1.5):
+        with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+            CapturedStep(lambda: None, warmup=warmup, _backend=RerunGraphs())
+    with pytest.raises(TypeError, match="callable"):
+        CapturedStep(None, _backend=RerunGraphs())
+
+
+def test_an_optimizer_that_is_not_capturable_raises_at_capture():
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters(), capturable=False)
+
+    def train_step(x):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    step, _ = captured(train_step, warmup=1)
+    step(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match=r"Adam was created with capturable=False.*capturable=True"):
+        step(torch.randn(2, 4))
+
+
+def test_a_scheduler_changing_a_float_learning_rate_after_capture_raises():
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def train_step(x):
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    step, _ = captured(train_step, warmup=1)
+    x = torch.randn(2, 4)
+    step(x)
+    step(x)  # captured with lr 0.1
+    step(x)
+    scheduler.step()
+    with pytest.raises(RuntimeError, match=r"learning rate changed after the capture \(0\.1 -> 0\.05.*tensor lr"):
+        step(x)
+
+
+class FlakyHalf(nn.Module):
+    """A half whose recompute differs from its forward once ``broken`` (a Python-side count)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.broken, self.calls = False, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        return out + self.calls * 1e-3 if self.broken else out
+
+
+def test_a_replays_failed_exact_check_is_raised_by_check_and_by_check_step(seeded):
+    torch.manual_seed(seeded)
+    half = FlakyHalf(8)
+    stack = revtriton.ReversibleStack([revtriton.ReversibleBlock(half, nn.Linear(8, 8))], exact=True)
+    optimizer = torch.optim.SGD(stack.parameters(), lr=0.01)
+    step, _ = captured(trainer(stack, optimizer), warmup=1)
+    x, target = torch.randn(2, 8), torch.randn(2, 8)
+    step(x, target)
+    step(x, target)  # captured
+    step(x, target)
+    step.check()  # nothing failed: no error
+    with CountSyncs() as syncs:
+        revtriton.check_step()  # the captured step's flag read with the rest: one sync
+    assert syncs.total() == 1, syncs.counts
+    half.broken = True  # (a real graph would replay the same kernels: the stand-in reruns the Python)
+    step(x, target)
+    half.broken = False
+    step(x, target)  # a good replay after the bad one: the failure is kept
+    with pytest.raises(RuntimeError, match="a replay of the captured step failed its exact-stream check.*update was applied"):
+        step.check()
+    step.check()  # read and cleared
+    half.broken = True
+    step(x, target)
+    half.broken = False
+    with pytest.raises(RuntimeError, match="failed its exact-stream check"):
+        revtriton.check_step()
