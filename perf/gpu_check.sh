@@ -179,6 +179,9 @@ steps=(
     "gpu-tests|170|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k 'not $timing_test and not $configs_test' --junitxml=\$OUT/gpu-tests.xml $gpu_files; a=\$?; $py -m pytest -m gpu -q -p no:cacheprovider $per_test -k $timing_test --junitxml=\$OUT/gpu-timing-test.xml $gpu_files; b=\$?; [ \$a -eq 0 ] && exit \$b; exit \$a"
     "autotune|60|$py -m perf.autotune --presets vit-b,gpt2 --dtypes bf16"
     "sweep|100|$py -m perf.sweep --suite short --time-limit \$TL --out \$OUT/sweep --tag short --no-progress"
+    # issue 35: ViT-B, GPT-2 and LLaMA at depth 12, bf16, every variant eager and then captured in CUDA
+    # graphs (revtriton.CapturedStep): step ms against host ms, captured against captured
+    "graphs|120|for g in '' --cuda-graphs; do $py -m perf.sweep --presets vit-b,gpt2,llama --depths 12 --batches 8 --dtype bf16 --warmup 2 --repeats 5 --no-max-batch --no-plots --time-limit \$((TL / 2)) --out \$OUT/graphs --tag graphs\${g:+-captured} --no-progress \$g || exit \$?; done"
     "kernels|150|$py -m perf.kernels --out \$OUT/kernels"
     "gemm-configs|60|$py -m pytest -m gpu -q --tb=short -rfE -p no:cacheprovider $parallel $per_test -k $configs_test --junitxml=\$OUT/gemm-configs.xml $gpu_files"
     # issue 18: flash attention forward / backward vs SDPA's flash backend (head dims 64, 128, 80)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from revtriton.engine.graphs import CapturedStep
 from revtriton.ops.dispatch import count_launches
 
 from .memory import peak_memory
@@ -121,6 +122,9 @@ def pick_device(requested: str, ddp: Distributed) -> torch.device:
 # Measuring one point
 
 OutOfMemoryError = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# The CUDA graphs of --cuda-graphs (None: CapturedStep's own). Tests put a stand-in here to run the
+# captured path on a CPU.
+GRAPH_BACKEND = None
 
 
 def _sync(device):
@@ -136,21 +140,27 @@ def _autocast(cfg, device):
     return contextlib.nullcontext()
 
 
-def time_steps(step, repeats: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``repeats`` calls of ``step`` (CUDA events on a GPU)."""
+def time_steps(step, repeats: int, device: torch.device, host: list | None = None) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``step`` (CUDA events on a GPU); ``host``, when
+    given, gets each call's host milliseconds (until the call returns, the device not waited for)."""
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             step()
+            returned = time.perf_counter()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             begin = time.perf_counter()
             step()
-            times.append((time.perf_counter() - begin) * 1e3)
+            returned = time.perf_counter()
+            times.append((returned - begin) * 1e3)
+        if host is not None:
+            host.append((returned - begin) * 1e3)
     return times
 
 
@@ -200,20 +210,31 @@ class _Bench:
 
             model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.model, self.cfg, self.device, self.point = model, cfg, device, point
+        self.graphed = None
         self.set_batch(point.batch)
 
     def set_batch(self, batch: int):
-        self.x = self.grad = None
+        self.x = self.grad = self.graphed = None
         p = self.point.preset
         self.x = torch.randn(batch, p.tokens, p.dim, device=self.device)
 
-    def step(self):
+    def eager_step(self, x=None):
         self.model.zero_grad(set_to_none=False)  # keep .grad buffers: a step's peak is then its own
         with _autocast(self.cfg, self.device):
-            out = self.model(self.x)
+            out = self.model(self.x if x is None else x)
         if self.grad is None or self.grad.shape != out.shape:
             self.grad = torch.randn_like(out)
         out.backward(self.grad)
+
+    def step(self):
+        """One step: eager, or (``cfg.cuda_graphs``) a call of the step captured in a CUDA graph
+        (``warmup`` eager calls first, then the capture, then replays)."""
+        if not getattr(self.cfg, "cuda_graphs", False):
+            return self.eager_step()
+        if self.graphed is None:
+            backend = GRAPH_BACKEND() if GRAPH_BACKEND is not None else None
+            self.graphed = CapturedStep(self.eager_step, warmup=max(1, self.cfg.warmup), _backend=backend)
+        self.graphed(self.x)
 
 
 def measure(point: Point, cfg, device: torch.device, ddp: Distributed) -> dict:
@@ -224,15 +245,21 @@ def measure(point: Point, cfg, device: torch.device, ddp: Distributed) -> dict:
         with count_launches() as counter:
             bench.step()
         launches = sum(counter.values())  # the last warm-up step: autotuning is over by then
+    graphs = bool(getattr(cfg, "cuda_graphs", False))
+    if graphs:
+        bench.step()  # the capture (and its replay): the timed calls are replays
     _sync(device)
-    times = time_steps(bench.step, max(1, cfg.repeats), device)
-    peak = peak_memory(bench.step, device)
+    host = []
+    times = time_steps(bench.step, max(1, cfg.repeats), device, host)
+    # The step's own memory: an eager step (a replay allocates nothing; its graph's pool was taken at
+    # capture, for the same tensors).
+    peak = peak_memory(bench.eager_step, device)
     total = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     step_s = statistics.median(times) / 1e3
     tokens = point.batch * point.seq_len
     figures = {
         "step_time_ms": statistics.median(times), "step_time_min_ms": min(times), "step_time_max_ms": max(times),
-        "step_time_repeats": len(times),
+        "step_time_repeats": len(times), "host_ms": statistics.median(host), "cuda_graphs": graphs,
         "throughput": (point.batch if point.preset.unit == "images" else tokens) / step_s,
         "tokens_per_s": tokens / step_s, "peak_mem_bytes": int(peak), "peak_mem_total_bytes": total,
         "launches_per_step": int(launches),
@@ -255,11 +282,11 @@ def _fits(bench: _Bench, batch: int, budget: int) -> bool:
         if device.type == "cuda":
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
-            bench.step()
+            bench.eager_step()
             _sync(device)
             used = torch.cuda.max_memory_allocated(device)
         else:
-            used = peak_memory(bench.step, device)
+            used = peak_memory(bench.eager_step, device)
         return used <= budget
     except OutOfMemoryError:
         return False
@@ -276,7 +303,8 @@ def empty_row(point: Point, cfg, rank: int) -> dict:
     row.update(preset=p.name, family=p.family, variant=point.variant, halves=point.halves,
                exact=bool(cfg.exact and point.variant not in BASELINES), depth=point.depth, batch=point.batch,
                seq_len=point.seq_len, dim=p.dim, heads=p.heads, kv_heads=p.kv_heads, hidden=p.hidden, dtype=cfg.dtype,
-               rank=rank, status="skipped", throughput_unit=f"{p.unit}/s")
+               rank=rank, status="skipped", throughput_unit=f"{p.unit}/s",
+               cuda_graphs=bool(getattr(cfg, "cuda_graphs", False)))
     return row
 
 

@@ -192,6 +192,7 @@ def _cell(row, key, kind):
 TABLE_COLUMNS = [("preset", "preset", None), ("variant", "variant", None), ("halves", "halves", None),
                  ("depth", "depth", None), ("batch", "batch", None), ("seq", "seq_len", None),
                  ("step ms", "step_time_ms", "ms"), ("step ms min / med / max", "step_time_ms", "spread"),
+                 ("host ms", "host_ms", "ms"),
                  ("throughput/s", "throughput", "rate"),
                  ("peak MiB", "peak_mem_bytes", "mib"), ("launches", "launches_per_step", None),
                  ("max batch", "max_batch", None), ("t/coupled-stored", "time_vs_vanilla", "ratio"),

@@ -43,6 +43,10 @@ COLUMNS = {
     "step_time_min_ms": (["number", "null"], "fastest step, ms"),
     "step_time_max_ms": (["number", "null"], "slowest step, ms (with min and the median: the spread over repeats)"),
     "step_time_repeats": (["integer", "null"], "timed steps the median, min and max are over"),
+    "host_ms": (["number", "null"], ("median host time of a step call, ms: from the call until it returns, without "
+                                     "waiting for the device (on a GPU, step_time_ms near host_ms: the GPU waits on "
+                                     "the host; on a CPU both are the step)")),
+    "cuda_graphs": (["boolean", "null"], "the step captured in a CUDA graph and replayed (--cuda-graphs)"),
     "throughput": (["number", "null"], "samples of the preset's unit per second (see throughput_unit)"),
     "throughput_unit": ("string", "images/s (ViT) or tokens/s"),
     "tokens_per_s": (["number", "null"], "batch * seq_len / step time"),
@@ -65,7 +69,7 @@ COLUMNS = {
 # Columns added after schema version 1 first shipped: rows of older files may lack them (read as
 # null); rows written now always have them.
 OPTIONAL_COLUMNS = ("step_time_max_ms", "step_time_repeats", "time_vs_prenorm", "mem_vs_prenorm",
-                    "speedup_vs_sequential_note")
+                    "speedup_vs_sequential_note", "host_ms", "cuda_graphs")
 # Columns every CSV row repeats so a CSV file stands alone.
 CSV_META_COLUMNS = ("device_name", "torch_version", "triton_version", "date")
 CSV_COLUMNS = CSV_META_COLUMNS + tuple(COLUMNS)

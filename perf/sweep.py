@@ -8,7 +8,10 @@ stored activations, the baseline most models train with) runs a training step (f
 and records:
 
 * step time: median over ``repeats`` steps after ``warmup`` steps (CUDA events on a GPU), and the
-  spread: the fastest and slowest of those steps;
+  spread: the fastest and slowest of those steps; the host's share (``host_ms``: until the step's
+  call returns, the device not waited for);
+* ``--cuda-graphs``: each point's step (every variant, baselines included) captured in a CUDA graph
+  (``revtriton.CapturedStep``) after the warm-up, the replays timed; memory is an eager step's;
 * throughput: images/s (ViT) or tokens/s, and tokens/s for every preset;
 * peak memory of a step above what was allocated when it started (parameters, their .grad
   buffers kept from the warm-up, the input): ``perf.memory.peak_memory`` (CUDA allocator
@@ -53,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from . import measure
 from .measure import (Distributed, OutOfMemoryError, Point, device_info, empty_row, init_distributed,  # noqa: F401
                       largest_batch, pick_device, run_point, time_steps, triton_version)
 from .models import ModelError, UserModel, add_model_args, model_from_args
@@ -102,6 +106,7 @@ class SweepConfig:
     time_limit_s: float | None
     threads: int | None = None  # CPU: torch.set_num_threads (None: torch's default)
     seed: int = 0
+    cuda_graphs: bool = False  # each step captured in a CUDA graph and replayed (revtriton.CapturedStep)
     models: dict = field(default_factory=dict)  # name -> Preset fields of a user model (perf.models)
 
     def preset(self, name: str) -> Preset:
@@ -235,6 +240,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("fp32", "bf16"), help="bf16: autocast (default: the suite's)")
     ap.add_argument("--threads", type=int, help="CPU threads for torch (default on a CPU: 1)")
     ap.add_argument("--float-streams", action="store_true", help="revtriton with exact=False")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="capture each point's step in a CUDA graph and time its replays (every variant, the "
+                         "stored-activation baselines too, so ratios compare like with like); CUDA only")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=None,
                     help="search the largest batch that fits the budget (default: on a GPU)")
     ap.add_argument("--mem-budget-gb", type=float, help="budget for --max-batch (default: 90%% of the GPU)")
@@ -319,6 +327,10 @@ def config_from_args(args, device, user: UserModel | None = None) -> SweepConfig
         cfg.variants = pairs
     if args.float_streams:
         cfg.exact = False
+    if args.cuda_graphs:
+        if device.type != "cuda" and measure.GRAPH_BACKEND is None:
+            raise SystemExit("perf.sweep: --cuda-graphs needs a CUDA device (a CUDA graph)")
+        cfg.cuda_graphs = True
     if args.mem_budget_gb is not None:
         cfg.mem_budget_bytes = int(args.mem_budget_gb * 2**30)
         cfg.max_batch = True if args.max_batch is None else args.max_batch
@@ -405,11 +417,17 @@ def main(argv=None) -> int:
     ddp = init_distributed(requested)
     device = pick_device(requested, ddp)
     cfg = config_from_args(args, device, user)
+    if cfg.cuda_graphs and ddp.active:
+        print("perf.sweep: --cuda-graphs under torchrun is not supported yet (DDP's capture needs its own "
+              "warm-up, PyTorch's CUDA-graph notes)", file=sys.stderr)
+        return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     info = device_info(device)
     created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     tag = args.tag if args.tag is not None else ("" if cfg.suite == "full" else cfg.suite)
+    if cfg.cuda_graphs and args.tag is None:
+        tag = "-".join(t for t in (tag, "graphs") if t)
     if ddp.active:
         tag = "-".join(t for t in (tag, f"ws{ddp.world_size}") if t)
     out_dir = Path(args.out)

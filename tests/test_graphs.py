@@ -30,16 +30,16 @@ class RerunGraphs:
 
     def capture(self, run, pool):
         self.captures += 1
-        return {"run": run, "fresh": True}, self._run_as_captured(run)
+        out = self._run_as_captured(run)
+        return {"run": run, "fresh": True, "outputs": out}, out
 
     def replay(self, graph):
         self.replays += 1
         if graph["fresh"]:  # the capturing call: the capture already ran it
             graph["fresh"] = False
             return
-        out = self._run_as_captured(graph["run"])
-        _copy_into(self.step.static_outputs, out)
-        for p, buffer in self.step._grads:
+        _copy_into(graph["outputs"], self._run_as_captured(graph["run"]))
+        for p, buffer in self.step._grads if self.step is not None else ():
             if p.grad is not None and p.grad is not buffer:
                 buffer.copy_(p.grad)
 

@@ -975,3 +975,28 @@ def test_every_perf_option_has_a_description():
                     and not any(k.arg == "help" for k in node.keywords)):
                 missing.append(f"{path.name}:{node.lineno} {ast.unparse(node.args[0])}")
     assert missing == []
+
+
+def test_cuda_graphs_sweep_times_replays_of_every_variant(tmp_path, capsys, monkeypatch):
+    """--cuda-graphs (issue 35) on a CPU with tests/test_graphs.py's stand-in graph: every variant,
+    baselines included, is captured once after its warm-up and the timed steps are replays; the
+    rows say so and carry the host time; the files are named apart from an eager run's."""
+    from test_graphs import RerunGraphs
+
+    backends = []
+    monkeypatch.setattr(measure, "GRAPH_BACKEND", lambda: backends.append(RerunGraphs()) or backends[-1])
+    variants = "coupled-stored,checkpoint,revtriton-sequential,revtriton-pareprop,prenorm-stored"
+    argv = ["--quick", "--presets", "gpt2", "--depths", "2", "--batches", "2", "--variants", variants,
+            "--warmup", "2", "--repeats", "3", "--no-plots", "--no-progress", "--out", str(tmp_path)]
+    assert sweep.main(argv + ["--cuda-graphs"]) == 0
+    doc = json.loads(next(tmp_path.glob("*-graphs.json")).read_text())
+    assert [r["variant"] for r in doc["rows"]] == variants.split(",")
+    assert all(r["status"] == "ok" and r["cuda_graphs"] is True and r["host_ms"] > 0 for r in doc["rows"])
+    assert [(b.warm_ups, b.captures, b.replays) for b in backends] == [(2, 1, 4)] * 5  # 1 capture + 3 timed
+    schema.validate_results(doc)
+    monkeypatch.setattr(measure, "GRAPH_BACKEND", None)
+    assert sweep.main(argv) == 0  # eager: its own files, rows say so
+    eager = [p for p in tmp_path.glob("*.json") if not p.name.endswith("-graphs.json")]
+    assert len(eager) == 1 and all(r["cuda_graphs"] is False for r in json.loads(eager[0].read_text())["rows"])
+    with pytest.raises(SystemExit, match="--cuda-graphs needs a CUDA device"):
+        sweep.config_from_args(sweep.parse_args(["--quick", "--cuda-graphs"]), torch.device("cpu"))
