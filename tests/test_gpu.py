@@ -631,3 +631,34 @@ def test_a_captured_step_is_bitwise_the_eager_step(make_block, schedule, dropout
         assert all(torch.equal(a, b) for a, b in zip(stacks[0].parameters(), stacks[1].parameters())), i
     assert step.captured
     step.check()
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_a_captured_steps_memory_pool_is_flat_in_depth(schedule):
+    """Issue 35: the memory a CUDA graph of a reversible step takes at capture (its private pool:
+    the step's activations and temporaries; the gradients kept outside it by zero_grad(set_to_none=False))
+    does not grow with depth."""
+    from revtriton import CapturedStep
+
+    pools = {}
+    for depth in (4, 8):
+        torch.manual_seed(0)
+        stack = ReversibleStack([llama_block() for _ in range(depth)], schedule=schedule).cuda().train()
+        optimizer = torch.optim.SGD(stack.parameters(), lr=1e-3)
+
+        def train_step(x, stack=stack, optimizer=optimizer):
+            optimizer.zero_grad(set_to_none=False)
+            stack(x).float().square().mean().backward()
+            optimizer.step()
+
+        step = CapturedStep(train_step, warmup=1)
+        x = torch.randn(4, 512, 256, device="cuda")
+        step(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        step(x)  # the capture
+        torch.cuda.synchronize()
+        pools[depth] = torch.cuda.memory_reserved() - before
+        del step, stack, optimizer
+        torch.cuda.empty_cache()
+    assert pools[4] > 0 and pools[8] <= 1.3 * pools[4], pools
