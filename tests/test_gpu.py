@@ -599,7 +599,8 @@ def test_the_compiled_checksum_is_bitwise_the_reference():
 def test_a_captured_step_is_bitwise_the_eager_step(make_block, schedule, dropout):
     """Issue 35: engine.graphs.CapturedStep (forward, two-stream backward, AdamW(capturable=True))
     against the same steps run eagerly, exact streams, depth 12: every loss and parameter bitwise,
-    through the warm-up, the capture and the replays; the replays' checks pass."""
+    through the warm-up, the capture and the replays; the replays' checks pass. With drop-path the
+    capture raises for now (halves.randomness.CAPTURED_DRAW_MESSAGE), after the eager warm-up."""
     from revtriton import CapturedStep
 
     torch.manual_seed(0)
@@ -621,6 +622,13 @@ def test_a_captured_step_is_bitwise_the_eager_step(make_block, schedule, dropout
         return train_step
 
     eager, step = trainer(stacks[0], optimizers[0]), CapturedStep(trainer(stacks[1], optimizers[1]), warmup=2)
+    if dropout:
+        x = torch.randn(2, 64, 256, device="cuda")
+        step(x, x)
+        step(x, x)
+        with pytest.raises(NotImplementedError, match="cannot run inside a CUDA graph capture"):
+            step(x, x)
+        return
     for i in range(6):
         x, target = torch.randn(2, 64, 256, device="cuda"), torch.randn(2, 64, 256, device="cuda")
         torch.manual_seed(100 + i)

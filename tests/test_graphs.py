@@ -2,7 +2,9 @@
 outputs, gradients that stay the graph's, exact streams' checks read after replays, and the errors
 where a step cannot be captured. A stand-in backend "captures" by running the step once under the
 rules of a capture (no host sync; checks wait) and "replays" by running it again under the same
-rules; tests/test_gpu.py runs the real CUDA graphs.
+rules; tests/test_gpu.py runs the real CUDA graphs. (The stand-in does not hold CUDA's rule for
+random numbers, that a graph draws only from generator states registered before its capture: the
+dropout steps below pass here; on a GPU such a capture raises, tested below with that check on.)
 """
 import pytest
 import torch
@@ -239,3 +241,20 @@ def test_a_replays_failed_exact_check_is_raised_by_check_and_by_check_step(seede
     half.broken = False
     with pytest.raises(RuntimeError, match="failed its exact-stream check"):
         revtriton.check_step()
+
+
+def test_a_half_drawing_random_numbers_under_capture_raises_naming_it(seeded, monkeypatch):
+    """On a GPU a graph draws only from generator states registered before its capture, and the
+    engine forks a half's generator at its first draw: such a capture raises, saying why (the check
+    is CUDA's; here the stand-in's capture stands for it). Warm-up calls and halves that draw nothing
+    are unaffected."""
+    from revtriton.halves import randomness
+
+    monkeypatch.setattr(randomness, "graph_capturing", lambda device: checks.capturing_now())
+    stack = build(2, "sequential", True, seed=seeded)  # dropout and drop-path
+    step, _ = captured(trainer(stack, torch.optim.SGD(stack.parameters(), lr=0.01)), warmup=1)
+    batch = (torch.randn(2, 3, 12), torch.randn(2, 3, 12))
+    step(*batch)
+    with pytest.raises(NotImplementedError, match=r"draws random numbers.*cannot run inside a CUDA graph capture"):
+        step(*batch)
+    assert not step.captured and not checks.capturing_now()

@@ -17,6 +17,9 @@ is replayed each step, gradient accumulation inside it too. What a graph cannot 
 * No host sync inside the step (``.item()``, ``print(tensor)``, ``nonzero``): capture fails; the
   error says so. The stack's own step makes none (tests/test_host_sync.py).
 * Optimizers with a step count (Adam, AdamW, ...) need ``capturable=True``: checked at capture.
+* No half that draws random numbers (dropout, drop-path) yet: the engine replays a half's draws
+  from a generator forked at its first draw, and a graph draws only from generator states
+  registered before its capture (halves.randomness says more); such a capture raises, saying so.
 
 The design follows PyTorch's whole-network capture (``torch.cuda.graphs``): warm-up calls on a
 side stream (they run the backend choice and the autotuners, so the captured kernels are the
@@ -136,7 +139,8 @@ class CapturedStep:
         except RuntimeError as error:
             self.graph = None
             message = str(error)
-            if not message.startswith("CapturedStep:") and ("capturing" in message or "graph capture" in message):
+            ours = message.startswith(("CapturedStep:", "revtriton:"))
+            if not ours and ("capturing" in message or "graph capture" in message):
                 raise RuntimeError(f"CapturedStep: the step could not be captured in a CUDA graph: {HOST_SYNC_HINT} "
                                    f"({message})") from error
             raise

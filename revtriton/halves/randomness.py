@@ -68,6 +68,8 @@ class HalfGenerators:
     def generator(self, device: torch.device) -> torch.Generator:
         generator = self.generators.get(device)
         if generator is None:
+            if graph_capturing(device):
+                raise NotImplementedError(CAPTURED_DRAW_MESSAGE)
             start = self.start.get(device)
             if start is None:  # recording (replaying: a device the forward did not draw on; nothing kept)
                 start = self.source(device).clone_state()
@@ -85,6 +87,22 @@ class HalfGenerators:
                 source.graphsafe_set_state(generator.clone_state())
             else:
                 source.set_state(generator.get_state())
+
+
+# A half's draws are forked from the global generator at its first draw and replayed from that fork
+# in the recompute. Inside a CUDA graph capture PyTorch draws only from generator states registered
+# with the graph before the capture began (its graph-safe RNG); a fork made during the capture is not
+# one, and no registered state can start where the global generator stands at the half's draw.
+CAPTURED_DRAW_MESSAGE = (
+    "revtriton: a half that draws random numbers (dropout, drop-path) cannot run inside a CUDA graph capture "
+    "yet: its recompute replays the forward's numbers from a generator forked at the draw, and a graph draws "
+    "only from generator states registered before its capture. Capture the step with dropout and drop-path at "
+    "0, or run it eagerly")
+
+
+def graph_capturing(device: torch.device) -> bool:
+    """Whether a draw on ``device`` would be captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def active_half() -> HalfGenerators | None:
