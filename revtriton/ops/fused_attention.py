@@ -772,7 +772,7 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
     if row_scale is not None:
         row_scale = row_scale.reshape(plan.rows).to(torch.float32).contiguous()
     # Weights in the operand dtype (a no-op without autocast); autograd takes the cast back.
-    w_qkv_c, w_proj_c = w_qkv.to(dot_dtype), w_proj.to(dot_dtype)
+    w_qkv_c, w_proj_c = gemm.as_operand(w_qkv, dot_dtype), gemm.as_operand(w_proj, dot_dtype)
     tensors = (res, x, norm_weight, norm_bias, w_qkv_c, b_qkv, w_proj_c, b_proj)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if not needs_grad:

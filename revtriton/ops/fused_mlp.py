@@ -90,7 +90,7 @@ def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
         x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias, out_dtype=dot_dtype))(
         x2, norm_weight, norm_bias)
-    w1, w2 = w1.to(dot_dtype), w2.to(dot_dtype)
+    w1, w2 = gemm.as_operand(w1, dot_dtype), gemm.as_operand(w2, dot_dtype)
     a1, z1 = plan.launch(1, lambda: gemm.LinearLaunch(n, w1, b1, activation=activation, save_preact=save))(n, w1, b1)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
         a1, w2, b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale))(a1, w2, b2, res2, row_scale,
@@ -145,7 +145,7 @@ class FusedNormMLPCouple(torch.autograd.Function):
         g, back = _backward_plan(ctx, grads, frac_bits, dim)
         gs, db2 = _scaled_grad(back, g, sign, row_scale, dot_dtype, b2_dtype if need[7] else None)
         w1_dtype, w2_dtype = w1.dtype, w2.dtype
-        w1, w2 = w1.to(dot_dtype), w2.to(dot_dtype)
+        w1, w2 = gemm.as_operand(w1, dot_dtype), gemm.as_operand(w2, dot_dtype)
         dz1, db1 = back.launch(1, lambda: gemm.LinearActBwdLaunch(
             gs, w2, z1, activation=activation, col_sums=b1_dtype is not None and need[5], sums_dtype=b1_dtype))(
             gs, w2, z1)
@@ -215,7 +215,8 @@ def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, 
                     save, scale):
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
         x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
-    w_gate, w_up, w_down = w_gate.to(dot_dtype), w_up.to(dot_dtype), w_down.to(dot_dtype)
+    w_gate, w_up, w_down = (gemm.as_operand(w_gate, dot_dtype), gemm.as_operand(w_up, dot_dtype),
+                             gemm.as_operand(w_down, dot_dtype))
     a1, z = plan.launch(1, lambda: gemm.LinearLaunch(n, w_gate, None, activation="swiglu", weight_up=w_up,
                                                      save_preact=save))(n, w_gate, None, w_up)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
@@ -252,7 +253,8 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         g, back = _backward_plan(ctx, grads, frac_bits, dim)
         gs, _ = _scaled_grad(back, g, sign, row_scale, dot_dtype, None)
         weight_dtypes = (w_gate.dtype, w_down.dtype)
-        w_gate, w_up, w_down = w_gate.to(dot_dtype), w_up.to(dot_dtype), w_down.to(dot_dtype)
+        w_gate, w_up, w_down = (gemm.as_operand(w_gate, dot_dtype), gemm.as_operand(w_up, dot_dtype),
+                                gemm.as_operand(w_down, dot_dtype))
         dz, _ = back.launch(1, lambda: gemm.LinearActBwdLaunch(gs, w_down, z, activation="swiglu"))(gs, w_down, z)
         pending = []
         d_down = d_gate = d_up = dx = norm_part = None

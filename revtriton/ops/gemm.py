@@ -291,6 +291,13 @@ def _aligned_8_only(*sizes) -> bool:
     return all(n % 8 == 0 for n in sizes) and any(n % 16 for n in sizes)
 
 
+def as_operand(w, dtype):
+    """``w`` in the GEMM operand dtype: itself when it already is (``Tensor.to`` costs about a
+    microsecond of argument parsing even when it changes nothing; the fused couples call it for every
+    weight of every call)."""
+    return w if w.dtype == dtype else w.to(dtype)
+
+
 def _weight_as_b(weight):
     """An nn.Linear weight [N, K] read as B = weight.T [K, N]: (tensor, (stride_k, stride_n))."""
     return weight, (weight.stride(1), weight.stride(0))
