@@ -44,8 +44,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import checks
 
 HOST_SYNC_HINT = ("a host sync inside the step (.item(), bool(tensor), print(tensor), a data-dependent shape such "
-                  "as nonzero or boolean indexing) or a copy between host and device; run the step eagerly under "
-                  "torch.cuda.set_sync_debug_mode('error') to find it")
+                  "as nonzero or boolean indexing, fp16's GradScaler.step checking for infs: train in bf16) or a "
+                  "copy between host and device; run the step eagerly under torch.cuda.set_sync_debug_mode('error') "
+                  "to find it")
 
 
 class _CudaGraphs:
