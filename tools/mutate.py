@@ -43,6 +43,16 @@ class Mutant:
 
 
 MUTANTS = [
+    # ---- post-norm encoders under meft1 / meft2 (issue 48)
+    Mutant("postnorm-layer-without-the-mask", "revtriton/convert/postnorm.py",
+           "        mask = None if cond is None else _unpack_host_cond(cond).mask_for(self.block)\n",
+           "        mask = None\n",
+           ("tests/test_postnorm.py", "-k", "keeping_the_function and Bert"),
+           "a whole-layer half attends to padding (the model's mask not handed to the layer)"),
+    Mutant("postnorm-relative-positions-admitted", "revtriton/convert/postnorm.py",
+           "    if extra:\n        raise NotImplementedError(", "    if False:\n        raise NotImplementedError(",
+           ("tests/test_postnorm.py", "-k", "deberta"),
+           "DeBERTa-v2's layers run without their relative positions, silently"),
     # ---- a training step captured in a CUDA graph (issue 35; tests on a CPU stand-in)
     Mutant("captured-check-not-kept", "revtriton/engine/graphs.py",
            "                self._failed.logical_or_(torch.stack([c.failed_flag() for c in flagged]).any())\n",
@@ -80,7 +90,7 @@ MUTANTS = [
            ("tests/test_peft.py", "-k", "resumed and lora_then_revify"),
            "revify of a PEFT model leaves the adapters out of modules_to_save: checkpoints lack them, resume resets them"),
     Mutant("peft-frozen-adapters-unchecked", "revtriton/convert/core.py",
-           "            check_adapters_train(self, list(adapters.values()))\n", "            pass\n",
+           "        check_adapters_train(block, list(adapters.values()))\n", "        pass\n",
            ("tests/test_peft.py", "-k", "raises_on_a_training_step"),
            "LoRA after revify(preserve=...) without modules_to_save: the frozen zero adapters never train, silently"),
     Mutant("peft-wrapper-original-trained", "revtriton/convert/preserve.py",

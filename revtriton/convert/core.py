@@ -33,9 +33,7 @@ class _RevifiedBlock:
         mode = getattr(self, "_revtriton_preserve", None)
         if mode is None:
             return attention, mlp
-        adapters = {slot: active_adapter(module) for slot, module in self.revtriton_adapters.items()}
-        if self.training and torch.is_grad_enabled():
-            check_adapters_train(self, list(adapters.values()))
+        adapters = preserving_adapters(self)
         parallel = _parallel_residual(self)
         if mode == "meft1":
             return _WholeLayer(attention, mlp, adapters["f"], parallel), adapters["g"]
@@ -52,6 +50,15 @@ class _RevifiedBlock:
             f"{type(self).__name__} is a block of a ReversibleStack made by revtriton.revify and runs only inside "
             f"the stack; per-block calls (attention masks, is_causal, gradient checkpointing) are not supported"
         )
+
+
+def preserving_adapters(block) -> dict:
+    """A preserving conversion's adapters of ``block`` by slot, as its forward runs them (PEFT's
+    trained copy when PEFT wraps them); a training forward checks that they train."""
+    adapters = {slot: active_adapter(module) for slot, module in block.revtriton_adapters.items()}
+    if block.training and torch.is_grad_enabled():
+        check_adapters_train(block, list(adapters.values()))
+    return adapters
 
 
 class _OrdinaryBlock:

@@ -101,9 +101,9 @@ class _EncoderMlpHalf(_Half):
         return _residual_dropout(b.output, "dropout")(b.output.dense(h))
 
 
-def _prenorm_encoder_base(model: nn.Module):
-    """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm before
-    each branch (``encoder.layer``; see the section's comment), whatever its class, or None."""
+def bert_style_layer(model: nn.Module) -> tuple | None:
+    """``(base model, its first layer)`` of a Hugging Face encoder whose layers (``encoder.layer``)
+    have BERT's parts (``attention.self``, ``attention.output``, ``intermediate``, ``output``), or None."""
     base = getattr(model, "base_model", model)
     if not type(base).__module__.startswith("transformers"):
         return None
@@ -114,9 +114,16 @@ def _prenorm_encoder_base(model: nn.Module):
     attention = getattr(layer, "attention", None)
     parts = (getattr(attention, "self", None), getattr(attention, "output", None),
              getattr(layer, "intermediate", None), getattr(layer, "output", None))
-    if any(part is None for part in parts) or _attention_norm(layer) is None or _mlp_norm(layer)[0] is None:
+    return None if any(part is None for part in parts) else (base, layer)
+
+
+def _prenorm_encoder_base(model: nn.Module):
+    """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm before
+    each branch (see the section's comment), whatever its class, or None."""
+    found = bert_style_layer(model)
+    if found is None or _attention_norm(found[1]) is None or _mlp_norm(found[1])[0] is None:
         return None
-    return base
+    return found[0]
 
 
 def _convert_prenorm_encoder(model, conversion, base):

@@ -1,0 +1,125 @@
+"""Hugging Face post-norm encoders with BERT's layer parts (BERT, RoBERTa, ...: a LayerNorm after
+each residual add, in ``attention.output`` and ``output``) under the preserving couplings whose one
+half is the whole pretrained layer: ``meft1`` (F = the layer plus an adapter, G an adapter) and
+``meft2`` (F an adapter, G the layer), MEFT's own setting (its backbones are BERT and RoBERTa).
+
+A norm after the add is inside the half there, so nothing needs inverting through it: the half is
+the layer's own forward (its attention with the library's mask), its output the layer's output. The
+function-changing conversion and ``meft3`` couple each branch to a stream, which a norm applied after
+the add does not fit: they refuse, naming the modes that work.
+"""
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from ..ops.streams import couple_output
+from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, preserving_adapters
+from .encoder import _HostEncoderModel, _attention_norm, bert_style_layer
+from .host import (_convert_hosted_layers, _first, _library_forward, _require_hosted_layer_loop,
+                   _unpack_host_cond)
+from .probe import _require_layer_loop
+
+WHOLE_LAYER_MODES = ("meft1", "meft2")
+
+
+class _LibraryLayer:
+    """The pretrained layer as one half: its own forward, with the model's mask (none when called
+    alone: every row one sequence), its output the layer's (residual and norms included)."""
+
+    takes_cond = True
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    def parameters(self):  # the block's (what the engine reads a stream's value dtype from)
+        return self.block.parameters()
+
+    def __call__(self, x, cond=None):
+        mask = None if cond is None else _unpack_host_cond(cond).mask_for(self.block)
+        return _first(_library_forward(self.block)(self.block, x, attention_mask=mask))
+
+    def couple(self, res, x, sign, frac_bits=None, cond=None):
+        return couple_output(res, self(x, cond), sign, frac_bits)
+
+
+class _LibraryLayerWithAdapter(_LibraryLayer):
+    """meft1's F: the layer's output plus an adapter of the layer's input."""
+
+    def __init__(self, block: nn.Module, adapter: nn.Module):
+        super().__init__(block)
+        self.adapter = adapter
+
+    def __call__(self, x, cond=None):
+        return super().__call__(x, cond) + self.adapter(x)
+
+
+class _PostNormBlock(_RevifiedBlock):
+    _class_prefix = "RevifiedPostNorm"
+
+    def coupling_halves(self):
+        adapters = preserving_adapters(self)
+        if self._revtriton_preserve == "meft1":
+            return _LibraryLayerWithAdapter(self, adapters["f"]), adapters["g"]
+        return adapters["f"], _LibraryLayer(self)
+
+
+class _PostNormOrdinaryBlock(_OrdinaryBlock):
+    _class_prefix = "RevifiedPostNormOrdinary"
+
+    def forward(self, x, cond=None):
+        return _LibraryLayer(self)(x, cond)
+
+
+def _postnorm_encoder_base(model: nn.Module):
+    """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm after
+    each residual add (``attention.output.LayerNorm``, ``output.LayerNorm``), or None."""
+    found = bert_style_layer(model)
+    if found is None or _attention_norm(found[1]) is not None:
+        return None
+    base, layer = found
+    norms = (getattr(layer.attention.output, "LayerNorm", None), getattr(layer.output, "LayerNorm", None))
+    if not all(isinstance(norm, nn.LayerNorm) for norm in norms):
+        return None
+    extra = [name for name in inspect.signature(type(layer).forward).parameters if name not in LAYER_INPUTS]
+    if extra:
+        raise NotImplementedError(
+            f"revify: {type(model).__name__}'s post-norm layers take {', '.join(extra)} from the encoder's loop "
+            f"(relative positions, as DeBERTa's), which a whole-layer half is not given yet (it gets the hidden "
+            f"states and the mask): not supported")
+    return base
+
+
+# The inputs of a BERT-style layer's forward a whole-layer half provides (the mask) or that an encoder
+# without cross-attention or a cache leaves at their defaults.
+LAYER_INPUTS = {"self", "hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+                "cache", "past_key_value", "past_key_values", "cache_position", "output_attentions", "kwargs"}
+
+
+def _convert_postnorm_encoder(model, conversion, base):
+    name, config = type(model).__name__, base.config
+    if conversion.preserve not in WHOLE_LAYER_MODES:
+        asked = "revify(model)" if conversion.preserve is None else f"preserve={conversion.preserve!r}"
+        raise NotImplementedError(
+            f"revify: {name} has post-norm layers (a LayerNorm after each residual add, as BERT and RoBERTa): "
+            f"{asked} couples each branch to a stream, which a norm applied after the add does not fit; "
+            f"preserve='meft1' or 'meft2' converts it (the whole pretrained layer is one half, MEFT's setting)")
+    _require_hosted_layer_loop(name)
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
+                                  f"cache, or cross-attention) is not supported; the encoder is")
+    _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
+    for block in base.encoder.layer:
+        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
+                           _HostEncoderModel)
+
+
+FAMILY = Family(
+    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa: any head), under "
+                         "preserve='meft1' or 'meft2'",),
+    _convert_postnorm_encoder, detect=_postnorm_encoder_base,
+    conventions={("PostNorm", None, "Layer"): _PostNormBlock,
+                 ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
+

@@ -1,0 +1,136 @@
+"""Post-norm encoders (BERT, RoBERTa, ELECTRA: a LayerNorm after each residual add) under the
+preserving couplings whose one half is the whole pretrained layer, meft1 and meft2 (issue 48): MEFT's
+own setting. The other conversions refuse them, naming the modes that work.
+"""
+import copy
+
+import pytest
+import torch
+
+from revtriton import revify, to_stored_activations
+from revtriton.profiling import peak_memory
+
+from test_host_forward import assert_saves_and_pickles
+from test_models import check_against_twin
+
+transformers = pytest.importorskip("transformers")
+SCALE_BITS = 6  # revify's default
+
+
+def hf_encoder(kind="Bert", head="ForSequenceClassification", seed=0, layers=3, **overrides):
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=64, num_labels=2, **overrides)
+    return getattr(transformers, f"{kind}{head}")(config)
+
+
+def padded_batch(rows=2, tokens=12):
+    ids = torch.randint(1, 128, (rows, tokens))
+    mask = torch.ones(rows, tokens, dtype=torch.long)
+    mask[1:, tokens - 4:] = 0  # right padding: the model's mask reaches each whole-layer half
+    return ids, mask
+
+
+def relative(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra"])
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, seeded):
+    """Right after conversion the logits are the unconverted model's up to the coupling's term (each
+    block adds 2**-scale_bits times a stream: at most depth times that, relative); a training step
+    (dropout on) gives a finite loss and a finite gradient to every trainable parameter, the adapters'
+    up projections (zero at conversion) a nonzero one."""
+    model = hf_encoder(kind, seed=seeded).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    revify(model, preserve=mode)
+    assert type(model.base_model.encoder.layer).__name__ == "ReversibleStack"
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert relative(after, before) <= 3 * 2**-SCALE_BITS
+    with torch.no_grad():  # the padded row is its real tokens alone: the mask reached every layer
+        alone = model(input_ids=ids[1:, :-4]).logits
+    assert relative(after[1:], alone) <= 1e-4  # (exact streams: a 2**-16 grid; unmasked: about 1e-2)
+    model.train()
+    loss = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1])).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    ups = [p.grad for n, p in model.named_parameters() if ".revtriton_adapters." in n and n.endswith("up.weight")]
+    assert ups and any(g.abs().sum() > 0 for g in ups)
+
+
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_an_exact_step_equals_its_stored_twin_and_the_model_saves_and_pickles(mode, seeded, tmp_path):
+    model = revify(hf_encoder(seed=seeded, hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    ids, mask = padded_batch()
+    labels = torch.tensor([1, 0])
+    losses = []
+    for m in (model, twin):
+        torch.manual_seed(seeded)  # the same dropout masks
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    # meft1's top G adapter feeds the stream no one reads: the twin's autograd gives it no gradient,
+    # the reversible backward a zero one.
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if q.grad is None:
+            assert mode == "meft1" and ".revtriton_adapters.g." in name and not p.grad.any(), name
+            q.grad = torch.zeros_like(p.grad)
+    check_against_twin(model, twin, *losses, exact=True)
+    assert_saves_and_pickles(model, ids, tmp_path)
+
+
+@pytest.mark.parametrize("options, asked", [({}, "revify\\(model\\)"), (dict(preserve="meft3"), "preserve='meft3'")])
+def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked):
+    model = hf_encoder()
+    with pytest.raises(NotImplementedError, match=rf"post-norm layers.*{asked}.*preserve='meft1' or 'meft2'"):
+        revify(model, **options)
+    assert type(model.bert.encoder.layer).__name__ == "ModuleList"  # unchanged
+
+
+def test_deberta_v2s_relative_positions_refuse_clearly():
+    model = hf_encoder("DebertaV2")
+    with pytest.raises(NotImplementedError, match="relative_pos, rel_embeddings.*not supported"):
+        revify(model, preserve="meft1")
+
+
+def test_bert_fine_tunes_on_a_toy_task_from_its_own_loss_with_memory_flat_in_depth(seeded):
+    """meft1 on a toy classification (the label: whether the first token is even): the first loss is
+    the unconverted model's within the coupling's term, 20 AdamW steps bring it down, and a step's
+    peak memory past its parameter gradients does not grow with depth (4 against 8 layers), where the
+    unconverted model's does."""
+    g = torch.Generator().manual_seed(seeded)
+    ids = torch.randint(1, 128, (16, 24), generator=g)
+    labels = ids[:, 0] % 2
+    model = hf_encoder(seed=seeded, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).train()
+    with torch.no_grad():
+        plain_loss = model(input_ids=ids, labels=labels).loss
+    revify(model, preserve="meft1")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert abs(losses[0] - plain_loss.item()) <= 3 * 2**-SCALE_BITS * plain_loss.item()
+    assert losses[-1] < 0.8 * losses[0], losses
+
+    def step_peak(layers, convert):
+        net = hf_encoder(seed=seeded, layers=layers, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        net = revify(net, preserve="meft1") if convert else net
+        net.train()
+        batch = torch.randint(1, 128, (8, 48), generator=g)
+        net(input_ids=batch, labels=batch[:, 0] % 2).loss.backward()  # the .grad buffers exist from here on
+        return peak_memory(lambda: net(input_ids=batch, labels=batch[:, 0] % 2).loss.backward())
+
+    assert step_peak(8, True) <= 1.25 * step_peak(4, True)
+    assert step_peak(8, False) >= 1.5 * step_peak(4, False)  # what the reversible stack removes
