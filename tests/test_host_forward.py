@@ -543,12 +543,13 @@ def test_opt_drops_what_its_dropout_drops(seeded):
 def test_opt_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
     """An exact training step with OPT's branch dropout bitwise equals its stored-activation twin;
     save / load and a fresh process's unpickling give the converted model back; a half called alone
-    refuses (the mask is the model's); post-norm OPT (350M) and layerdrop are refused, named."""
+    refuses (the mask is the model's); layerdrop is refused, named, and post-norm OPT (350M) but under
+    meft1 / meft2 (tests/test_postnorm.py)."""
     model = revify(_opt(seeded, dropout=0.1), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
         model.model.decoder.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
-    with pytest.raises(NotImplementedError, match="do_layer_norm_before=False"):
+    with pytest.raises(NotImplementedError, match="do_layer_norm_before=False has post-norm.*'meft1' or 'meft2'"):
         revify(_opt(seeded, do_layer_norm_before=False))
     with pytest.raises(NotImplementedError, match="layerdrop=0.1"):
         revify(_opt(seeded, layerdrop=0.1))

@@ -1,6 +1,6 @@
-"""Post-norm encoders (BERT, RoBERTa, ELECTRA: a LayerNorm after each residual add) under the
-preserving couplings whose one half is the whole pretrained layer, meft1 and meft2 (issue 48): MEFT's
-own setting. The other conversions refuse them, naming the modes that work.
+"""Post-norm layers (BERT, RoBERTa, ELECTRA encoders and OPT-350M's decoder: a LayerNorm after each
+residual add) under the preserving couplings whose one half is the whole pretrained layer, meft1 and
+meft2 (issue 48): MEFT's own setting. The other conversions refuse them, naming the modes that work.
 """
 import copy
 
@@ -10,7 +10,7 @@ import torch
 from revtriton import revify, to_stored_activations
 from revtriton.profiling import peak_memory
 
-from test_host_forward import assert_saves_and_pickles
+from test_host_forward import _opt, assert_saves_and_pickles
 from test_models import check_against_twin
 
 transformers = pytest.importorskip("transformers")
@@ -134,3 +134,30 @@ def test_bert_fine_tunes_on_a_toy_task_from_its_own_loss_with_memory_flat_in_dep
 
     assert step_peak(8, True) <= 1.25 * step_peak(4, True)
     assert step_peak(8, False) >= 1.5 * step_peak(4, False)  # what the reversible stack removes
+
+
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_post_norm_opt_converts_decodes_with_its_cache_trains_and_pickles(mode, seeded, tmp_path):
+    """OPT with do_layer_norm_before=False (OPT-350M): the logits within the coupling's term, greedy
+    generate with the library's cache equal to it without, a training step (branch dropout on) with
+    finite gradients everywhere, save / load / pickle / a fresh process."""
+    model = _opt(seeded, do_layer_norm_before=False)
+    ids = torch.randint(4, 128, (2, 10))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    revify(model, preserve=mode)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert relative(after, before) <= 3 * 2**-SCALE_BITS
+    prompt = ids[:1, :6]
+    cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))
+    model.config.dropout = 0.1
+    for layer in model.model.decoder.layers:
+        layer.dropout = 0.1
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert_saves_and_pickles(model, ids, tmp_path)

@@ -410,16 +410,7 @@ class _HostAttention:
     def _library_attention(self, x, host: "_HostCond"):
         if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
             return self._modules(x)
-        extra = {}
-        call = _HOST_CALL.get()
-        if not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None:
-            live = call.layer_kwargs[call.index_of(self.block)] or {}
-            cache = _layer_cache(live)
-            if cache is not None:  # decoding: the library's attention appends to its cache
-                extra = {key: value for key, value in live.items()
-                         if key not in ("attention_mask", "position_embeddings", "position_ids")}
-                call.keep_cache_layer(cache, self._attention_module().layer_idx)
-        return self._library_call(x, host, extra)
+        return self._library_call(x, host, decoding_inputs(self.block, self._attention_module().layer_idx))
 
     @staticmethod
     def _position_ids(host: "_HostCond"):
@@ -467,6 +458,23 @@ class _HostAttention:
         if self._fuses(x, host):
             return self._fused_with(torch.zeros_like(x), x, +1, None, host)[0]
         return self._library_attention(x, host)
+
+
+def decoding_inputs(block, layer_idx) -> dict:
+    """While the model decodes (no grad, a cache among the layer's inputs): the layer's own inputs
+    but those the conditioning carries (the mask, position ids, rotary embedding), so that the
+    library's attention appends to its cache (cache layer ``layer_idx``, kept to be put back if the
+    half runs again in this call); else nothing."""
+    call = _HOST_CALL.get()
+    if torch.is_grad_enabled() or call is None or call.layer_kwargs is None:
+        return {}
+    live = call.layer_kwargs[call.index_of(block)] or {}
+    cache = _layer_cache(live)
+    if cache is None:
+        return {}
+    call.keep_cache_layer(cache, layer_idx)
+    return {key: value for key, value in live.items()
+            if key not in ("attention_mask", "position_embeddings", "position_ids")}
 
 
 def _first(out):

@@ -10,23 +10,31 @@ the add does not fit: they refuse, naming the modes that work.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
 
 from ..ops.streams import couple_output
-from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, preserving_adapters
+from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, _spec_of, preserving_adapters
 from .encoder import _HostEncoderModel, _attention_norm, bert_style_layer
-from .host import (_convert_hosted_layers, _first, _library_forward, _require_hosted_layer_loop,
-                   _unpack_host_cond)
+from .host import (_convert_hosted_layers, _first, _HostAttention, _library_forward, _require_hosted_layer_loop,
+                   _unpack_host_cond, decoding_inputs)
 from .probe import _require_layer_loop
 
 WHOLE_LAYER_MODES = ("meft1", "meft2")
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(forward) -> frozenset:
+    return frozenset(inspect.signature(forward).parameters)
+
+
 class _LibraryLayer:
     """The pretrained layer as one half: its own forward, with the model's mask (none when called
-    alone: every row one sequence), its output the layer's (residual and norms included)."""
+    alone: every row one sequence), a decoder's position ids and, while decoding, its cache; its
+    output the layer's (residual and norms included). ``LayerSpec.attention`` names the layer's
+    attention module (its cache layer index) where the layer decodes."""
 
     takes_cond = True
 
@@ -37,8 +45,17 @@ class _LibraryLayer:
         return self.block.parameters()
 
     def __call__(self, x, cond=None):
-        mask = None if cond is None else _unpack_host_cond(cond).mask_for(self.block)
-        return _first(_library_forward(self.block)(self.block, x, attention_mask=mask))
+        forward = _library_forward(self.block)
+        if cond is None:
+            return _first(forward(self.block, x))
+        host = _unpack_host_cond(cond)
+        spec = _spec_of(self.block)
+        attention = self.block.get_submodule(spec.attention) if spec.attention else None
+        inputs = dict(decoding_inputs(self.block, getattr(attention, "layer_idx", None)),
+                      attention_mask=host.mask_for(self.block))
+        if "position_ids" in _parameters(forward):  # (a decoder's: flash attention finds packed rows by them)
+            inputs["position_ids"] = _HostAttention._position_ids(host)
+        return _first(forward(self.block, x, **inputs))
 
     def couple(self, res, x, sign, frac_bits=None, cond=None):
         return couple_output(res, self(x, cond), sign, frac_bits)
@@ -97,14 +114,19 @@ LAYER_INPUTS = {"self", "hidden_states", "attention_mask", "encoder_hidden_state
                 "cache", "past_key_value", "past_key_values", "cache_position", "output_attentions", "kwargs"}
 
 
-def _convert_postnorm_encoder(model, conversion, base):
-    name, config = type(model).__name__, base.config
+def require_whole_layer_mode(conversion, what: str):
+    """Post-norm layers (``what`` names them) convert only with the whole layer as one half."""
     if conversion.preserve not in WHOLE_LAYER_MODES:
         asked = "revify(model)" if conversion.preserve is None else f"preserve={conversion.preserve!r}"
         raise NotImplementedError(
-            f"revify: {name} has post-norm layers (a LayerNorm after each residual add, as BERT and RoBERTa): "
-            f"{asked} couples each branch to a stream, which a norm applied after the add does not fit; "
-            f"preserve='meft1' or 'meft2' converts it (the whole pretrained layer is one half, MEFT's setting)")
+            f"revify: {what} has post-norm layers (a LayerNorm after each residual add): {asked} couples each "
+            f"branch to a stream, which a norm applied after the add does not fit; preserve='meft1' or 'meft2' "
+            f"converts it (the whole pretrained layer is one half, MEFT's setting)")
+
+
+def _convert_postnorm_encoder(model, conversion, base):
+    name, config = type(model).__name__, base.config
+    require_whole_layer_mode(conversion, f"{name} (BERT-style)")
     _require_hosted_layer_loop(name)
     if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
         raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
