@@ -405,14 +405,15 @@ def test_bf16_model_trains_in_exact_mode(seeded):
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
-def test_post_norm_encoders_raise_naming_the_feature():
-    """BERT-style encoders put LayerNorm after the residual add: no reversible coupling keeps that."""
+def test_post_norm_encoders_raise_naming_the_feature_and_the_modes_that_work():
+    """BERT-style encoders put LayerNorm after the residual add: no coupling of each branch keeps that;
+    the whole layer as one half does (meft1 / meft2: tests/test_postnorm.py)."""
     transformers = pytest.importorskip("transformers")
     small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-    for model_class, config_class, part in [(transformers.BertForMaskedLM, transformers.BertConfig, "BertSelfOutput"),
-                                            (transformers.RobertaModel, transformers.RobertaConfig,
-                                             "RobertaSelfOutput")]:
-        with pytest.raises(NotImplementedError, match=rf"post-norm layers \({part}: LayerNorm after the residual add"):
+    for model_class, config_class in [(transformers.BertForMaskedLM, transformers.BertConfig),
+                                      (transformers.RobertaModel, transformers.RobertaConfig)]:
+        with pytest.raises(NotImplementedError, match=r"post-norm layers \(a LayerNorm after each residual add\).*"
+                                                      r"preserve='meft1' or 'meft2' converts it"):
             revify(model_class(config_class(**small)))
 
 

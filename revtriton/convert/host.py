@@ -410,7 +410,7 @@ class _HostAttention:
     def _library_attention(self, x, host: "_HostCond"):
         if x.numel() == 0:  # an empty batch: the library's attention cannot reshape it, the reference can
             return self._modules(x)
-        return self._library_call(x, host, decoding_inputs(self.block, self._attention_module().layer_idx))
+        return self._library_call(x, host, decoding_inputs(self.block, self._attention_module()))
 
     @staticmethod
     def _position_ids(host: "_HostCond"):
@@ -460,11 +460,11 @@ class _HostAttention:
         return self._library_attention(x, host)
 
 
-def decoding_inputs(block, layer_idx) -> dict:
+def decoding_inputs(block, attention) -> dict:
     """While the model decodes (no grad, a cache among the layer's inputs): the layer's own inputs
     but those the conditioning carries (the mask, position ids, rotary embedding), so that the
-    library's attention appends to its cache (cache layer ``layer_idx``, kept to be put back if the
-    half runs again in this call); else nothing."""
+    library's attention module ``attention`` appends to its cache (its cache layer, ``layer_idx``,
+    kept to be put back if the half runs again in this call); else nothing."""
     call = _HOST_CALL.get()
     if torch.is_grad_enabled() or call is None or call.layer_kwargs is None:
         return {}
@@ -472,7 +472,7 @@ def decoding_inputs(block, layer_idx) -> dict:
     cache = _layer_cache(live)
     if cache is None:
         return {}
-    call.keep_cache_layer(cache, layer_idx)
+    call.keep_cache_layer(cache, attention.layer_idx)
     return {key: value for key, value in live.items()
             if key not in ("attention_mask", "position_embeddings", "position_ids")}
 

@@ -51,7 +51,7 @@ class _LibraryLayer:
         host = _unpack_host_cond(cond)
         spec = _spec_of(self.block)
         attention = self.block.get_submodule(spec.attention) if spec.attention else None
-        inputs = dict(decoding_inputs(self.block, getattr(attention, "layer_idx", None)),
+        inputs = dict(decoding_inputs(self.block, attention),
                       attention_mask=host.mask_for(self.block))
         if "position_ids" in _parameters(forward):  # (a decoder's: flash attention finds packed rows by them)
             inputs["position_ids"] = _HostAttention._position_ids(host)
