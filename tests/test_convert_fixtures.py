@@ -86,3 +86,17 @@ def test_a_pickle_made_now_names_the_package_not_its_modules():
     names = [arg for op, arg, _ in pickletools.genops(pickle.dumps(model, protocol=2)) if op.name == "GLOBAL"]
     ours = sorted({name for name in names if name.startswith("revtriton.convert")})
     assert ours and all(name.startswith("revtriton.convert ") for name in ours), ours
+
+
+def test_the_readmes_family_table_is_the_registrys():
+    """README's table of families (issue 48) is revtriton.convert.family_table(): one row per
+    registered family, what it converts and what its halves run."""
+    from pathlib import Path
+
+    import revtriton.convert as convert
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = convert.family_table()
+    assert table in readme
+    assert len(table.splitlines()) == 2 + len(convert.FAMILIES)
+    assert all(family.halves in convert.FAMILY_HALVES for family in convert.FAMILIES)

@@ -15,6 +15,11 @@ from test_models import check_against_twin
 
 transformers = pytest.importorskip("transformers")
 SCALE_BITS = 6  # revify's default
+# The function checks convert with 10 scale bits: the difference to the unconverted model is s = 2**-10
+# times the earlier layers' streams, through the later layers' gains (up to 2.4 s relative on the
+# logits over 12 seeds of these random weights, OPT's at init_std 0.3 the largest); 8 s is allowed. A
+# conversion that computed another function would be off by O(1), whatever s.
+FUNCTION_BITS, FUNCTION_BOUND = 10, 8 * 2**-10
 
 
 def hf_encoder(kind="Bert", head="ForSequenceClassification", seed=0, layers=3, **overrides):
@@ -39,19 +44,18 @@ def relative(a, b):
 @pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra"])
 @pytest.mark.parametrize("mode", ["meft1", "meft2"])
 def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, seeded):
-    """Right after conversion the logits are the unconverted model's up to the coupling's term (each
-    block adds 2**-scale_bits times a stream: at most depth times that, relative); a training step
-    (dropout on) gives a finite loss and a finite gradient to every trainable parameter, the adapters'
-    up projections (zero at conversion) a nonzero one."""
+    """Right after conversion the logits are the unconverted model's up to the coupling's term (see
+    FUNCTION_BOUND); a training step (dropout on) gives a finite loss and a finite gradient to every
+    trainable parameter, the adapters' up projections (zero at conversion) a nonzero one."""
     model = hf_encoder(kind, seed=seeded).eval()
     ids, mask = padded_batch()
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
-    revify(model, preserve=mode)
+    revify(model, preserve=mode, scale_bits=FUNCTION_BITS)
     assert type(model.base_model.encoder.layer).__name__ == "ReversibleStack"
     with torch.no_grad():
         after = model(input_ids=ids, attention_mask=mask).logits
-    assert relative(after, before) <= 3 * 2**-SCALE_BITS
+    assert relative(after, before) <= FUNCTION_BOUND
     with torch.no_grad():  # the padded row is its real tokens alone: the mask reached every layer
         alone = model(input_ids=ids[1:, :-4]).logits
     assert relative(after[1:], alone) <= 1e-4  # (exact streams: a 2**-16 grid; unmasked: about 1e-2)
@@ -121,7 +125,7 @@ def test_bert_fine_tunes_on_a_toy_task_from_its_own_loss_with_memory_flat_in_dep
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert abs(losses[0] - plain_loss.item()) <= 3 * 2**-SCALE_BITS * plain_loss.item()
+    assert abs(losses[0] - plain_loss.item()) <= 2**-SCALE_BITS * plain_loss.item()  # (0.015 of it seen in 12 seeds)
     assert losses[-1] < 0.8 * losses[0], losses
 
     def step_peak(layers, convert):
@@ -145,10 +149,10 @@ def test_post_norm_opt_converts_decodes_with_its_cache_trains_and_pickles(mode, 
     ids = torch.randint(4, 128, (2, 10))
     with torch.no_grad():
         before = model(input_ids=ids).logits
-    revify(model, preserve=mode)
+    revify(model, preserve=mode, scale_bits=FUNCTION_BITS)
     with torch.no_grad():
         after = model(input_ids=ids).logits
-    assert relative(after, before) <= 3 * 2**-SCALE_BITS
+    assert relative(after, before) <= FUNCTION_BOUND
     prompt = ids[:1, :6]
     cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))

@@ -45,7 +45,7 @@ from ..lm_loss import prepare_causal_lm
 from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import dinov2, encoder, gpt2, hf_vit, llama, neox, opt, parallel, postnorm, sandwich, timm_eva, timm_vit
-from .core import CHECKPOINTING_MESSAGE, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
+from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls  # noqa: F401 (a converted stack's layers_view pickles by this name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
 
@@ -61,6 +61,14 @@ FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, neox
             postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
+
+
+def family_table() -> str:
+    """README's table of the families revify converts, made from the registry (in detection order)."""
+    rows = ["| family | converts | halves |", "|---|---|---|"]
+    rows += [f"| `{family.name}` | {'; '.join(family.supported)} | {FAMILY_HALVES[family.halves]} |"
+             for family in FAMILIES]
+    return "\n".join(rows)
 
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,

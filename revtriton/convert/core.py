@@ -159,12 +159,21 @@ class Family:
     name: str
     supported: tuple  # lines of revify's "supported:" list
     convert: Callable
+    halves: str = "fused"  # what its halves run: FAMILY_HALVES' keys (README's family table)
     classes: tuple = ()  # (module prefix, class name) of the model classes taken by their class
     detect: Callable | None = None  # detect(model) -> what convert needs, or None (raises for a near miss)
     pickled: dict = field(default_factory=dict)  # swapped class name -> (library module, class name, mixin)
     # (name prefix, "Ordinary" or None, layer / model kind) -> mixin, for the swapped classes of models
     # admitted by conventions, named after whatever family they are (see the package's _convention_class)
     conventions: dict = field(default_factory=dict)
+
+
+# What a family's halves run, as README's family table says it.
+FAMILY_HALVES = {
+    "fused": "fused kernels where they compute the layer's branch, else the layer's own modules",
+    "library": "the layer's own modules (its attention as its library runs it)",
+    "whole layer": "the whole pretrained layer as one half: preserve='meft1' / 'meft2' only",
+}
 
 
 # Swapped classes pickle as attributes of the package (``revtriton.convert.<name>``), wherever the

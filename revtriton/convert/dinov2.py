@@ -67,6 +67,7 @@ def _convert_dinov2(model, conversion, found=None):
 
 
 FAMILY = Family("dinov2", ("transformers Dinov2Model / Dinov2ForImageClassification",), _convert_dinov2,
+                halves="library",
                 classes=(("transformers", "Dinov2ForImageClassification"), ("transformers", "Dinov2Model")),
                 pickled=_pickled_host_classes("transformers.models.dinov2.modeling_dinov2", "Dinov2Layer",
                                               (_HostDinov2Block, _HostDinov2OrdinaryBlock), "Dinov2Model",

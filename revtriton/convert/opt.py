@@ -71,7 +71,7 @@ def _convert_opt(model, conversion, found=None):
 
 _MODULE = "transformers.models.opt.modeling_opt"
 FAMILY = Family("opt", ("transformers OPTForCausalLM / OPTModel (pre-norm layers; post-norm ones under "
-                        "preserve='meft1' / 'meft2')",), _convert_opt,
+                        "preserve='meft1' / 'meft2', the whole layer one half)",), _convert_opt, halves="library",
                 classes=(("transformers", "OPTForCausalLM"), ("transformers", "OPTModel")),
                 pickled={**_pickled_host_classes(_MODULE, "OPTDecoderLayer", (_HostOPTBlock, _HostOPTOrdinaryBlock),
                                                  "OPTDecoder", _HostOPTDecoder),

@@ -106,7 +106,7 @@ class _HostParallelModel(_HostDecoderModel):
 FAMILY = Family(
     "parallel", ("decoders with parallel layers of one norm (ln_1, attn, mlp: GPT-J, CodeGen; input_layernorm, "
                  "self_attn, mlp: Phi, Cohere, StableLM with use_parallel_residual)",), _convert_parallel,
-    detect=_parallel_convention,
+    detect=_parallel_convention, halves="library",
     conventions={("HostParallel", None, "Block"): _HostParallelBlock,  # GPT-J's blocks
                  ("HostParallel", "Ordinary", "Block"): _HostParallelOrdinaryBlock,
                  ("HostParallel", None, "DecoderLayer"): _HostParallelBlock,  # Phi's and Cohere's layers

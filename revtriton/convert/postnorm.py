@@ -139,9 +139,9 @@ def _convert_postnorm_encoder(model, conversion, base):
 
 
 FAMILY = Family(
-    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa: any head), under "
+    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA: any head), under "
                          "preserve='meft1' or 'meft2'",),
-    _convert_postnorm_encoder, detect=_postnorm_encoder_base,
+    _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
                  ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
 

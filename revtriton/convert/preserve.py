@@ -171,8 +171,8 @@ def check_adapters_train(block: nn.Module, adapters: list):
     peft_layers = (m for m in block.modules() if type(m).__module__.startswith("peft."))
     if any(p.requires_grad for m in peft_layers for p in m.parameters()):
         raise RuntimeError(
-            f"revtriton: the preserving adapters (revtriton_adapters) of a {type(block).__name__} are frozen while its PEFT "
-            f"(LoRA) layers train: get_peft_model, applied after revify(..., preserve=...), freezes every module "
-            f"PEFT does not own, so the zero-initialised adapters would never train. Convert the PEFT model "
+            f"revtriton: the preserving adapters (revtriton_adapters) of a {type(block).__name__} are frozen while "
+            f"its PEFT (LoRA) layers train: get_peft_model, applied after revify(..., preserve=...), freezes every "
+            f"module PEFT does not own, so the zero-initialised adapters would never train. Convert the PEFT model "
             f"instead (revify(get_peft_model(model, config), preserve=...)), or name the adapters in the PEFT "
             f"config: LoraConfig(..., modules_to_save=[*revtriton.ADAPTER_MODULES])")

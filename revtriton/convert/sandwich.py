@@ -99,6 +99,6 @@ def _convert_sandwich(model, conversion, found):
 FAMILY = Family(
     "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
-                 "the branches: Gemma 2, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention,
+                 "the branches: Gemma 2, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention, halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
                  ("HostSandwich", "Ordinary", "DecoderLayer"): _HostSandwichOrdinaryBlock})

@@ -90,7 +90,8 @@ def _convert_eva(model, conversion, found=None):
     _swap_class(model, _EvaRevifiedModel)
 
 
-FAMILY = Family("timm_eva", ("timm Eva (EVA-02, pre-norm EvaBlock)",), _convert_eva, classes=(("timm", "Eva"),),
+FAMILY = Family("timm_eva", ("timm Eva (EVA-02, pre-norm EvaBlock)",), _convert_eva, halves="library",
+                classes=(("timm", "Eva"),),
                 pickled={"RevifiedHostEvaBlock": ("timm.models.eva", "EvaBlock", _EvaBlock),
                          "RevifiedHostOrdinaryEvaBlock": ("timm.models.eva", "EvaBlock", _EvaOrdinaryBlock),
                          "RevifiedEva": ("timm.models.eva", "Eva", _EvaRevifiedModel)})
