@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import dispatch
 from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
+from ..ops.launches import call_signature
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
 from .base import CouplingHalf
@@ -35,6 +37,17 @@ def drop_path_scale(x: torch.Tensor, p: float, training: bool) -> torch.Tensor |
     generator = half_generator(x.device)
     mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep, generator=generator) / keep
     return mask.expand(x.shape[:-1])
+
+
+def parameter(module: nn.Module, name: str):
+    """``module.<name>`` (None where it has none): read from the module's parameter dict when it is
+    there, since ``nn.Module.__getattr__`` costs about a microsecond a read and a couple reads six to
+    eight; through getattr otherwise (a parametrization's property, a wrapper that forwards it)."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
+
+
+BOUND_COUPLES = 16  # runners kept per half (a training step has two: forward, rebuild; eval one more)
 
 
 def layer_scaled(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None) -> tuple:
@@ -61,20 +74,29 @@ class _TransformerHalf(CouplingHalf):
         return drop_path_scale(x, self.drop_path, self.training)
 
     def _scaled_out(self, weight, bias):
-        return layer_scaled(weight, bias, self.layer_scale)
+        return layer_scaled(weight, bias, parameter(self, "layer_scale"))
 
     def _check_input(self, x):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != dim {self.dim}")
 
-    # Subclasses give the op pair (dispatching couple, pure-torch reference) and their operands.
-    couple_op = reference_op = None
+    # Subclasses give the op (its name in ops.backend, its dispatching couple, its pure-torch
+    # reference), their weights and their options.
+    op_name = couple_op = reference_op = None
     # The engine hands a scaled coupling's ResidualScale to couple() (applied in the epilogue).
     takes_scale = True
 
+    def weights(self) -> tuple:
+        """The positional weights of this half's ops (the output projection with layer scale folded in)."""
+        raise NotImplementedError
+
+    def options(self) -> dict:
+        """The keyword options of this half's ops but the row scale, in the order the op passes them."""
+        raise NotImplementedError
+
     def operands(self, x):
         """(positional weights, keyword options) of this half's ops for input ``x``."""
-        raise NotImplementedError
+        return self.weights(), dict(self.options(), row_scale=self._row_scale(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """H(x) on the pure-torch reference path (plain autograd; what a vanilla block runs)."""
@@ -88,9 +110,46 @@ class _TransformerHalf(CouplingHalf):
             # the epilogue eager, as any CouplingHalf's; torch.compile's kernels then stand in for
             # the fused ones (both are code generated for the same math).
             return super().couple(res, x, sign, frac_bits, scale=scale)
+        if scale is None and not (self.training and self.drop_path) and isinstance(x, torch.Tensor) and \
+                isinstance(res, torch.Tensor) and not torch.compiler.is_compiling():
+            return self._bound_couple(res, x, sign, frac_bits)
         self._check_input(x)
         args, options = self.operands(x)
         return type(self).couple_op(res, x, sign, frac_bits, *args, scale=scale, **options)
+
+    def _bound_couple(self, res, x, sign, frac_bits):
+        """The couple of a call with nothing drawn and no coupling scale, through a runner bound to
+        its signature (ops.dispatch.bind_op): a repeated call (every block, every step) skips the
+        checks, the dispatch and the op's plan lookup, about two thirds of its host work. The key
+        holds everything the op's signature and choice are made of: the dispatch state, autocast,
+        whether a gradient is needed, sign, frac_bits, the options, and every tensor's shape,
+        strides, dtype and device (so a ``to()``, a replaced or frozen parameter, ``eval()`` ...
+        each make a new key, whose first call takes the checked path and binds it)."""
+        weights, options = self.weights(), self.options()
+        device_type = x.device.type
+        key = (dispatch.choice_state(), torch.is_autocast_enabled(device_type) and
+               torch.get_autocast_dtype(device_type), torch.is_grad_enabled() and (
+                   res.requires_grad or x.requires_grad or any(w is not None and w.requires_grad for w in weights)),
+               sign, frac_bits, *options.values(), call_signature(res, x, *weights))
+        kept = self.__dict__.get("_bound_couples")
+        if kept is None:  # kept out of the module's attributes (and its pickle: __getstate__)
+            kept = self.__dict__["_bound_couples"] = {}
+        run = kept.get(key)
+        if run is not None:
+            return run(res, x, *weights)
+        self._check_input(x)
+        out = type(self).couple_op(res, x, sign, frac_bits, *weights, row_scale=None, **options)
+        run = dispatch.bind_op(self.op_name, res, x, sign, frac_bits, *weights, **options, row_scale=None)
+        if run is not None:
+            if len(kept) >= BOUND_COUPLES:
+                kept.clear()
+            kept[key] = run
+        return out
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_bound_couples", None)  # runners of this process's plans (closures: not picklable)
+        return state
 
 
 class LayerNormMLP(_TransformerHalf):
@@ -106,12 +165,17 @@ class LayerNormMLP(_TransformerHalf):
         self.fc1 = nn.Linear(dim, hidden, bias=bias)
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
 
-    couple_op, reference_op = norm_mlp_couple, norm_mlp_reference
+    op_name, couple_op, reference_op = "norm_mlp", norm_mlp_couple, norm_mlp_reference
 
-    def operands(self, x):
-        w2, b2 = self._scaled_out(self.fc2.weight, self.fc2.bias)
-        return ((self.norm.weight, self.norm.bias, self.fc1.weight, self.fc1.bias, w2, b2),
-                dict(norm="layer", activation=self.activation, eps=self.eps, row_scale=self._row_scale(x)))
+    def weights(self):
+        modules = self._modules
+        norm, fc1, fc2 = modules["norm"], modules["fc1"], modules["fc2"]
+        w2, b2 = self._scaled_out(parameter(fc2, "weight"), parameter(fc2, "bias"))
+        return (parameter(norm, "weight"), parameter(norm, "bias"), parameter(fc1, "weight"), parameter(fc1, "bias"),
+                w2, b2)
+
+    def options(self):
+        return dict(norm="layer", activation=self.activation, eps=self.eps)
 
 
 class RMSNormSwiGLU(_TransformerHalf):
@@ -126,12 +190,16 @@ class RMSNormSwiGLU(_TransformerHalf):
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
-    couple_op, reference_op = swiglu_mlp_couple, swiglu_mlp_reference
+    op_name, couple_op, reference_op = "swiglu_mlp", swiglu_mlp_couple, swiglu_mlp_reference
 
-    def operands(self, x):
-        w_down, _ = self._scaled_out(self.down.weight, None)
-        return ((self.norm.weight, self.gate.weight, self.up.weight, w_down),
-                dict(eps=self.eps, row_scale=self._row_scale(x)))
+    def weights(self):
+        modules = self._modules
+        w_down, _ = self._scaled_out(parameter(modules["down"], "weight"), None)
+        return (parameter(modules["norm"], "weight"), parameter(modules["gate"], "weight"),
+                parameter(modules["up"], "weight"), w_down)
+
+    def options(self):
+        return dict(eps=self.eps)
 
 
 class _AttentionHalf(_TransformerHalf):
@@ -152,16 +220,21 @@ class _AttentionHalf(_TransformerHalf):
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
-    couple_op, reference_op = norm_attention_couple, norm_attention_reference
+    op_name, couple_op, reference_op = "norm_attention", norm_attention_couple, norm_attention_reference
 
     def _check_input(self, x):
         check_attention_shapes(x, self.dim, self.heads, self.kv_heads)
 
-    def operands(self, x):
-        w_proj, b_proj = self._scaled_out(self.proj.weight, self.proj.bias)
-        return ((self.norm.weight, getattr(self.norm, "bias", None), self.qkv.weight, self.qkv.bias, w_proj, b_proj),
-                dict(heads=self.heads, kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
-                     norm=self.norm_kind, eps=self.eps, row_scale=self._row_scale(x)))
+    def weights(self):
+        modules = self._modules
+        norm, qkv, proj = modules["norm"], modules["qkv"], modules["proj"]
+        w_proj, b_proj = self._scaled_out(parameter(proj, "weight"), parameter(proj, "bias"))
+        return (parameter(norm, "weight"), parameter(norm, "bias"), parameter(qkv, "weight"), parameter(qkv, "bias"),
+                w_proj, b_proj)
+
+    def options(self):
+        return dict(heads=self.heads, kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
+                    norm=self.norm_kind, eps=self.eps)
 
 
 class LayerNormAttention(_AttentionHalf):

@@ -159,11 +159,15 @@ def _triton_supports(args, options) -> bool:
     return triton_dtypes(args, options) and args[1].shape[-1] // options["heads"] in SUPPORTED_HEAD_DIMS
 
 
+def _bind_fused(args, options, call_key):
+    return _fused().bind_norm_attention_couple(args, options, call_key)
+
+
 backend.register_op("norm_attention", lambda args, options: backend.couple_key(args, options, tokens=True))
 backend.register_candidate("norm_attention", "triton", _norm_attention_triton, available=triton_runs_on,
-                           supports=_triton_supports, planned=True)
+                           supports=_triton_supports, planned=True, bind=_bind_fused)
 backend.register_candidate("norm_attention", "torch", _norm_attention_torch)
 backend.register_candidate("norm_attention", "triton_gemm_sdpa", _norm_attention_triton_gemm_sdpa,
-                           available=triton_runs_on, supports=_triton_supports, planned=True)
+                           available=triton_runs_on, supports=_triton_supports, planned=True, bind=_bind_fused)
 backend.register_candidate("norm_attention", "torch_gemm_flash", _norm_attention_torch_gemm_flash,
                            available=triton_runs_on, supports=_triton_supports)

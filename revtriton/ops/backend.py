@@ -71,6 +71,9 @@ class Candidate:
     available: Callable = lambda args, options: True
     supports: Callable = lambda args, options: True
     planned: bool = False  # run takes ``call_key=``: its call signature, for its launch plans (dispatch.run_op)
+    # bind(args, options, call_key) -> a runner of later calls of this signature, ``(res, x, *weights)``,
+    # or None: what the candidate works out per call done once (dispatch.bind_op); planned candidates
+    bind: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -84,6 +87,7 @@ _ops: dict[str, Op] = {}
 _pins: dict[tuple, str] = {}  # (device, op, key) -> candidate name, for the life of the process
 _decisions: dict[tuple, dict] = {}  # same keys: how each pinned choice was made (for perf reports)
 _override: str | None = None  # set by use_backend(); None: the environment decides
+_epoch = 0  # counts registry changes and reset()s: what the kept choices and bound runners were made under
 _timer = None  # installed by use_timer() (tests: a fake timer, also on CPU tensors)
 
 
@@ -100,12 +104,12 @@ def register_op(name: str, key: Callable) -> Op:
 
 
 def register_candidate(op: str, name: str, run: Callable, *, available=None, supports=None,
-                       planned: bool = False) -> Candidate:
+                       planned: bool = False, bind: Callable | None = None) -> Candidate:
     if op not in _ops:
         raise KeyError(f"unknown op {op!r} (registered: {sorted(_ops)})")
     if name in _ops[op].candidates:
         raise ValueError(f"op {op!r} already has a candidate {name!r}")
-    cand = Candidate(name, run, planned=planned)
+    cand = Candidate(name, run, planned=planned, bind=bind)
     if available is not None:
         cand.available = available
     if supports is not None:
@@ -122,8 +126,10 @@ def unregister_candidate(op: str, name: str):
 
 def _registry_changed():
     """The kept choices (see :func:`choose`) hold candidate objects: a change of the registry
-    forgets them all."""
+    forgets them all (and the runners bound to them: :func:`choice_state`)."""
+    global _epoch
     _chosen.clear()
+    _epoch += 1
 
 
 def ops() -> dict:
@@ -184,9 +190,11 @@ def use_timer(timer):
 
 def reset():
     """Forget every pinned choice (as a new process would). For tests and benchmarks."""
+    global _epoch
     _pins.clear()
     _decisions.clear()
     _chosen.clear()
+    _epoch += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,6 +619,14 @@ def choose(op_name: str, args, options, signature=None, dispatch_state=None) -> 
             _chosen.clear()
         kept = _chosen[memo] = (_choose(op_name, args, options, signature), signature)
     return kept
+
+
+def choice_state(dispatch_state) -> tuple:
+    """Everything beside a call's signature that decides which candidate runs it: the override
+    (context or environment), the caller's dispatch state (force_triton), the timer, and the
+    registry and pins as of now (an epoch that registering a candidate and reset() advance; a pin,
+    once made, stays). A runner bound to a signature (dispatch.bind_op) serves while it is equal."""
+    return current_backend(), dispatch_state, _timer, _epoch
 
 
 def _choose(op_name: str, args, options, signature) -> Candidate:

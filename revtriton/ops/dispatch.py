@@ -92,6 +92,40 @@ def run_op(op: str, *args, **options):
     return cand.run(*args, **options)
 
 
+def choice_state() -> tuple:
+    """What decides, beside a call's signature, which candidate runs an op (``backend.choice_state``
+    with this module's force_triton): a runner from :func:`bind_op` serves only while it is equal."""
+    return _backend().choice_state(_force_triton)
+
+
+def bind_op(op: str, *args, **options):
+    """``run_op(op, *args, **options)`` with the signature's work done once: a runner
+    ``(res, x, *weights) -> (stream, port)`` of later calls of a couple op that differ from this
+    one only in their tensors' data and addresses (the same shapes, strides, dtypes, devices and
+    grad requirements, the same sign, frac_bits and options, autocast as now), skipping the
+    signature, the choice and, for a candidate that binds itself (the fused ones), its per-call
+    checks and plan lookup. None where calls are not kept (a scaled coupling, torch.compile, an
+    unhashable option). The caller keys it by all of that and by :func:`choice_state` (the halves:
+    ``_TransformerHalf.couple``); call it after a call of the signature (run_op's plans exist then)."""
+    backend = _backend()
+    signature = backend.call_signature(op, args, options)
+    if signature is None:
+        return None
+    cand, signature = backend.choose(op, args, options, signature, _force_triton)
+    call_key = (cand.name, signature) if cand.planned else None
+    if cand.bind is not None:
+        bound = cand.bind(args, options, call_key)
+        if bound is not None:
+            return bound
+    run, sign, frac_bits = cand.run, args[2], args[3]
+    kept = dict(options, call_key=call_key) if cand.planned else options
+
+    def bound(res, x, *weights):
+        return run(res, x, sign, frac_bits, *weights, **kept)
+
+    return bound
+
+
 def capture_state():
     """Everything that decides where ops run (force_triton, backend override), for a replay."""
     from . import backend

@@ -784,3 +784,31 @@ def fused_norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias,
                                          row_scale, scale)
     _plans.keep(key, plan)
     return couple_result(out, frac_bits, scaled=scale is not None)
+
+
+_BOUND_OPTIONS = {"heads", "kv_heads", "causal", "rope_theta", "norm", "eps", "row_scale"}
+
+
+def bind_norm_attention_couple(args, options, call_key):
+    """A runner ``(res, x, *weights)`` of later calls of this call's signature (ops.dispatch.bind_op):
+    the plan this signature's call kept (its core with it), no checks, no key, no plan lookup. None
+    without a kept plan, with a row scale or a token layout (each call's)."""
+    res, x, sign, frac_bits, *params = args
+    if call_key is None or options.get("row_scale") is not None or set(options) != _BOUND_OPTIONS:
+        return None
+    plan = _plans.get(call_key)
+    if plan is None:
+        return None
+    dot_dtype = plan.dot_dtype
+    as_operand = gemm.as_operand
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (res, x, *params)):
+        def run(res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj):
+            out = FusedNormAttentionCouple.apply(plan, res, x, norm_weight, norm_bias, as_operand(w_qkv, dot_dtype),
+                                                 b_qkv, as_operand(w_proj, dot_dtype), b_proj, None, None)
+            return couple_result(out, frac_bits, scaled=False)
+    else:
+        def run(res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj):
+            stream, _, _ = _fused_forward(plan, res, x, norm_weight, norm_bias, as_operand(w_qkv, dot_dtype), b_qkv,
+                                          as_operand(w_proj, dot_dtype), b_proj, None, None)
+            return stream, None
+    return run

@@ -209,6 +209,33 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
     return stream.view(res.shape), None
 
 
+def bind_norm_mlp_couple(args, options, call_key):
+    """A runner ``(res, x, *weights)`` of later calls of this call's signature (ops.dispatch.bind_op):
+    the plan this signature's call kept, the options fixed; no checks (the signature passed them),
+    no key, no plan lookup. None without a kept plan or with a row scale (each call's)."""
+    res, x, sign, frac_bits, *params = args
+    if call_key is None or options.get("row_scale") is not None or set(options) != {"norm", "activation", "eps",
+                                                                                     "row_scale"}:
+        return None
+    needs_grad = _needs_grad(res, x, *params)
+    plan = _plans.get((call_key, needs_grad))
+    if plan is None:
+        return None
+    norm, activation, eps = options["norm"], options["activation"], options["eps"]
+    dot_dtype, dim = plan.options, x.shape[-1]
+    if needs_grad:
+        def run(res, x, *params):
+            out = FusedNormMLPCouple.apply(res, x, *params, None, sign, frac_bits, norm, activation, eps, dot_dtype,
+                                           None, plan)
+            return couple_result(out, frac_bits, scaled=False)
+    else:
+        def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
+            stream, _ = _norm_mlp_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits,
+                                          *params, norm, activation, eps, None, dot_dtype, False, None)
+            return stream.view(res.shape), None
+    return run
+
+
 # ---------------------------------------------------------------- RMSNorm + SwiGLU
 
 def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
@@ -306,3 +333,25 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
                                     False, scale)
     _plans.keep(key, plan)
     return stream.view(res.shape), None
+
+
+def bind_swiglu_mlp_couple(args, options, call_key):
+    """:func:`bind_norm_mlp_couple` for :func:`fused_swiglu_mlp_couple`."""
+    res, x, sign, frac_bits, *params = args
+    if call_key is None or options.get("row_scale") is not None or set(options) != {"eps", "row_scale"}:
+        return None
+    needs_grad = _needs_grad(res, x, *params)
+    plan = _plans.get((call_key, needs_grad))
+    if plan is None:
+        return None
+    eps, dot_dtype, dim = options["eps"], plan.options, x.shape[-1]
+    if needs_grad:
+        def run(res, x, *params):
+            out = FusedSwiGLUCouple.apply(res, x, *params, None, sign, frac_bits, eps, dot_dtype, None, plan)
+            return couple_result(out, frac_bits, scaled=False)
+    else:
+        def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
+            stream, _ = _swiglu_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits, *params,
+                                        eps, None, dot_dtype, False, None)
+            return stream.view(res.shape), None
+    return run

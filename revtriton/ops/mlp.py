@@ -50,8 +50,17 @@ def _swiglu_mlp_torch(res, x, sign, frac_bits, *weights, scale=None, **options):
     return library_couple_output(res, swiglu_mlp_reference(x, *weights, **options), sign, frac_bits, scale)
 
 
-for _op, _triton, _torch in (("norm_mlp", _norm_mlp_triton, _norm_mlp_torch),
-                             ("swiglu_mlp", _swiglu_mlp_triton, _swiglu_mlp_torch)):
+def _norm_mlp_triton_bind(args, options, call_key):
+    return _fused().bind_norm_mlp_couple(args, options, call_key)
+
+
+def _swiglu_mlp_triton_bind(args, options, call_key):
+    return _fused().bind_swiglu_mlp_couple(args, options, call_key)
+
+
+for _op, _triton, _bind, _torch in (("norm_mlp", _norm_mlp_triton, _norm_mlp_triton_bind, _norm_mlp_torch),
+                                    ("swiglu_mlp", _swiglu_mlp_triton, _swiglu_mlp_triton_bind, _swiglu_mlp_torch)):
     backend.register_op(_op, backend.couple_key)
-    backend.register_candidate(_op, "triton", _triton, available=triton_runs_on, supports=triton_dtypes, planned=True)
+    backend.register_candidate(_op, "triton", _triton, available=triton_runs_on, supports=triton_dtypes, planned=True,
+                               bind=_bind)
     backend.register_candidate(_op, "torch", _torch)
