@@ -150,12 +150,21 @@ def _check_backend(value, source, candidates: bool = False) -> str:
     raise ValueError(f"{source}={value!r} is not a backend: use one of {', '.join(BACKENDS + tuple(named))}")
 
 
+_environment_backends: dict = {}  # REVTRITON_BACKEND's raw value -> the backend it names (checked once)
+
+
 def current_backend() -> str:
-    """The override in force: ``use_backend``'s, else ``REVTRITON_BACKEND``'s, else ``"auto"``."""
+    """The override in force: ``use_backend``'s, else ``REVTRITON_BACKEND``'s, else ``"auto"``.
+    Read at every call (a test or a launcher may set the variable at any time); a value is checked
+    once (an op call asks twice: about a microsecond each when checked again)."""
     if _override is not None:
         return _override
-    value = os.environ.get(ENV_BACKEND, "").strip().lower() or "auto"
-    return _check_backend(value, ENV_BACKEND)
+    raw = os.environ.get(ENV_BACKEND)
+    value = _environment_backends.get(raw)
+    if value is None:
+        value = _check_backend((raw or "").strip().lower() or "auto", ENV_BACKEND)
+        _environment_backends[raw] = value
+    return value
 
 
 @contextlib.contextmanager

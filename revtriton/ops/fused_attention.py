@@ -629,7 +629,7 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     stream = launches.launch(3, lambda: gemm.LinearCoupleLaunch(                                    # launch 4
         o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits, row_scale=row_scale, scale=scale))(
         o2, w_proj, b_proj, res2, row_scale, scale)
-    return stream.view(res.shape), (x2, mean, rstd, n, qkv, o, lse), graph
+    return stream.view_as(res), (x2, mean, rstd, n, qkv, o, lse), graph
 
 
 def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj,

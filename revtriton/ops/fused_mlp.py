@@ -130,7 +130,7 @@ class FusedNormMLPCouple(torch.autograd.Function):
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view(res.shape), frac_bits, scaled=scale is not None)
+        return function_outputs(ctx, stream.view_as(res), frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -206,7 +206,7 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
         stream, _ = _norm_mlp_forward(plan, res2, x2, sign, frac_bits, *params, norm, activation,
                                       eps, rs, dot_dtype, False, scale)
     _plans.keep(key, plan)
-    return stream.view(res.shape), None
+    return stream.view_as(res), None
 
 
 def bind_norm_mlp_couple(args, options, call_key):
@@ -232,7 +232,7 @@ def bind_norm_mlp_couple(args, options, call_key):
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
             stream, _ = _norm_mlp_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits,
                                           *params, norm, activation, eps, None, dot_dtype, False, None)
-            return stream.view(res.shape), None
+            return stream.view_as(res), None
     return run
 
 
@@ -266,7 +266,7 @@ class FusedSwiGLUCouple(torch.autograd.Function):
         ctx.options = (sign, frac_bits, dot_dtype)
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view(res.shape), frac_bits, scaled=scale is not None)
+        return function_outputs(ctx, stream.view_as(res), frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -332,7 +332,7 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
         stream, _ = _swiglu_forward(plan, res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
                                     False, scale)
     _plans.keep(key, plan)
-    return stream.view(res.shape), None
+    return stream.view_as(res), None
 
 
 def bind_swiglu_mlp_couple(args, options, call_key):
@@ -353,5 +353,5 @@ def bind_swiglu_mlp_couple(args, options, call_key):
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
             stream, _ = _swiglu_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits, *params,
                                         eps, None, dot_dtype, False, None)
-            return stream.view(res.shape), None
+            return stream.view_as(res), None
     return run
