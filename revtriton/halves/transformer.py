@@ -94,6 +94,15 @@ class _TransformerHalf(CouplingHalf):
         """The keyword options of this half's ops but the row scale, in the order the op passes them."""
         raise NotImplementedError
 
+    def _norm_in_out_weights(self, norm: str, inner: str, outer: str) -> tuple:
+        """The weights of a norm -> projection -> ... -> projection half (the submodules' names given):
+        norm weight and bias, the inner projection's weight and bias, the outer one's (layer scale in)."""
+        modules = self._modules
+        norm, inner, outer = modules[norm], modules[inner], modules[outer]
+        w_out, b_out = self._scaled_out(parameter(outer, "weight"), parameter(outer, "bias"))
+        return (parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
+                parameter(inner, "bias"), w_out, b_out)
+
     def operands(self, x):
         """(positional weights, keyword options) of this half's ops for input ``x``."""
         return self.weights(), dict(self.options(), row_scale=self._row_scale(x))
@@ -168,11 +177,7 @@ class LayerNormMLP(_TransformerHalf):
     op_name, couple_op, reference_op = "norm_mlp", norm_mlp_couple, norm_mlp_reference
 
     def weights(self):
-        modules = self._modules
-        norm, fc1, fc2 = modules["norm"], modules["fc1"], modules["fc2"]
-        w2, b2 = self._scaled_out(parameter(fc2, "weight"), parameter(fc2, "bias"))
-        return (parameter(norm, "weight"), parameter(norm, "bias"), parameter(fc1, "weight"), parameter(fc1, "bias"),
-                w2, b2)
+        return self._norm_in_out_weights("norm", "fc1", "fc2")
 
     def options(self):
         return dict(norm="layer", activation=self.activation, eps=self.eps)
@@ -226,11 +231,7 @@ class _AttentionHalf(_TransformerHalf):
         check_attention_shapes(x, self.dim, self.heads, self.kv_heads)
 
     def weights(self):
-        modules = self._modules
-        norm, qkv, proj = modules["norm"], modules["qkv"], modules["proj"]
-        w_proj, b_proj = self._scaled_out(parameter(proj, "weight"), parameter(proj, "bias"))
-        return (parameter(norm, "weight"), parameter(norm, "bias"), parameter(qkv, "weight"), parameter(qkv, "bias"),
-                w_proj, b_proj)
+        return self._norm_in_out_weights("norm", "qkv", "proj")
 
     def options(self):
         return dict(heads=self.heads, kv_heads=self.kv_heads, causal=self.causal, rope_theta=self.rope_theta,
