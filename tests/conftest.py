@@ -104,3 +104,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_runners_from_earlier_tests():
+    """Each test starts with no bound runners (``ops.dispatch.run_bound`` keeps them per process, by
+    call signature): a test that spies on a layer below the dispatch (a candidate, the choice) sees
+    its calls whatever ran before it on this worker."""
+    from revtriton.ops import dispatch
+
+    dispatch.forget_runners()

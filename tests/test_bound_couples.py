@@ -1,10 +1,10 @@
-"""Couples bound to their call signature (issue 44 step 5): a transformer half's repeated call runs
-through a runner that ops.dispatch.bind_op made at its first call (no checks, no dispatch, no plan
-lookup). It must give the bits of the checked path, and a change of anything the signature or the
-choice is made of must be seen at the next call, as the checked path sees it.
+"""Couples bound to their call signature (issue 44 step 5): a half's repeated call runs through a
+runner that ops.dispatch.run_bound kept at the first call of its key (no checks, no dispatch, no
+plan lookup). It must give the bits of the checked path, and a change of anything the signature or
+the choice is made of must be seen at the next call, as the checked path sees it.
 
-Each result here is compared with the checked path's on the same inputs: the half's runners dropped
-(its first call takes the checked path), so "bound" and "checked" differ only in the route taken.
+Each result here is compared with the checked path's on the same inputs: the runners dropped (the
+first call takes the checked path), so "bound" and "checked" differ only in the route taken.
 """
 import copy
 import pickle
@@ -62,7 +62,7 @@ def call(half, res, x, sign=1, frac_bits=None, grad=False):
 
 
 def checked(half, *args, **options):
-    half.__dict__.pop("_bound_couples", None)
+    dispatch.forget_runners()
     return call(half, *args, **options)
 
 
@@ -223,18 +223,32 @@ def test_grad_mode_autocast_and_drawing_take_their_own_paths(dispatched):
         assert dispatched == ["norm_mlp"]
 
 
-def test_a_half_with_runners_pickles_and_copies():
+def test_a_half_pickles_and_copies_after_bound_calls():
+    """Runners are kept by dispatch, not on the half: a half pickles and copies as before, and its
+    copies share the original's runners (a runner is a function of its key alone)."""
     torch.manual_seed(0)
     half = RMSNormAttention(DIM, HEADS, kv_heads=1)
     res, x = inputs()
     with dispatch.force_triton():
         want = call(half, res, x)
         call(half, res, x)
-        assert half.__dict__["_bound_couples"]
         for other in (pickle.loads(pickle.dumps(half)), copy.deepcopy(half)):
-            assert "_bound_couples" not in other.__dict__
             assert_same(call(other, res, x), want)
-            assert_same(call(other, res, x), want)
+
+
+def test_halves_of_other_widths_and_blocks_of_a_model_share_runners_only_by_key(dispatched):
+    """Every block of a model shares one runner per signature; a half of another width gets its own."""
+    torch.manual_seed(0)
+    halves = [LayerNormMLP(DIM, HIDDEN) for _ in range(3)]
+    res, x = inputs()
+    with dispatch.force_triton():
+        dispatch.forget_runners()
+        want = [checked(h, res, x) for h in halves]
+        dispatched.clear()
+        assert all(call(h, res, x)[0].equal(w[0]) for h, w in zip(halves, want)) and dispatched == []
+        wide = LayerNormMLP(DIM, 2 * HIDDEN)
+        call(wide, res, x)
+        assert dispatched == ["norm_mlp"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -252,9 +266,35 @@ def test_weights_unfrozen_between_calls_get_their_gradients(path):
         port.sum().backward()
         got = [stream] + [p.grad for p in half.parameters()]
         half.zero_grad(set_to_none=True)
-        half.__dict__.pop("_bound_couples")
+        dispatch.forget_runners()
         stream, port = half.couple(res, x, 1, None)
         port.sum().backward()
         want = [stream] + [p.grad for p in half.parameters()]
     assert all(g is not None for g in got)
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_couple_that_transforms_its_tensors_is_not_bound_and_tensor_options_are_each_calls(path, dispatched):
+    """run_bound binds only the run_op call its couple made on the caller's very tensors: a couple
+    that hands run_op another tensor (here a doubled weight) stays checked. Options holding a tensor
+    (a row scale) are each call's: never kept."""
+    torch.manual_seed(0)
+    half = LayerNormMLP(DIM, HIDDEN)
+    res, x = inputs()
+    weights, options = half.weights(), half.options()
+
+    def doubled(res, x, sign, frac_bits, norm_weight, norm_bias, w1, *rest, **options):
+        return mlp.norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, 2 * w1, *rest, **options)
+
+    with PATHS[path](), torch.no_grad():
+        first = dispatch.run_bound(doubled, res, x, 1, None, weights, options)[0]
+        for _ in range(2):
+            assert torch.equal(dispatch.run_bound(doubled, res, x, 1, None, weights, options)[0], first)
+        scales = [torch.rand(2, TOKENS), torch.rand(2, TOKENS)]
+        dispatched.clear()
+        got = [dispatch.run_bound(mlp.norm_mlp_couple, res, x, 1, None, weights, dict(options, row_scale=s))[0]
+               for s in scales]
+        assert dispatched == ["norm_mlp"] * 2
+        want = [mlp.norm_mlp_couple(res, x, 1, None, *weights, **options, row_scale=s)[0] for s in scales]
+    assert_same(got, want) and not torch.equal(got[0], got[1])

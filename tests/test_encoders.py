@@ -186,10 +186,10 @@ def test_heads_and_the_base_model_convert(seeded, monkeypatch):
     half called alone is the layer's own branch (no mask)."""
     import revtriton.convert.encoder
 
-    fused_calls = []
-    real = revtriton.convert.encoder.norm_attention_couple
-    monkeypatch.setattr(revtriton.convert.encoder, "norm_attention_couple",
-                        lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    fused_calls = []  # the attention halves' fused path (their couples may run bound: ops.dispatch.run_bound)
+    half = revtriton.convert.encoder._EncoderAttentionHalf
+    real = half._fused
+    monkeypatch.setattr(half, "_fused", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     config = hf_roberta_pre(seeded).config
     classifier = revify(transformers.RobertaPreLayerNormForSequenceClassification(config)).train()
     ids = torch.randint(1, 128, (2, 10))

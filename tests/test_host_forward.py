@@ -607,10 +607,10 @@ def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
     mask[1, 5:] = 0  # the second image attends to its first 4 patches (and the class token) only
     import revtriton.convert.hf_vit
 
-    fused_calls = []
-    real = revtriton.convert.hf_vit.norm_attention_couple
-    monkeypatch.setattr(revtriton.convert.hf_vit, "norm_attention_couple",
-                        lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    fused_calls = []  # the attention halves' fused path (their couples may run bound: ops.dispatch.run_bound)
+    half = revtriton.convert.hf_vit._HFViTAttentionHalf
+    real = half._fused
+    monkeypatch.setattr(half, "_fused", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
     with torch.no_grad():
         theirs = original(pixel_values=pixels, attention_mask=mask).logits
         ours = model(pixel_values=pixels, attention_mask=mask).logits

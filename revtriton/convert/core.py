@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, block_phase
+from ..ops.dispatch import run_bound
 from ..ops.reference import rope_inv_freq
 from ..ops.streams import couple_output
 from .preserve import (_add_adapters, _Conversion, _SublayerWithAdapter, _WholeLayer, active_adapter,
@@ -92,6 +93,13 @@ def _pickled_host_classes(module: str, layer: str, blocks: tuple, model: str, mo
     return {f"{reversible._class_prefix}{layer}": (module, layer, reversible),
             f"{ordinary._class_prefix}{layer}": (module, layer, ordinary),
             f"{model_mixin._class_prefix}{model}": (module, model, model_mixin)}
+
+
+def bound_couple(couple, res, x, sign, frac_bits, *weights, **options):
+    """``couple(res, x, sign, frac_bits, *weights, **options)``, an op's dispatching couple, through
+    ``ops.dispatch.run_bound``: a repeated call of its signature (every layer, every step) runs a
+    runner bound to it, without the checks and the dispatch."""
+    return run_bound(couple, res, x, sign, frac_bits, weights, options)
 
 
 def _concatenated_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple:

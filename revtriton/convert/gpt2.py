@@ -7,7 +7,7 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _pickled_host_classes
+from .core import bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
 
@@ -29,9 +29,10 @@ class _GPT2AttentionHalf(_Half):
         x = self._input(x, b.ln_1.weight)
         segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
-        return norm_attention_couple(res, x, sign, frac_bits, b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
-                                     a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
-                                     causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
+                            b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
+                            a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
+                            causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
 
     def _modules(self, x):  # one sequence per row (a half called alone; an empty batch)
         b, a = self.block, self.block.attn
@@ -60,10 +61,11 @@ class _GPT2MlpHalf(_Half):
     def _fused(self, res, x, sign, frac_bits):
         b, m = self.block, self.block.mlp
         x = self._input(x, b.ln_2.weight)
-        return norm_mlp_couple(res, x, sign, frac_bits, b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
-                               _out_in(m.c_proj), m.c_proj.bias, norm="layer",
-                               activation=self._spec().activation,
-                               eps=b.ln_2.eps)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
+                            b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
+                            _out_in(m.c_proj), m.c_proj.bias, norm="layer",
+                            activation=self._spec().activation,
+                            eps=b.ln_2.eps)
 
     def _modules(self, x):
         b = self.block

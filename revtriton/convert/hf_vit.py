@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _pickled_host_classes
+from .core import (bound_couple, Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p,
+                   _pickled_host_classes)
 from .host import _first, _convert_hosted_layers, _HostAttention, _HostDecoderModel
 
 
@@ -21,9 +22,10 @@ class _HFViTAttentionHalf(_Half):
         norm = b.layernorm_before
         x = self._input(x, norm.weight)
         w_qkv, b_qkv = _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
-        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
-                                     a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
-                                     eps=norm.eps)
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
+                            norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
+                            a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
+                            eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
@@ -44,9 +46,10 @@ class _HFViTMlpHalf(_Half):
         b, m = self.block, self.block.mlp
         norm = b.layernorm_after
         x = self._input(x, norm.weight)
-        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
-                               m.fc2.bias, norm="layer", activation=_HF_ACTIVATIONS[m.config.hidden_act],
-                               eps=norm.eps)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
+                            norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
+                            m.fc2.bias, norm="layer", activation=_HF_ACTIVATIONS[m.config.hidden_act],
+                            eps=norm.eps)
 
     def _modules(self, x):
         b = self.block

@@ -9,8 +9,8 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
-from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options, _norm_eps, _p,
-                   _pickled_host_classes, _residual_dropout, _rope_spec, _scores_scaled_plainly)
+from .core import (bound_couple, Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options,
+                   _norm_eps, _p, _pickled_host_classes, _residual_dropout, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
 
@@ -95,10 +95,11 @@ class _LlamaAttentionHalf(_LlamaHalf):
         norm = b.input_layernorm
         x = self._input(x, norm.weight)
         w_qkv, b_qkv = self._qkv_weights()
-        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
-                                     a.o_proj.bias, heads=spec.heads, kv_heads=spec.kv_heads, causal=True,
-                                     rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
-                                     **_layout_options(layout))
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
+                            norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
+                            a.o_proj.bias, heads=spec.heads, kv_heads=spec.kv_heads, causal=True,
+                            rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
+                            **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.self_attn, self._spec()
@@ -142,8 +143,8 @@ class _LlamaMlpHalf(_LlamaHalf):
             w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
         else:
             w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
-        return swiglu_mlp_couple(res, x, sign, frac_bits, norm.weight, w_gate, w_up, m.down_proj.weight,
-                                 eps=_norm_eps(norm))
+        return bound_couple(swiglu_mlp_couple, res, x, sign, frac_bits, norm.weight, w_gate, w_up, m.down_proj.weight,
+                            eps=_norm_eps(norm))
 
     def _modules(self, x):
         b = self.block

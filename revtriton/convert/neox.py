@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
+from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
                    _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
@@ -39,10 +39,11 @@ class _NeoXAttentionHalf(_Half):
         norm, qkv = b.input_layernorm, a.query_key_value
         x = self._input(x, norm.weight)
         b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
-        return norm_attention_couple(res, x, sign, frac_bits, norm.weight, norm.bias, self._grouped_rows(qkv.weight),
-                                     b_qkv, a.dense.weight, a.dense.bias, heads=spec.heads, causal=True,
-                                     rope_theta=spec.rope_theta, norm="layer", eps=norm.eps,
-                                     **_layout_options(layout))
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
+                            norm.weight, norm.bias, self._grouped_rows(qkv.weight),
+                            b_qkv, a.dense.weight, a.dense.bias, heads=spec.heads, causal=True,
+                            rope_theta=spec.rope_theta, norm="layer", eps=norm.eps,
+                            **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.attention, self._spec()
@@ -73,9 +74,9 @@ class _NeoXMlpHalf(_Half):
         b, m = self.block, self.block.mlp
         norm = b.post_attention_layernorm
         x = self._input(x, norm.weight)
-        return norm_mlp_couple(res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
-                               m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
-                               activation=self._spec().activation, eps=norm.eps)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
+                            m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
+                            activation=self._spec().activation, eps=norm.eps)
 
     def _modules(self, x):
         b = self.block

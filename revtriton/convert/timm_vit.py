@@ -7,7 +7,8 @@ from torch import nn
 from ..halves.transformer import drop_path_scale, layer_scaled
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class, CHECKPOINTING_MESSAGE
+from .core import (bound_couple, Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class,
+                   CHECKPOINTING_MESSAGE)
 from .host import _BlockSteps
 
 
@@ -53,9 +54,10 @@ class _TimmAttentionHalf(_Half):
         b, a = self.block, self.block.attn
         x = self._input(x, a.qkv.weight)
         w_proj, b_proj = layer_scaled(a.proj.weight, a.proj.bias, getattr(b.ls1, "gamma", None))
-        return norm_attention_couple(res, x, sign, frac_bits, b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
-                                     w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
-                                     row_scale=self._row(x))
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
+                            b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
+                            w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
+                            row_scale=self._row(x))
 
     def _modules(self, x):
         b = self.block
@@ -92,9 +94,10 @@ class _TimmMlpHalf(_Half):
         b, m = self.block, self.block.mlp
         x = self._input(x, m.fc1.weight)
         w2, b2 = layer_scaled(m.fc2.weight, m.fc2.bias, getattr(b.ls2, "gamma", None))
-        return norm_mlp_couple(res, x, sign, frac_bits, b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
-                               b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
-                               row_scale=self._row(x))
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
+                            b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
+                            b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
+                            row_scale=self._row(x))
 
     def _modules(self, x):
         b = self.block

@@ -19,7 +19,6 @@ from torch import nn
 
 from ..ops import dispatch
 from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
-from ..ops.launches import call_signature
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
 from .base import CouplingHalf
@@ -45,9 +44,6 @@ def parameter(module: nn.Module, name: str):
     eight; through getattr otherwise (a parametrization's property, a wrapper that forwards it)."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name, None)
-
-
-BOUND_COUPLES = 16  # runners kept per half (a training step has two: forward, rebuild; eval one more)
 
 
 def layer_scaled(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None) -> tuple:
@@ -80,9 +76,8 @@ class _TransformerHalf(CouplingHalf):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != dim {self.dim}")
 
-    # Subclasses give the op (its name in ops.backend, its dispatching couple, its pure-torch
-    # reference), their weights and their options.
-    op_name = couple_op = reference_op = None
+    # Subclasses give the op pair (dispatching couple, pure-torch reference), their weights and options.
+    couple_op = reference_op = None
     # The engine hands a scaled coupling's ResidualScale to couple() (applied in the epilogue).
     takes_scale = True
 
@@ -91,7 +86,7 @@ class _TransformerHalf(CouplingHalf):
         raise NotImplementedError
 
     def options(self) -> dict:
-        """The keyword options of this half's ops but the row scale, in the order the op passes them."""
+        """The keyword options of this half's ops but the row scale."""
         raise NotImplementedError
 
     def _norm_in_out_weights(self, norm: str, inner: str, outer: str) -> tuple:
@@ -119,46 +114,15 @@ class _TransformerHalf(CouplingHalf):
             # the epilogue eager, as any CouplingHalf's; torch.compile's kernels then stand in for
             # the fused ones (both are code generated for the same math).
             return super().couple(res, x, sign, frac_bits, scale=scale)
-        if scale is None and not (self.training and self.drop_path) and isinstance(x, torch.Tensor) and \
-                isinstance(res, torch.Tensor) and not torch.compiler.is_compiling():
-            return self._bound_couple(res, x, sign, frac_bits)
+        if scale is None and not (self.training and self.drop_path):
+            # Nothing drawn, no coupling scale: a runner bound to the call signature serves every
+            # repeated call (every block, every step), skipping the checks, the dispatch and the
+            # op's plan lookup, about two thirds of the couple's host work (ops.dispatch.run_bound).
+            return dispatch.run_bound(type(self).couple_op, res, x, sign, frac_bits, self.weights(), self.options(),
+                                      check=self._check_input)
         self._check_input(x)
         args, options = self.operands(x)
         return type(self).couple_op(res, x, sign, frac_bits, *args, scale=scale, **options)
-
-    def _bound_couple(self, res, x, sign, frac_bits):
-        """The couple of a call with nothing drawn and no coupling scale, through a runner bound to
-        its signature (ops.dispatch.bind_op): a repeated call (every block, every step) skips the
-        checks, the dispatch and the op's plan lookup, about two thirds of its host work. The key
-        holds everything the op's signature and choice are made of: the dispatch state, autocast,
-        whether a gradient is needed, sign, frac_bits, the options, and every tensor's shape,
-        strides, dtype and device (so a ``to()``, a replaced or frozen parameter, ``eval()`` ...
-        each make a new key, whose first call takes the checked path and binds it)."""
-        weights, options = self.weights(), self.options()
-        device_type = x.device.type
-        key = (dispatch.choice_state(), torch.is_autocast_enabled(device_type) and
-               torch.get_autocast_dtype(device_type), torch.is_grad_enabled() and (
-                   res.requires_grad or x.requires_grad or any(w is not None and w.requires_grad for w in weights)),
-               sign, frac_bits, *options.values(), call_signature(res, x, *weights))
-        kept = self.__dict__.get("_bound_couples")
-        if kept is None:  # kept out of the module's attributes (and its pickle: __getstate__)
-            kept = self.__dict__["_bound_couples"] = {}
-        run = kept.get(key)
-        if run is not None:
-            return run(res, x, *weights)
-        self._check_input(x)
-        out = type(self).couple_op(res, x, sign, frac_bits, *weights, row_scale=None, **options)
-        run = dispatch.bind_op(self.op_name, res, x, sign, frac_bits, *weights, **options, row_scale=None)
-        if run is not None:
-            if len(kept) >= BOUND_COUPLES:
-                kept.clear()
-            kept[key] = run
-        return out
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state.pop("_bound_couples", None)  # runners of this process's plans (closures: not picklable)
-        return state
 
 
 class LayerNormMLP(_TransformerHalf):
@@ -174,7 +138,7 @@ class LayerNormMLP(_TransformerHalf):
         self.fc1 = nn.Linear(dim, hidden, bias=bias)
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
 
-    op_name, couple_op, reference_op = "norm_mlp", norm_mlp_couple, norm_mlp_reference
+    couple_op, reference_op = norm_mlp_couple, norm_mlp_reference
 
     def weights(self):
         return self._norm_in_out_weights("norm", "fc1", "fc2")
@@ -195,7 +159,7 @@ class RMSNormSwiGLU(_TransformerHalf):
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
-    op_name, couple_op, reference_op = "swiglu_mlp", swiglu_mlp_couple, swiglu_mlp_reference
+    couple_op, reference_op = swiglu_mlp_couple, swiglu_mlp_reference
 
     def weights(self):
         modules = self._modules
@@ -225,7 +189,7 @@ class _AttentionHalf(_TransformerHalf):
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
-    op_name, couple_op, reference_op = "norm_attention", norm_attention_couple, norm_attention_reference
+    couple_op, reference_op = norm_attention_couple, norm_attention_reference
 
     def _check_input(self, x):
         check_attention_shapes(x, self.dim, self.heads, self.kv_heads)

@@ -14,6 +14,7 @@ import importlib
 
 import torch
 
+from .launches import call_signature
 from .launches import count_launches, interpreter_enabled, launch, uncounted  # noqa: F401 (the ops' launch point)
 
 _force_triton = False
@@ -78,12 +79,17 @@ def scale_option(scale) -> dict:
 _backend = kept_import("backend")  # imported at the first call
 
 
+_recorders: list = []  # run_bound's lists of the run_op calls a checked couple makes (to bind the one it made)
+
+
 def run_op(op: str, *args, **options):
     """Run op ``op`` (registered in ``ops.backend``) on ``args`` with the chosen implementation.
 
     The call's signature is worked out once: the choice's key comes from it, and a candidate that
     keeps launch plans (``planned``) gets it as ``call_key`` (with its name: candidates of one op
     keep different plans)."""
+    if _recorders:
+        _recorders[-1].append((op, args, options))
     backend = _backend()
     signature = backend.call_signature(op, args, options)
     cand, signature = backend.choose(op, args, options, signature, _force_triton)
@@ -124,6 +130,64 @@ def bind_op(op: str, *args, **options):
         return run(res, x, sign, frac_bits, *weights, **kept)
 
     return bound
+
+
+_runners: dict = {}  # run_bound's key -> runner (bind_op's): a runner is a function of its key alone
+RUNNERS_KEPT = 256  # all dropped when full (a model has a handful of call signatures: forward, rebuild, eval)
+
+
+def run_bound(couple, res, x, sign, frac_bits, weights: tuple, options: dict, check=None):
+    """``couple(res, x, sign, frac_bits, *weights, **options)``, ``couple`` a couple op's dispatching
+    function (``ops.mlp.norm_mlp_couple``, ...), with its host work done once per call signature.
+
+    The key holds everything the call's signature and choice are made of: ``couple``, the dispatch
+    state (:func:`choice_state`), autocast, whether a gradient is needed (grad mode, and any of the
+    tensors requiring one), sign, frac_bits, the options, and every tensor's shape, strides, dtype
+    and device. A repeated key runs the runner :func:`bind_op` made for it: no checks, no
+    signature, no choice, no plan lookup (every block of a model shares it). A new key runs
+    ``couple`` as it is (``check(x)`` first, when given: the caller's own checks) and binds the one
+    run_op call it made, when it made exactly one, on these very tensors. Options holding a tensor
+    (a row scale, a token layout) are each call's: such calls are never kept."""
+    if not (isinstance(x, torch.Tensor) and isinstance(res, torch.Tensor)) or torch.compiler.is_compiling() or any(
+            isinstance(value, torch.Tensor) for value in options.values()):
+        if check is not None:
+            check(x)
+        return couple(res, x, sign, frac_bits, *weights, **options)
+    device_type = x.device.type
+    key = (couple, choice_state(), torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type),
+           torch.is_grad_enabled() and (
+               res.requires_grad or x.requires_grad or any(w is not None and w.requires_grad for w in weights)),
+           sign, frac_bits, *options.items(), call_signature(res, x, *weights))
+    try:
+        run = _runners.get(key)
+    except TypeError:  # an unhashable option: the op's checks say what is wrong with it
+        key = run = None
+    if run is not None:
+        return run(res, x, *weights)
+    if check is not None:
+        check(x)
+    calls = []
+    _recorders.append(calls)
+    try:
+        out = couple(res, x, sign, frac_bits, *weights, **options)
+    finally:
+        _recorders.pop()
+    if key is not None and len(calls) == 1:
+        op, args, seen = calls[0]
+        tensors = (res, x, *weights)
+        if len(args) == len(tensors) + 2 and args[2] == sign and args[3] == frac_bits and all(
+                a is b for a, b in zip(args[:2] + args[4:], tensors)):
+            run = bind_op(op, *args, **seen)
+            if run is not None:
+                if len(_runners) >= RUNNERS_KEPT:
+                    _runners.clear()
+                _runners[key] = run
+    return out
+
+
+def forget_runners():
+    """Drop every runner run_bound kept (tests: the next call of each key takes the checked path)."""
+    _runners.clear()
 
 
 def capture_state():
