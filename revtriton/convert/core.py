@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, block_phase
+from ..halves.base import parameter
 from ..ops.dispatch import run_bound
 from ..ops.reference import rope_inv_freq
 from ..ops.streams import couple_output
@@ -105,8 +106,9 @@ def bound_couple(couple, res, x, sign, frac_bits, *weights, **options):
 def _concatenated_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple:
     """The weight and bias (None without) of three q / k / v projections as one, rows [q; k; v]
     (what the fused attention reads)."""
-    weight = torch.cat([q.weight, k.weight, v.weight])
-    return weight, None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+    weight = torch.cat([parameter(q, "weight"), parameter(k, "weight"), parameter(v, "weight")])
+    q_bias = parameter(q, "bias")
+    return weight, None if q_bias is None else torch.cat([q_bias, parameter(k, "bias"), parameter(v, "bias")])
 
 
 def _scores_scaled_plainly(attention: nn.Module, head_dim: int) -> bool:
@@ -303,13 +305,30 @@ _HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "g
 
 
 def _norm_eps(norm) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    eps = getattr(norm, "variance_epsilon", None)  # (no eager default: an absent attribute costs a raise)
+    return float(getattr(norm, "eps", 1e-6) if eps is None else eps)
 
 
 def _residual_dropout(block, name):
     """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
     dropout), or Identity where the block has none."""
     return getattr(block, name, None) or nn.Identity()
+
+
+def _parts(module: nn.Module) -> dict:
+    """``module``'s submodules by name (its ``_modules``). The fused halves read a dozen a call:
+    ``module.name`` goes through ``nn.Module.__getattr__`` (about a microsecond a read), and
+    ``hasattr`` of an absent one raises inside it (1.7)."""
+    return module._modules
+
+
+def _branch_p(block, name) -> float:
+    """The probability of :func:`_residual_dropout`'s dropout (0.0 where the block has none), found
+    without ``nn.Module.__getattr__`` (a submodule, an instance or a class attribute)."""
+    found = block._modules.get(name)
+    if found is None:
+        found = vars(block).get(name, getattr(type(block), name, None))
+    return _p(found)
 
 
 # RoPE variants whose frequencies are fixed when the model is built (the rotary embedding's inv_freq

@@ -9,8 +9,10 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
-from .core import (bound_couple, Family, LayerSpec, _concatenated_qkv, _Half, _host_block_mixins, _layout_options,
-                   _norm_eps, _p, _pickled_host_classes, _residual_dropout, _rope_spec, _scores_scaled_plainly)
+from ..halves.base import parameter
+from .core import (bound_couple, Family, LayerSpec, _branch_p, _concatenated_qkv, _Half, _host_block_mixins,
+                   _layout_options, _norm_eps, _parts, _pickled_host_classes, _residual_dropout, _rope_spec,
+                   _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
 
@@ -52,14 +54,14 @@ class _LlamaAttentionHalf(_LlamaHalf):
     takes_cond = True
 
     def _projections(self):
-        a = self.block.self_attn
-        if hasattr(a, "qkv_proj"):  # Phi-3: one q/k/v projection, rows [q, k, v]
-            return a.qkv_proj, a.o_proj
-        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        a = _parts(_parts(self.block)["self_attn"])
+        if "qkv_proj" in a:  # Phi-3: one q/k/v projection, rows [q, k, v]
+            return a["qkv_proj"], a["o_proj"]
+        return a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"]
 
     def _dropouts(self):
-        return (float(getattr(self.block.self_attn, "attention_dropout", 0.0) or 0.0),
-                _p(_residual_dropout(self.block, "resid_attn_dropout")))
+        return (float(getattr(_parts(self.block)["self_attn"], "attention_dropout", 0.0) or 0.0),
+                _branch_p(self.block, "resid_attn_dropout"))
 
     def _beyond_fused(self, x):
         spec = self._spec()
@@ -68,10 +70,10 @@ class _LlamaAttentionHalf(_LlamaHalf):
                 or not spec.fused_attention or (window is not None and x.shape[-2] > window))
 
     def _qkv_weights(self):
-        a = self.block.self_attn
-        if hasattr(a, "qkv_proj"):
-            return a.qkv_proj.weight, a.qkv_proj.bias
-        return _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
+        a = _parts(_parts(self.block)["self_attn"])
+        if "qkv_proj" in a:
+            return parameter(a["qkv_proj"], "weight"), parameter(a["qkv_proj"], "bias")
+        return _concatenated_qkv(a["q_proj"], a["k_proj"], a["v_proj"])
 
     def _qkv(self, n):
         a, spec = self.block.self_attn, self._spec()
@@ -91,14 +93,14 @@ class _LlamaAttentionHalf(_LlamaHalf):
                     rope_scale=float(rotary.attention_scaling))
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a, spec = self.block, self.block.self_attn, self._spec()
-        norm = b.input_layernorm
-        x = self._input(x, norm.weight)
+        b, spec = _parts(self.block), self._spec()
+        norm, out = b["input_layernorm"], _parts(b["self_attn"])["o_proj"]
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
         w_qkv, b_qkv = self._qkv_weights()
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
-                            norm.weight, None, w_qkv, b_qkv, a.o_proj.weight,
-                            a.o_proj.bias, heads=spec.heads, kv_heads=spec.kv_heads, causal=True,
-                            rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, None, w_qkv, b_qkv,
+                            parameter(out, "weight"), parameter(out, "bias"), heads=spec.heads, kv_heads=spec.kv_heads,
+                            causal=True, rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
                             **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
@@ -115,36 +117,41 @@ class _LlamaAttentionHalf(_LlamaHalf):
         return out(a.o_proj(o))
 
 
+def _mlp_branch_dropout_name(block) -> str:
+    """The name of the dropout on the MLP branch's output: Phi-3's ``resid_mlp_dropout``, StableLM's
+    ``dropout`` (its ``hidden_dropout``; the attention branch has none there)."""
+    return "resid_mlp_dropout" if "resid_mlp_dropout" in _parts(block) else "dropout"
+
+
 def _mlp_branch_dropout(block):
-    """The dropout on the MLP branch's output: Phi-3's ``resid_mlp_dropout``, StableLM's ``dropout``
-    (its ``hidden_dropout``; the attention branch has none there)."""
-    return _residual_dropout(block, "resid_mlp_dropout" if hasattr(block, "resid_mlp_dropout") else "dropout")
+    return _residual_dropout(block, _mlp_branch_dropout_name(block))
 
 
 class _LlamaMlpHalf(_LlamaHalf):
     def _projections(self):
-        m = self.block.mlp
-        if hasattr(m, "gate_up_proj"):  # Phi-3: one gate/up projection, rows [gate, up]
-            return m.gate_up_proj, m.down_proj
-        return m.gate_proj, m.up_proj, m.down_proj
+        m = _parts(_parts(self.block)["mlp"])
+        if "gate_up_proj" in m:  # Phi-3: one gate/up projection, rows [gate, up]
+            return m["gate_up_proj"], m["down_proj"]
+        return m["gate_proj"], m["up_proj"], m["down_proj"]
 
     def _dropouts(self):
-        return (_p(_mlp_branch_dropout(self.block)),)
+        return (_branch_p(self.block, _mlp_branch_dropout_name(self.block)),)
 
     def _beyond_fused(self, x):  # Gemma: GeGLU, and RMSNorm scaling by 1 + weight
         spec = self._spec()
         return not (spec.fused_mlp and spec.fused_norm)
 
     def _fused(self, res, x, sign, frac_bits):
-        b, m = self.block, self.block.mlp
-        norm = b.post_attention_layernorm
-        x = self._input(x, norm.weight)
-        if hasattr(m, "gate_up_proj"):
-            w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)
+        b = _parts(self.block)
+        m, norm = _parts(b["mlp"]), b["post_attention_layernorm"]
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
+        if "gate_up_proj" in m:
+            w_gate, w_up = parameter(m["gate_up_proj"], "weight").chunk(2, dim=0)
         else:
-            w_gate, w_up = m.gate_proj.weight, m.up_proj.weight
-        return bound_couple(swiglu_mlp_couple, res, x, sign, frac_bits, norm.weight, w_gate, w_up, m.down_proj.weight,
-                            eps=_norm_eps(norm))
+            w_gate, w_up = parameter(m["gate_proj"], "weight"), parameter(m["up_proj"], "weight")
+        return bound_couple(swiglu_mlp_couple, res, x, sign, frac_bits, norm_weight, w_gate, w_up,
+                            parameter(m["down_proj"], "weight"), eps=_norm_eps(norm))
 
     def _modules(self, x):
         b = self.block

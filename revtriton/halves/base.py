@@ -67,6 +67,14 @@ def takes_scale(half) -> bool:
     return _has_scale_parameter(getattr(type(half), "couple", None))
 
 
+def parameter(module: nn.Module, name: str):
+    """``module.<name>`` (None where it has none): read from the module's parameter dict when it is
+    there, since ``nn.Module.__getattr__`` costs about a microsecond a read and a couple reads six to
+    eight; through getattr otherwise (a parametrization's property, a wrapper that forwards it)."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
+
+
 def couple_half(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: int | None, cond=None,
                 scale: ResidualScale | None = None):
     """``half.couple(res, x, sign, frac_bits)``, handing ``cond`` to a half that takes it.

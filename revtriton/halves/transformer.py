@@ -21,7 +21,7 @@ from ..ops import dispatch
 from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
-from .base import CouplingHalf
+from .base import CouplingHalf, parameter
 from .randomness import half_generator
 
 
@@ -36,14 +36,6 @@ def drop_path_scale(x: torch.Tensor, p: float, training: bool) -> torch.Tensor |
     generator = half_generator(x.device)
     mask = torch.empty(shape, device=x.device, dtype=torch.float32).bernoulli_(keep, generator=generator) / keep
     return mask.expand(x.shape[:-1])
-
-
-def parameter(module: nn.Module, name: str):
-    """``module.<name>`` (None where it has none): read from the module's parameter dict when it is
-    there, since ``nn.Module.__getattr__`` costs about a microsecond a read and a couple reads six to
-    eight; through getattr otherwise (a parametrization's property, a wrapper that forwards it)."""
-    params = module._parameters
-    return params[name] if name in params else getattr(module, name, None)
 
 
 def layer_scaled(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None) -> tuple:
