@@ -578,7 +578,8 @@ MUTANTS = [
            ("tests/test_revify.py", "-k", "halves_compute_the_original_blocks and gemma"),
            "Gemma's RMSNorm (scale 1 + weight) sent to the fused kernels as a plain RMSNorm (scale weight)"),
     Mutant("phi3-gate-and-up-swapped", "revtriton/convert/llama.py",
-           "w_gate, w_up = m.gate_up_proj.weight.chunk(2, dim=0)", "w_up, w_gate = m.gate_up_proj.weight.chunk(2, dim=0)",
+           'w_gate, w_up = parameter(m["gate_up_proj"], "weight").chunk(2, dim=0)',
+           'w_up, w_gate = parameter(m["gate_up_proj"], "weight").chunk(2, dim=0)',
            ("tests/test_revify.py", "-k", "halves_compute_the_original_blocks and phi3"),
            "Phi-3's fused gate/up rows read in the wrong order"),
     # ---- timm (run with an environment that has timm: /work/venv-timm/bin/python tools/mutate.py --only ...)
@@ -1005,7 +1006,7 @@ MUTANTS = [
            "the benchmark's no-early-stop row recomputes what checkpoint does (the explanation would not show)"),
     # ---- families a user brings (issue 48)
     Mutant("stablelm-mlp-dropout-ignored", "revtriton/convert/llama.py",
-           '"resid_mlp_dropout" if hasattr(block, "resid_mlp_dropout") else "dropout"', '"resid_mlp_dropout"',
+           '"resid_mlp_dropout" if "resid_mlp_dropout" in _parts(block) else "dropout"', '"resid_mlp_dropout"',
            ("tests/test_host_forward.py", "-k", "drops_what and sequential"),
            "StableLM's MLP-branch dropout left out of the MLP half: training computes another function"),
     Mutant("stablelm-parallel-dropout-on-both-branches", "revtriton/convert/parallel.py",
