@@ -7,7 +7,9 @@ from torch import nn
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _pickled_host_classes
+from ..halves.base import parameter
+from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _parts,
+                   _pickled_host_classes)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
 
@@ -16,7 +18,8 @@ class _GPT2AttentionHalf(_Half):
     takes_cond = True
 
     def _projections(self):
-        return self.block.attn.c_attn, self.block.attn.c_proj
+        a = _parts(_parts(self.block)["attn"])
+        return a["c_attn"], a["c_proj"]
 
     def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
         return not self._spec().fused_attention
@@ -25,14 +28,17 @@ class _GPT2AttentionHalf(_Half):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a = self.block, self.block.attn
-        x = self._input(x, b.ln_1.weight)
+        b = _parts(self.block)
+        norm, a = b["ln_1"], b["attn"]
+        qkv, out = _parts(a)["c_attn"], _parts(a)["c_proj"]
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
         segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
-                            b.ln_1.weight, b.ln_1.bias, a.c_attn.weight.t(),
-                            a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, heads=a.num_heads,
-                            causal=True, norm="layer", eps=b.ln_1.eps, segments=segments)
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
+                            parameter(qkv, "weight").t(), parameter(qkv, "bias"), parameter(out, "weight").t(),
+                            parameter(out, "bias"), heads=a.num_heads, causal=True, norm="layer", eps=norm.eps,
+                            segments=segments)
 
     def _modules(self, x):  # one sequence per row (a half called alone; an empty batch)
         b, a = self.block, self.block.attn
@@ -45,12 +51,14 @@ class _GPT2AttentionHalf(_Half):
 
 def _out_in(projection) -> torch.Tensor:
     """A projection's weight as nn.Linear keeps it, [out, in] (transformers' Conv1D keeps [in, out])."""
-    return projection.weight if isinstance(projection, nn.Linear) else projection.weight.t()
+    weight = parameter(projection, "weight")
+    return weight if isinstance(projection, nn.Linear) else weight.t()
 
 
 class _GPT2MlpHalf(_Half):
     def _projections(self):
-        return self.block.mlp.c_fc, self.block.mlp.c_proj
+        m = _parts(_parts(self.block)["mlp"])
+        return m["c_fc"], m["c_proj"]
 
     def _beyond_fused(self, x):  # an activation the fused kernels do not have, other projections
         return not self._spec().fused_mlp
@@ -59,13 +67,14 @@ class _GPT2MlpHalf(_Half):
         return (_p(self.block.mlp.dropout),)
 
     def _fused(self, res, x, sign, frac_bits):
-        b, m = self.block, self.block.mlp
-        x = self._input(x, b.ln_2.weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
-                            b.ln_2.weight, b.ln_2.bias, _out_in(m.c_fc), m.c_fc.bias,
-                            _out_in(m.c_proj), m.c_proj.bias, norm="layer",
-                            activation=self._spec().activation,
-                            eps=b.ln_2.eps)
+        b = _parts(self.block)
+        norm, m = b["ln_2"], _parts(b["mlp"])
+        inner, out = m["c_fc"], m["c_proj"]
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
+                            _out_in(inner), parameter(inner, "bias"), _out_in(out), parameter(out, "bias"),
+                            norm="layer", activation=self._spec().activation, eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
