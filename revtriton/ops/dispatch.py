@@ -111,8 +111,8 @@ def bind_op(op: str, *args, **options):
     grad requirements, the same sign, frac_bits and options, autocast as now), skipping the
     signature, the choice and, for a candidate that binds itself (the fused ones), its per-call
     checks and plan lookup. None where calls are not kept (a scaled coupling, torch.compile, an
-    unhashable option). The caller keys it by all of that and by :func:`choice_state` (the halves:
-    ``_TransformerHalf.couple``); call it after a call of the signature (run_op's plans exist then)."""
+    unhashable option). The caller keys it by all of that and by :func:`choice_state`
+    (:func:`run_bound`); call it after a call of the signature (run_op's plans exist then)."""
     backend = _backend()
     signature = backend.call_signature(op, args, options)
     if signature is None:
