@@ -4,28 +4,30 @@ from __future__ import annotations
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (bound_couple, Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p,
+from ..halves.base import parameter
+from .core import (bound_couple, Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _parts,
                    _pickled_host_classes)
 from .host import _first, _convert_hosted_layers, _HostAttention, _HostDecoderModel
 
 
 class _HFViTAttentionHalf(_Half):
     def _projections(self):
-        a = self.block.attention
-        return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        a = _parts(_parts(self.block)["attention"])
+        return a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"]
 
     def _dropouts(self):
         return float(self.block.attention.attention_dropout or 0.0), _p(self.block.dropout)
 
     def _fused(self, res, x, sign, frac_bits):
-        b, a = self.block, self.block.attention
-        norm = b.layernorm_before
-        x = self._input(x, norm.weight)
-        w_qkv, b_qkv = _concatenated_qkv(a.q_proj, a.k_proj, a.v_proj)
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
-                            norm.weight, norm.bias, w_qkv, b_qkv, a.o_proj.weight,
-                            a.o_proj.bias, heads=a.num_attention_heads, causal=False, norm="layer",
-                            eps=norm.eps)
+        b = _parts(self.block)
+        norm, a = b["layernorm_before"], b["attention"]
+        q, k, v, out = self._projections()
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
+        w_qkv, b_qkv = _concatenated_qkv(q, k, v)
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"), w_qkv,
+                            b_qkv, parameter(out, "weight"), parameter(out, "bias"), heads=a.num_attention_heads,
+                            causal=False, norm="layer", eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
@@ -34,7 +36,8 @@ class _HFViTAttentionHalf(_Half):
 
 class _HFViTMlpHalf(_Half):
     def _projections(self):
-        return self.block.mlp.fc1, self.block.mlp.fc2
+        m = _parts(_parts(self.block)["mlp"])
+        return m["fc1"], m["fc2"]
 
     def _dropouts(self):
         return (_p(self.block.dropout),)
@@ -43,12 +46,14 @@ class _HFViTMlpHalf(_Half):
         return _HF_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
 
     def _fused(self, res, x, sign, frac_bits):
-        b, m = self.block, self.block.mlp
-        norm = b.layernorm_after
-        x = self._input(x, norm.weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
-                            norm.weight, norm.bias, m.fc1.weight, m.fc1.bias, m.fc2.weight,
-                            m.fc2.bias, norm="layer", activation=_HF_ACTIVATIONS[m.config.hidden_act],
+        b = _parts(self.block)
+        norm, mlp = b["layernorm_after"], b["mlp"]
+        inner, out = self._projections()
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
+                            parameter(inner, "weight"), parameter(inner, "bias"), parameter(out, "weight"),
+                            parameter(out, "bias"), norm="layer", activation=_HF_ACTIVATIONS[mlp.config.hidden_act],
                             eps=norm.eps)
 
     def _modules(self, x):
