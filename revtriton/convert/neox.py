@@ -7,8 +7,10 @@ from dataclasses import replace
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
+from ..halves.base import parameter
 from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
-                   _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec, _scores_scaled_plainly)
+                   _parts, _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec,
+                   _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 
 
@@ -19,7 +21,8 @@ class _NeoXAttentionHalf(_Half):
     takes_cond = True
 
     def _projections(self):
-        return self.block.attention.query_key_value, self.block.attention.dense
+        a = _parts(_parts(self.block)["attention"])
+        return a["query_key_value"], a["dense"]
 
     def _dropouts(self):
         return (float(getattr(self.block.attention, "attention_dropout", 0.0) or 0.0),
@@ -35,15 +38,15 @@ class _NeoXAttentionHalf(_Half):
         return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
     def _fused(self, res, x, sign, frac_bits, layout=None):
-        b, a, spec = self.block, self.block.attention, self._spec()
-        norm, qkv = b.input_layernorm, a.query_key_value
-        x = self._input(x, norm.weight)
-        b_qkv = None if qkv.bias is None else self._grouped_rows(qkv.bias)
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
-                            norm.weight, norm.bias, self._grouped_rows(qkv.weight),
-                            b_qkv, a.dense.weight, a.dense.bias, heads=spec.heads, causal=True,
-                            rope_theta=spec.rope_theta, norm="layer", eps=norm.eps,
-                            **_layout_options(layout))
+        spec, norm = self._spec(), _parts(self.block)["input_layernorm"]
+        qkv, out = self._projections()
+        norm_weight, qkv_bias = parameter(norm, "weight"), parameter(qkv, "bias")
+        x = self._input(x, norm_weight)
+        b_qkv = None if qkv_bias is None else self._grouped_rows(qkv_bias)
+        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
+                            self._grouped_rows(parameter(qkv, "weight")), b_qkv, parameter(out, "weight"),
+                            parameter(out, "bias"), heads=spec.heads, causal=True, rope_theta=spec.rope_theta,
+                            norm="layer", eps=norm.eps, **_layout_options(layout))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.attention, self._spec()
@@ -62,7 +65,8 @@ class _NeoXAttentionHalf(_Half):
 
 class _NeoXMlpHalf(_Half):
     def _projections(self):
-        return self.block.mlp.dense_h_to_4h, self.block.mlp.dense_4h_to_h
+        m = _parts(_parts(self.block)["mlp"])
+        return m["dense_h_to_4h"], m["dense_4h_to_h"]
 
     def _dropouts(self):
         return (_p(self.block.post_mlp_dropout),)
@@ -71,12 +75,13 @@ class _NeoXMlpHalf(_Half):
         return self._spec().activation is None
 
     def _fused(self, res, x, sign, frac_bits):
-        b, m = self.block, self.block.mlp
-        norm = b.post_attention_layernorm
-        x = self._input(x, norm.weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm.weight, norm.bias, m.dense_h_to_4h.weight,
-                            m.dense_h_to_4h.bias, m.dense_4h_to_h.weight, m.dense_4h_to_h.bias, norm="layer",
-                            activation=self._spec().activation, eps=norm.eps)
+        norm = _parts(self.block)["post_attention_layernorm"]
+        inner, out = self._projections()
+        norm_weight = parameter(norm, "weight")
+        x = self._input(x, norm_weight)
+        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
+                            parameter(inner, "weight"), parameter(inner, "bias"), parameter(out, "weight"),
+                            parameter(out, "bias"), norm="layer", activation=self._spec().activation, eps=norm.eps)
 
     def _modules(self, x):
         b = self.block
