@@ -209,16 +209,22 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
     return stream.view_as(res), None
 
 
+def _kept_plan(args, options, call_key, option_names) -> tuple:
+    """(whether the call needs grad, the plan its signature's call kept): what the bound runners of
+    the MLP couples close over; plan None where nothing is to be bound (no plan kept, a row scale, or
+    options other than the couple's own)."""
+    if call_key is None or options.get("row_scale") is not None or set(options) != option_names:
+        return False, None
+    needs_grad = _needs_grad(*args[:2], *args[4:])
+    return needs_grad, _plans.get((call_key, needs_grad))
+
+
 def bind_norm_mlp_couple(args, options, call_key):
     """A runner ``(res, x, *weights)`` of later calls of this call's signature (ops.dispatch.bind_op):
     the plan this signature's call kept, the options fixed; no checks (the signature passed them),
     no key, no plan lookup. None without a kept plan or with a row scale (each call's)."""
     res, x, sign, frac_bits, *params = args
-    if call_key is None or options.get("row_scale") is not None or set(options) != {"norm", "activation", "eps",
-                                                                                     "row_scale"}:
-        return None
-    needs_grad = _needs_grad(res, x, *params)
-    plan = _plans.get((call_key, needs_grad))
+    needs_grad, plan = _kept_plan(args, options, call_key, {"norm", "activation", "eps", "row_scale"})
     if plan is None:
         return None
     norm, activation, eps = options["norm"], options["activation"], options["eps"]
@@ -338,10 +344,7 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
 def bind_swiglu_mlp_couple(args, options, call_key):
     """:func:`bind_norm_mlp_couple` for :func:`fused_swiglu_mlp_couple`."""
     res, x, sign, frac_bits, *params = args
-    if call_key is None or options.get("row_scale") is not None or set(options) != {"eps", "row_scale"}:
-        return None
-    needs_grad = _needs_grad(res, x, *params)
-    plan = _plans.get((call_key, needs_grad))
+    needs_grad, plan = _kept_plan(args, options, call_key, {"eps", "row_scale"})
     if plan is None:
         return None
     eps, dot_dtype, dim = options["eps"], plan.options, x.shape[-1]
