@@ -430,11 +430,21 @@ def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP
                   num_hidden_layers=DEPTH, num_attention_heads=4, max_position_embeddings=64)
     if family == "StableLm":  # its parallel form (dropout on the MLP branch only); its default is 32 kv heads
         config.update(use_parallel_residual=True, num_key_value_heads=2)
+    if family == "FalconNew":  # Falcon's new decoder architecture: a norm per branch (ln_attn, ln_mlp), 2 kv
+        family = "Falcon"      # heads, ALiBi (the model adds it to the mask) and biases
+        config.update(new_decoder_architecture=True, num_kv_heads=2, alibi=True, bias=True)
     config_class = getattr(transformers, f"{family}Config")
-    return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
+    with torch.no_grad():  # norms off their init (ones, zeros): two norms of a layer then differ
+        for norm in model.modules():
+            if isinstance(norm, torch.nn.LayerNorm):
+                norm.weight.normal_(1.0, 0.3)
+                norm.bias.normal_(0.0, 0.3)
+    return model
 
 
-PARALLEL_FAMILIES = ["GPTJ", "CodeGen", "Phi", "Cohere", "StableLm"]
+# Falcon (input_layernorm, self_attention, mlp; RoPE): its loop reads outputs[0] of layers returning a tuple
+PARALLEL_FAMILIES = ["GPTJ", "CodeGen", "Phi", "Cohere", "StableLm", "Falcon", "FalconNew"]
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
@@ -463,17 +473,35 @@ def test_decoders_with_parallel_layers_refuse_meft3(family, seeded):
         revify(_parallel_decoder(family, seeded), preserve="meft3")
 
 
-@pytest.mark.parametrize("family", ["GPTJ", "Phi", "StableLm"])
+@pytest.mark.parametrize("family", ["GPTJ", "Phi", "StableLm", "Falcon"])
 def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded, tmp_path):
-    """An exact training step (Phi: with its dropout on both branches; StableLM: on the MLP branch)
-    bitwise equals its stored-activation twin; save / load and a fresh process's unpickling give the
-    converted model back; a half called alone refuses (its RoPE is the model's)."""
-    dropout = dict(Phi=dict(resid_pdrop=0.1), StableLm=dict(hidden_dropout=0.1)).get(family, {})
-    model = revify(_parallel_decoder(family, seeded, **dropout), exact=True).train()
+    """An exact training step (Phi: with its dropout on both branches; StableLM: on the MLP branch;
+    Falcon: its hidden_dropout, a probability, on both) bitwise equals its stored-activation twin;
+    save / load and a fresh process's unpickling give the converted model back; a half called alone
+    refuses (its RoPE is the model's)."""
+    dropout = dict(Phi=dict(resid_pdrop=0.1), StableLm=dict(hidden_dropout=0.1), Falcon=dict(hidden_dropout=0.1))
+    model = revify(_parallel_decoder(family, seeded, **dropout.get(family, {})), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
-        model.base_model.get_submodule("h" if family == "GPTJ" else "layers")[0].coupling_halves()[0](
+        model.base_model.get_submodule("layers" if family in ("Phi", "StableLm") else "h")[0].coupling_halves()[0](
             torch.randn(1, 4, 64))
+
+
+def test_falcons_hidden_dropout_drops_each_branch(seeded):
+    """Falcon's hidden_dropout (a probability its layer applies to the sum of both branches) drops each
+    half's branch: at p = 1 a training-mode forward computes what the same conversion computes with
+    both branches' output projections zeroed and no dropout (a half that kept its branch would not)."""
+    original = _parallel_decoder("Falcon", seeded, hidden_dropout=1.0)
+    dropped = revify(copy.deepcopy(original)).train()
+    silent = revify(copy.deepcopy(original)).train()
+    with torch.no_grad():
+        for layer in silent.transformer.h:
+            layer.hidden_dropout = 0.0
+            for projection in (layer.self_attention.dense, layer.mlp.dense_4h_to_h):
+                projection.weight.zero_()
+        ids = torch.randint(1, 128, (2, 10))
+        assert torch.equal(dropped(input_ids=ids).logits, silent(input_ids=ids).logits)
+        assert not torch.equal(dropped.eval()(input_ids=ids).logits, silent.eval()(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "GPT2DoubleHeadsModel"])

@@ -46,7 +46,7 @@ from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import dinov2, encoder, gpt2, hf_vit, llama, neox, opt, parallel, postnorm, sandwich, timm_eva, timm_vit
 from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
-from .host import _host_layer_calls  # noqa: F401 (a converted stack's layers_view pickles by this name)
+from .host import _host_layer_calls, _host_layer_tuple_calls  # noqa: F401 (a stack's layers_view pickles by name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
 
 __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MODES", "SUPPORTED", "from_pretrained",

@@ -4,6 +4,7 @@ coupling halves over a block's own weights (:class:`_Half`), the block list repl
 norms, activations, RoPE). Family modules (``llama``, ``gpt2``, ...) build on this one."""
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -311,8 +312,12 @@ def _norm_eps(norm) -> float:
 
 def _residual_dropout(block, name):
     """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
-    dropout), or Identity where the block has none."""
-    return getattr(block, name, None) or nn.Identity()
+    dropout; Falcon's ``hidden_dropout``, a probability its layer applies with ``dropout_add``), or
+    Identity where the block has none."""
+    found = getattr(block, name, None)
+    if isinstance(found, (int, float)) and not isinstance(found, bool):
+        return functools.partial(nn.functional.dropout, p=found, training=block.training) if found else nn.Identity()
+    return found or nn.Identity()
 
 
 def _parts(module: nn.Module) -> dict:
@@ -419,6 +424,7 @@ class LayerSpec:
     gpt2_layout: bool = True  # GPT-2's q/k/v: transformers' Conv1D, side by side
     norm: str = ""  # parallel layers: the names of the norm and attention submodules
     attention: str = ""
+    mlp_norm: str = ""  # parallel layers whose MLP has a norm of its own (Falcon's ln_mlp): its name
 
 
 LayerSpec.__module__ = SWAPPED_MODULE  # pickled with the blocks by the package's name, wherever it lives

@@ -281,8 +281,19 @@ def _host_layer_calls(stack, index):
     return [functools.partial(_host_layer_call, call, i) for i in positions]
 
 
+def _host_layer_tuple_calls(stack, index):
+    """:func:`_host_layer_calls` for a loop that reads ``outputs[0]`` of layers that return (hidden
+    states, attention weights) (Falcon's): each stand-in returns ``(hidden states, None)``."""
+    calls = _host_layer_calls(stack, index)
+    return None if calls is None else [functools.partial(_as_layer_tuple, call) for call in calls]
+
+
+def _as_layer_tuple(call, *args, **kwargs) -> tuple:
+    return call(*args, **kwargs), None  # no attention weights (output_attentions is refused)
+
+
 # A converted stack's layers_view: pickled by reference, under the package's name wherever it lives.
-_host_layer_calls.__module__ = SWAPPED_MODULE
+_host_layer_calls.__module__ = _host_layer_tuple_calls.__module__ = SWAPPED_MODULE
 
 
 def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
@@ -632,15 +643,16 @@ class _LibraryAttentionHalf(_HostAttention, _Half):
         return torch.zeros_like(x)
 
 
-def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, model_mixin: type):
+def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, model_mixin: type,
+                           layer_tuples: bool = False):
     """The end of a Hugging Face family's conversion: the layer list at path ``layers`` of ``base``
     becomes the stack (:func:`_convert_blocks`, blocks of ``mixins``), which answers the base model's
-    layer loop (``layers_view``); the base model's forward sets up each call (``model_mixin``), and the
-    head class around it (an LM: generate keeps the library's cache; a classifier) warns on
-    gradient-checkpointing requests (:class:`_RevifiedLM`)."""
+    layer loop (``layers_view``; ``layer_tuples``: a loop that reads ``outputs[0]``); the base model's
+    forward sets up each call (``model_mixin``), and the head class around it (an LM: generate keeps
+    the library's cache; a classifier) warns on gradient-checkpointing requests (:class:`_RevifiedLM`)."""
     owner, _, attribute = layers.rpartition(".")
     _convert_blocks(base.get_submodule(owner), attribute, base.config.hidden_size, conversion, mixins)
-    base.get_submodule(layers).layers_view = _host_layer_calls
+    base.get_submodule(layers).layers_view = _host_layer_tuple_calls if layer_tuples else _host_layer_calls
     _swap_class(base, model_mixin)
     if model is not base:
         _swap_class(model, _RevifiedLM)

@@ -36,22 +36,34 @@ def _has_layer_parts(layer: nn.Module, parts: tuple, family: str, extras: tuple 
     return True
 
 
-def _check_block_loop(base):
+def _check_block_loop(base, tuples: bool = False) -> bool:
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
-    stand-in returns them; GPT-Neo's and ImageGPT's loops read ``outputs[0]``)."""
+    stand-in returns them), or, with ``tuples``, may read them as ``outputs[0]`` of a layer that
+    returns (hidden states, attention weights) (Falcon's loop; GPT-Neo's and ImageGPT's read it too,
+    and their families refuse them). Returns whether the loop reads ``outputs[0]`` (the stand-ins
+    must then return a tuple: :func:`host._host_layer_tuple_calls`)."""
+    if tuples and _loop_source_matches(base, r"outputs = block\((?:.|\n)*?hidden_states = outputs\[0\]"):
+        return True
     _require_layer_loop(base, r"hidden_states = block\(",
                         "take each layer's output as the next hidden states (hidden_states = block(...))")
+    return False
+
+
+def _loop_source_matches(module: nn.Module, pattern: str) -> bool:
+    """Whether ``module``'s forward source matches ``pattern`` (a regular expression; False where the
+    source cannot be read)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(pattern, source) is not None
 
 
 def _require_layer_loop(module: nn.Module, pattern: str, what: str):
     """NotImplementedError unless ``module``'s forward source matches ``pattern`` (a regular
     expression): its layer loop is one the stack's stand-ins can answer (``what`` it must do, for the
     message). A source check: the stand-ins still refuse a loop that skips or reorders layers."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        source = ""
-    if re.search(pattern, source) is None:
+    if not _loop_source_matches(module, pattern):
         raise NotImplementedError(f"revify: {type(module).__name__}.forward does not {what}, where a reversible "
                                   f"stack stands in for its layers: not supported")
 
