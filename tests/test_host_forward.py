@@ -171,7 +171,7 @@ def _decoder(family, seed, **overrides):
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
                   initializer_range=0.3)  # large weights: every branch shows in the logits
-    config_class = getattr(transformers, f"{family}Config")
+    config_class = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
     return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
 
 
@@ -222,6 +222,8 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
 SANDWICH_FAMILIES = {
     "Gemma2": dict(sliding_window=4),  # norms before and after each branch; sliding layers shorter than the rows
     "Olmo2": {},  # norms after each branch only; q / k norms over the whole projection
+    # Gemma 2's layers, sliding and full ones each with a RoPE of their own (local theta 1e4, global 1e6)
+    "Gemma3": dict(sliding_window=4, layer_types=(["sliding_attention", "full_attention"] * DEPTH)[:DEPTH]),
 }
 
 
@@ -229,8 +231,9 @@ SANDWICH_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
-    """Gemma 2 and OLMo 2 (``x + post_norm(attn(norm(x)))``, then the MLP's): a preserving conversion
-    computes their logits on whole and left-padded rows, and their cached greedy generation."""
+    """Gemma 2, Gemma 3 and OLMo 2 (``x + post_norm(attn(norm(x)))``, then the MLP's): a preserving
+    conversion computes their logits on whole and left-padded rows, and their cached greedy generation
+    (Gemma 3: each attention kind with its own RoPE)."""
     assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
 
 
@@ -254,19 +257,6 @@ def test_a_sandwich_norm_decoder_trains_saves_and_pickles(family, seeded, tmp_pa
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
         model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
-
-
-def test_gemma3s_rotary_per_layer_type_is_refused_and_named(seeded):
-    """Gemma 3 has Gemma 2's layer parts but hands each layer its kind's rotary embedding (local and
-    global RoPE): refused at conversion, naming why, the model unchanged."""
-    torch.manual_seed(seeded)
-    config = transformers.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
-                                           num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=2,
-                                           head_dim=16, max_position_embeddings=64, pad_token_id=0)
-    model = transformers.Gemma3ForCausalLM(config)
-    with pytest.raises(NotImplementedError, match="each layer type its own rotary embedding"):
-        revify(model)
-    assert type(model.model.layers) is torch.nn.ModuleList
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only

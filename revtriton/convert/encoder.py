@@ -154,7 +154,7 @@ def _convert_prenorm_encoder(model, conversion, base):
                                       and _scores_scaled_plainly(s, head_dim)))
     for block in layers:
         block._revtriton_spec = replace(spec)
-    no_mask = (lambda x: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
+    no_mask = (lambda x, block: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
     _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
                   "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),

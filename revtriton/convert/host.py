@@ -218,34 +218,48 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 
 # The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
 # tensor stands for None.
-_COND_SLOTS = ("positions", "segments", "cos", "sin", "position_ids", "full_mask", "sliding_mask", "fusable")
+_COND_SLOTS = ("positions", "segments", "cos", "sin", "sliding_cos", "sliding_sin", "position_ids", "full_mask",
+               "sliding_mask", "fusable")
 
 
 @dataclass(frozen=True)
 class _HostCond:
     layout: tuple | None
-    position_embeddings: tuple
+    position_embeddings: tuple  # the rotary embedding (full attention's where the kinds have their own)
     position_ids: torch.Tensor | None
     masks: tuple  # (full attention's, sliding attention's)
     fusable: bool
+    sliding_position_embeddings: tuple | None = None  # sliding attention's own (Gemma 3's local RoPE), or None
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
         return self.masks[_spec_of(block).window is not None]
+
+    def rotary_for(self, block):
+        """The rotary embedding of the block's attention kind: the sliding layers' own where the model
+        gives them one (Gemma 3), else the one for all."""
+        if self.sliding_position_embeddings is not None and _spec_of(block).window is not None:
+            return self.sliding_position_embeddings
+        return self.position_embeddings
 
 
 def _none_if_empty(t):
     return None if t.numel() == 0 and t.dim() == 1 else t
 
 
-def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like) -> tuple:
+def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None) -> tuple:
+    """The halves' conditioning (``_COND_SLOTS``); ``sliding_rotary``: the sliding layers' own rotary
+    embedding, where it is not ``position_embeddings``."""
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
-    if position_embeddings is None:
-        cos, sin = empty, empty
-    else:
-        cos, sin = (position_embeddings, empty) if torch.is_tensor(position_embeddings) else position_embeddings
-    return (positions, segments, cos, sin, empty if position_ids is None else position_ids,
+
+    def cos_sin(rotary):
+        if rotary is None:
+            return empty, empty
+        return (rotary, empty) if torch.is_tensor(rotary) else rotary
+
+    return (positions, segments, *cos_sin(position_embeddings), *cos_sin(sliding_rotary),
+            empty if position_ids is None else position_ids,
             *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
 
 
@@ -253,11 +267,15 @@ def _unpack_host_cond(cond) -> _HostCond:
     if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
         raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
-    positions, segments, cos, sin, position_ids, full_mask, sliding_mask, fusable = cond
+    positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask, fusable = cond
     layout = None if _none_if_empty(positions) is None else (positions, segments)
-    rotary = None if _none_if_empty(cos) is None else cos if _none_if_empty(sin) is None else (cos, sin)
-    return _HostCond(layout, rotary, _none_if_empty(position_ids),
-                     (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable))
+
+    def rotary(cos, sin):
+        return None if _none_if_empty(cos) is None else cos if _none_if_empty(sin) is None else (cos, sin)
+
+    return _HostCond(layout, rotary(cos, sin), _none_if_empty(position_ids),
+                     (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable),
+                     rotary(sliding_cos, sliding_sin))
 
 
 def _blocks(stack) -> list:
@@ -337,27 +355,31 @@ def _library_forward(block):
 
 
 def _host_cond(call: _HostCall, layers, like) -> tuple:
-    """The conditioning of ``layers`` (indices) from their recorded inputs: one rotary embedding and
-    one set of position ids for all, one mask per attention kind (full / sliding window)."""
+    """The conditioning of ``layers`` (indices) from their recorded inputs: one set of position ids for
+    all, one mask and one rotary embedding per attention kind (full / sliding window: Gemma 3 gives
+    each kind its own RoPE; other models one for all)."""
     stack, first = call.stack, call.layer_kwargs[layers[0]]
-    masks = [None, None]
+    masks, rotaries = [None, None], [None, None]
     seen = [False, False]
     for i in layers:
         kwargs = call.layer_kwargs[i]
         if kwargs.get("is_causal"):
             raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
-        for key in ("position_embeddings", "rope", "position_ids"):
-            if kwargs.get(key) is not first.get(key):
-                raise NotImplementedError(f"revified model: layers got different {key} (per-layer rotary "
-                                          f"embeddings are not supported)")
+        if kwargs.get("position_ids") is not first.get("position_ids"):
+            raise NotImplementedError("revified model: layers got different position_ids")
         block = stack[i]
         kind = int(_spec_of(block).window is not None)
         mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
+        rotary = kwargs.get("position_embeddings", kwargs.get("rope"))  # (cos, sin); timm EVA: one tensor
         if seen[kind] and mask is not masks[kind]:
             raise NotImplementedError("revified model: layers of one attention kind got different masks")
-        masks[kind], seen[kind] = mask, True
-    rotary = first.get("position_embeddings", first.get("rope"))  # (cos, sin); timm EVA: one tensor
-    return _pack_host_cond(call.layout, rotary, first.get("position_ids"), masks, call.fusable, like)
+        if seen[kind] and rotary is not rotaries[kind]:
+            raise NotImplementedError("revified model: layers of one attention kind got different rotary embeddings "
+                                      "(per-layer rotary embeddings are not supported)")
+        masks[kind], rotaries[kind], seen[kind] = mask, rotary, True
+    full, sliding = rotaries if seen[0] else (rotaries[1], None)
+    return _pack_host_cond(call.layout, full, first.get("position_ids"), masks, call.fusable, like,
+                           sliding_rotary=None if sliding is full else sliding)
 
 
 _CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
@@ -410,7 +432,8 @@ class _HostAttention:
         embedding when the loop gave one, while decoding its cache), then the branch's output module."""
         norm = self._attention_norm()
         x = self._input(x, getattr(norm, "weight", None))
-        rotary = {} if host.position_embeddings is None else {"position_embeddings": host.position_embeddings}
+        rotary = host.rotary_for(self.block)
+        rotary = {} if rotary is None else {"position_embeddings": rotary}
         out = self._attention_module()(hidden_states=norm(x), attention_mask=host.mask_for(self.block),
                                        position_ids=self._position_ids(host), **rotary, **extra)
         return self._branch_output()(_first(out))

@@ -74,7 +74,7 @@ def _causal_layer_inputs(base):
     sdpa's causal flag, flash attention)."""
     from transformers.masking_utils import create_causal_mask
 
-    def inputs(x):
+    def inputs(x, block):
         batch, tokens = x.shape[:2]
         positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
         mask = create_causal_mask(base.config, x, None, None, positions)
@@ -101,7 +101,7 @@ def _probe_layers(base: nn.Module, name: str, layers, halves: tuple, layer_input
     branch (a branch that differs keeps the modules), on random inputs in eval mode without grad,
     errors relative to the update (not to x, which dominates at small weights): a model admitted by
     its layer conventions must compute what its halves do (``x + F(x) + G(x)`` when ``parallel``).
-    ``layer_inputs(x)`` gives the layer's keyword inputs and the halves' conditioning. Features that
+    ``layer_inputs(x, block)`` gives the block's keyword inputs and the halves' conditioning. Features that
     depend on the values (clipping) may escape it. A failed probe leaves the layers as they were
     (their conversion specs removed)."""
     try:
@@ -127,8 +127,8 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
     base.eval()
     try:
         with torch.no_grad():
-            kwargs, cond = layer_inputs(x)
             for i, block in enumerate(layers):
+                kwargs, cond = layer_inputs(x, block)
                 out = type(block).forward(block, x, **kwargs)
                 out = out[0] if isinstance(out, tuple) else out
                 spec = _spec_of(block)
@@ -155,15 +155,21 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
 
 def _rotary_layer_inputs(base):
     """:func:`_probe_layers`' inputs of a decoder with RoPE (LLaMA's layers, GPT-J's): a causal mask,
-    positions 0..T-1 and the model's rotary embedding of them (when it has one)."""
+    positions 0..T-1 and the model's rotary embedding of them (when it has one; of the block's
+    attention kind where the embedding takes one: Gemma 3's local and global RoPE)."""
     causal = _causal_layer_inputs(base)
+    embedding = getattr(base, "rotary_emb", None)
+    by_kind = embedding is not None and "layer_type" in inspect.signature(embedding.forward).parameters
 
-    def inputs(x):
-        kwargs, _ = causal(x)
+    def inputs(x, block):
+        kwargs, _ = causal(x, block)
         batch, tokens = x.shape[:2]
         positions = torch.arange(tokens, device=x.device).expand(batch, tokens)
         kwargs["position_ids"] = positions
-        rotary = base.rotary_emb(x, positions) if getattr(base, "rotary_emb", None) is not None else None
+        kind = {}
+        if by_kind:
+            kind["layer_type"] = "sliding_attention" if _spec_of(block).window is not None else "full_attention"
+        rotary = embedding(x, positions, **kind) if embedding is not None else None
         if rotary is not None:
             kwargs["position_embeddings"] = rotary
         return kwargs, _pack_host_cond(None, rotary, positions, (kwargs["attention_mask"],) * 2, True, x)

@@ -1,7 +1,9 @@
 """Hugging Face decoders whose layers normalise each branch's output ("sandwich" norms).
 
-Gemma 2: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``, then
-``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``. OLMo 2: the same without the
+Gemma 2 and Gemma 3: ``h = x + post_attention_layernorm(attn(input_layernorm(x)))``, then
+``h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`` (Gemma 3's sliding and full
+attention layers each with a RoPE of their own: the conditioning carries one per attention kind,
+as it does their masks). OLMo 2: the same without the
 norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``h + post_feedforward_layernorm(mlp(h))``. A norm after a branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
@@ -10,8 +12,6 @@ and cache); each layer is probed against its own forward at conversion.
 """
 from __future__ import annotations
 
-import inspect
-import re
 from dataclasses import replace
 
 from torch import nn
@@ -66,18 +66,6 @@ def _sandwich_convention(model: nn.Module):
     return found[0]
 
 
-def _refuse_rotary_per_layer_type(base, name):
-    """Gemma 3 hands each layer its kind's rotary embedding (local / global RoPE); the stack's layers
-    take one for all."""
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        source = ""
-    if re.search(r"position_embeddings=position_embeddings\[", source):
-        raise NotImplementedError(f"revify: {name} gives each layer type its own rotary embedding (Gemma 3's local "
-                                  f"and global RoPE), where a reversible stack's layers take one: not supported")
-
-
 def _convert_sandwich(model, conversion, found):
     """A decoder with sandwich-norm layers (``found``: its base model): every branch on the layer's
     own modules, each layer probed against its own forward; sliding-window layers get the library's
@@ -86,7 +74,6 @@ def _convert_sandwich(model, conversion, found):
     if not len(base.layers):
         raise ValueError(f"revify: {name} has no decoder layers")
     _require_hosted_layer_loop(name)
-    _refuse_rotary_per_layer_type(base, name)
     spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
     for block, window in zip(base.layers, _sliding_windows(base.config, len(base.layers))):
         block._revtriton_spec = replace(spec, window=window)
@@ -99,6 +86,7 @@ def _convert_sandwich(model, conversion, found):
 FAMILY = Family(
     "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
-                 "the branches: Gemma 2, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention, halves="library",
+                 "the branches: Gemma 2, Gemma 3, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention,
+    halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
                  ("HostSandwich", "Ordinary", "DecoderLayer"): _HostSandwichOrdinaryBlock})
