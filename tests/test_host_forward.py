@@ -573,6 +573,60 @@ def test_opt_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
         revify(_opt(seeded, layerdrop=0.1))
 
 
+def _bloom(seed, head="BloomForCausalLM", **overrides):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, n_layer=DEPTH, n_head=4, pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None, initializer_range=0.3, num_labels=3)
+    model = getattr(transformers, head)(transformers.BloomConfig(**{**config, **overrides})).eval()
+    with torch.no_grad():  # norms off their init (ones, zeros), where a norm left out would change nothing
+        for norm in model.modules():
+            if isinstance(norm, torch.nn.LayerNorm):
+                norm.weight.normal_(1.0, 0.3)
+                norm.bias.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_bloom_keeps_the_librarys_function(preserve, seeded):
+    """BLOOM (issue 48): pre-norm layers whose attention and MLP add the residual themselves, ALiBi
+    built from the mask and handed to every layer, a loop reading outputs[0]: a preserving conversion
+    computes the library's logits on whole and left-padded rows (ALiBi follows the padding) and its
+    cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_bloom(seeded), preserve)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_bloom_drops_what_its_dropout_drops(seeded):
+    """BLOOM's hidden_dropout sits on each branch's output (inside its modules, before their residual add):
+    at p = 1 both branches are zero in training, so a preserving conversion computes the library's
+    training-mode logits; a half that added a residual of its own, or kept a branch, would not."""
+    assert_training_logits_are_the_librarys(_bloom(seeded, hidden_dropout=1.0), "meft3")
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # the classifier: inference
+def test_bloom_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with BLOOM's dropout bitwise equals its stored-activation twin; save / load
+    and a fresh process's unpickling give the converted model back; a half called alone refuses (the mask
+    and ALiBi are the model's); a classification head converts and keeps its logits (meft1); layers that
+    add the norm's output back (apply_residual_connection_post_layernorm) are refused, named."""
+    model = revify(_bloom(seeded, hidden_dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.transformer.h[0].coupling_halves()[0](torch.randn(1, 4, 64))
+    original = _bloom(seeded, head="BloomForSequenceClassification")
+    classifier = revify(copy.deepcopy(original), preserve="meft1", scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs = original(input_ids=ids).logits
+        torch.testing.assert_close(classifier(input_ids=ids).logits, theirs, rtol=0,
+                                   atol=2e-3 * theirs.abs().max().item())
+    refused = _bloom(seeded, apply_residual_connection_post_layernorm=True)
+    with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm=True adds each norm"):
+        revify(refused)
+    assert type(refused.transformer.h) is torch.nn.ModuleList
+
+
 def _dinov2(seed, **overrides):
     torch.manual_seed(seed)
     config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, mlp_ratio=2,

@@ -219,7 +219,7 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 # The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
 # tensor stands for None.
 _COND_SLOTS = ("positions", "segments", "cos", "sin", "sliding_cos", "sliding_sin", "position_ids", "full_mask",
-               "sliding_mask", "fusable")
+               "sliding_mask", "alibi", "fusable")
 
 
 @dataclass(frozen=True)
@@ -230,6 +230,7 @@ class _HostCond:
     masks: tuple  # (full attention's, sliding attention's)
     fusable: bool
     sliding_position_embeddings: tuple | None = None  # sliding attention's own (Gemma 3's local RoPE), or None
+    alibi: torch.Tensor | None = None  # the ALiBi biases the model hands its layers (BLOOM's), or None
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
@@ -247,9 +248,10 @@ def _none_if_empty(t):
     return None if t.numel() == 0 and t.dim() == 1 else t
 
 
-def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None) -> tuple:
+def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None,
+                    alibi=None) -> tuple:
     """The halves' conditioning (``_COND_SLOTS``); ``sliding_rotary``: the sliding layers' own rotary
-    embedding, where it is not ``position_embeddings``."""
+    embedding, where it is not ``position_embeddings``; ``alibi``: the layers' ALiBi biases."""
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
 
@@ -260,14 +262,16 @@ def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, l
 
     return (positions, segments, *cos_sin(position_embeddings), *cos_sin(sliding_rotary),
             empty if position_ids is None else position_ids,
-            *(empty if mask is None else mask for mask in masks), torch.tensor(bool(fusable)))
+            *(empty if mask is None else mask for mask in masks), empty if alibi is None else alibi,
+            torch.tensor(bool(fusable)))
 
 
 def _unpack_host_cond(cond) -> _HostCond:
     if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
         raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
-    positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask, fusable = cond
+    (positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask, alibi,
+     fusable) = cond
     layout = None if _none_if_empty(positions) is None else (positions, segments)
 
     def rotary(cos, sin):
@@ -275,7 +279,7 @@ def _unpack_host_cond(cond) -> _HostCond:
 
     return _HostCond(layout, rotary(cos, sin), _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable),
-                     rotary(sliding_cos, sliding_sin))
+                     rotary(sliding_cos, sliding_sin), _none_if_empty(alibi))
 
 
 def _blocks(stack) -> list:
@@ -365,8 +369,9 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         kwargs = call.layer_kwargs[i]
         if kwargs.get("is_causal"):
             raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
-        if kwargs.get("position_ids") is not first.get("position_ids"):
-            raise NotImplementedError("revified model: layers got different position_ids")
+        for key in ("position_ids", "alibi"):
+            if kwargs.get(key) is not first.get(key):
+                raise NotImplementedError(f"revified model: layers got different {key}")
         block = stack[i]
         kind = int(_spec_of(block).window is not None)
         mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
@@ -379,7 +384,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         masks[kind], rotaries[kind], seen[kind] = mask, rotary, True
     full, sliding = rotaries if seen[0] else (rotaries[1], None)
     return _pack_host_cond(call.layout, full, first.get("position_ids"), masks, call.fusable, like,
-                           sliding_rotary=None if sliding is full else sliding)
+                           sliding_rotary=None if sliding is full else sliding, alibi=first.get("alibi"))
 
 
 _CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
@@ -496,7 +501,7 @@ class _HostAttention:
 
 def decoding_inputs(block, attention) -> dict:
     """While the model decodes (no grad, a cache among the layer's inputs): the layer's own inputs
-    but those the conditioning carries (the mask, position ids, rotary embedding), so that the
+    but those the conditioning carries (the mask, position ids, rotary embedding, ALiBi), so that the
     library's attention module ``attention`` appends to its cache (its cache layer, ``layer_idx``,
     kept to be put back if the half runs again in this call); else nothing."""
     call = _HOST_CALL.get()
@@ -508,7 +513,7 @@ def decoding_inputs(block, attention) -> dict:
         return {}
     call.keep_cache_layer(cache, attention.layer_idx)
     return {key: value for key, value in live.items()
-            if key not in ("attention_mask", "position_embeddings", "position_ids")}
+            if key not in ("attention_mask", "position_embeddings", "position_ids", "alibi")}
 
 
 def _first(out):
