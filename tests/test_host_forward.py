@@ -477,6 +477,35 @@ def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded,
             torch.randn(1, 4, 64))
 
 
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_falcons_sequential_layers_keep_the_librarys_function(preserve, seeded):
+    """Falcon with parallel_attn=False (Falcon-RW: input_layernorm, self_attention, then
+    post_attention_layernorm and mlp; ALiBi in the model's mask): a preserving conversion, meft3's
+    sublayers included, computes the library's logits on whole and left-padded rows and its cached
+    greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_parallel_decoder("Falcon", seeded, parallel_attn=False, alibi=True),
+                                              preserve)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("dropped", ["mlp", "attention"])
+def test_falcons_sequential_layers_drop_what_their_dropouts_drop(dropped, seeded):
+    """Falcon's sequential layer drops its attention's output with config.attention_dropout and its MLP's
+    with hidden_dropout: with one of them at p = 1 (the other 0) that branch is zero in training, so
+    meft3's sublayers compute the library's training-mode logits; a half that took the other
+    probability would not. (Eager attention with biases: its own dropout of the probabilities at p = 1
+    leaves the projection's bias, which only the branch dropout removes.)"""
+    p = dict(mlp=dict(hidden_dropout=1.0, attention_dropout=0.0),
+             attention=dict(hidden_dropout=0.0, attention_dropout=1.0, bias=True, attn_implementation="eager"))
+    original = _parallel_decoder("Falcon", seeded, parallel_attn=False, **p[dropped])
+    with torch.no_grad():
+        for layer in original.transformer.h:
+            if layer.self_attention.dense.bias is not None:  # (initialised to zeros)
+                layer.self_attention.dense.bias.normal_(0.0, 0.3)
+    assert_training_logits_are_the_librarys(original, "meft3")
+
+
 def test_falcons_hidden_dropout_drops_each_branch(seeded):
     """Falcon's hidden_dropout (a probability its layer applies to the sum of both branches) drops each
     half's branch: at p = 1 a training-mode forward computes what the same conversion computes with

@@ -316,8 +316,13 @@ def _residual_dropout(block, name):
     Identity where the block has none."""
     found = getattr(block, name, None)
     if isinstance(found, (int, float)) and not isinstance(found, bool):
-        return functools.partial(nn.functional.dropout, p=found, training=block.training) if found else nn.Identity()
+        return _dropout(found, block.training)
     return found or nn.Identity()
+
+
+def _dropout(p: float, training: bool):
+    """``F.dropout`` at probability ``p`` (Identity at 0)."""
+    return functools.partial(nn.functional.dropout, p=p, training=training) if p else nn.Identity()
 
 
 def _parts(module: nn.Module) -> dict:
