@@ -656,6 +656,53 @@ def test_bloom_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
     assert type(refused.transformer.h) is torch.nn.ModuleList
 
 
+def _modernbert(seed, **overrides):
+    """A tiny ModernBertForMaskedLM: layers 0 and 2 global attention (RoPE theta 160000), layer 1 local
+    (a 4-token window, theta 10000)."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                  global_attn_every_n_layers=2, local_attention=4, initializer_range=0.3)
+    model = transformers.ModernBertForMaskedLM(transformers.ModernBertConfig(**{**config, **overrides})).eval()
+    with torch.no_grad():  # norms off their init (ones), where a norm taken for another would change nothing
+        for norm in model.modules():
+            if isinstance(norm, torch.nn.LayerNorm):
+                norm.weight.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_modernbert_keeps_the_librarys_function(preserve, seeded):
+    """ModernBERT (issue 48): pre-norm layers (attn_norm, attn, mlp_norm, mlp; the first layer's attn_norm the
+    identity) whose global and local attention layers each take their kind's mask and RoPE, and a loop that
+    reads each layer's attention_type: a preserving conversion computes the library's logits and hidden
+    states on whole rows and its logits on right-padded ones."""
+    original = _modernbert(seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():  # (hidden states: the stack runs block by block, a layer's inputs its own)
+        for kwargs in (dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask),
+                       dict(input_ids=ids, output_hidden_states=True)):
+            theirs, ours = original(**kwargs), model(**kwargs)
+            assert len(ours.hidden_states or ()) == len(theirs.hidden_states or ())
+            for mine, library in zip((ours.logits, *(ours.hidden_states or ())),
+                                     (theirs.logits, *(theirs.hidden_states or ()))):
+                torch.testing.assert_close(mine, library, rtol=0, atol=2e-3 * library.abs().max().item())
+
+
+def test_modernbert_with_its_dropouts_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with ModernBERT's attention and MLP dropouts bitwise equals its stored-activation
+    twin; save / load and a fresh process's unpickling give the converted model back; a half called alone
+    refuses (the masks and RoPE are the model's)."""
+    model = revify(_modernbert(seeded, attention_dropout=0.1, mlp_dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(3, 128, (2, 10)), tmp_path, seed=seeded)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.model.layers[1].coupling_halves()[0](torch.randn(1, 4, 64))
+
+
 def _dinov2(seed, **overrides):
     torch.manual_seed(seed)
     config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, mlp_ratio=2,

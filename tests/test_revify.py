@@ -417,6 +417,19 @@ def test_post_norm_encoders_raise_naming_the_feature_and_the_modes_that_work():
             revify(model_class(config_class(**small)))
 
 
+def test_a_model_no_family_takes_is_refused_naming_its_layers_and_what_to_do(seeded):
+    """A model no family converts (issue 48): the error names its class, its layer list (path, count, layer
+    class and parts) or that it has none, and the hand conversion (ReversibleBlock)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seeded)
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=3))
+    with pytest.raises(TypeError, match=r"MambaForCausalLM: its layers \(backbone\.layers: 3 x MambaBlock, with parts "
+                                        r"norm, mixer\).*ReversibleBlock\(F, G\).*supported: "):
+        revify(mamba)
+    with pytest.raises(TypeError, match=r"Linear: it has no list of repeated layers"):
+        revify(torch.nn.Linear(3, 3))
+
+
 @pytest.mark.timm
 def test_timm_unsupported_models_raise_naming_the_class(seeded):
     timm = pytest.importorskip("timm")

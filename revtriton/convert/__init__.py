@@ -1,14 +1,16 @@
 """``revify(model)``: turn the transformer blocks of an existing timm or Hugging Face model into
 one reversible stack, in place, reusing each block's weights.
 
-Supported: timm ``VisionTransformer`` (standard ``Block``) and ``Eva``, Hugging Face ``GPT2LMHeadModel`` /
-``GPT2Model``, ``GPTNeoX...``, ViT, and ``LlamaForCausalLM`` / ``LlamaModel`` with the decoders that
-share LLaMA's layer conventions (Mistral, Qwen2, Qwen3, Gemma, Phi-3: ``...ForCausalLM`` / ``...Model``; any
-decoder whose layers have LLaMA's parts and compute its pre-norm layer, checked
-on a probe at conversion: Granite, OLMo, SmolLM3, Helium, Starcoder2, ...). Also found by their layer
-conventions and probed the same way: decoders with GPT-2's layers (GPTBigCode), with parallel
-layers of one norm (GPT-J, CodeGen, Phi, Cohere), and pre-norm encoders with BERT's layer parts
-(RoBERTa-PreLayerNorm, XLM-RoBERTa-XL).
+Supported: the families of :data:`FAMILIES` (:data:`SUPPORTED`, README's table: :func:`family_table`).
+By class: timm ``VisionTransformer`` (standard ``Block``) and ``Eva``; Hugging Face ``GPT2LMHeadModel`` /
+``GPT2Model``, ``GPTNeoX...``, ViT, DINOv2, OPT, BLOOM, ModernBERT, and ``LlamaForCausalLM`` /
+``LlamaModel`` with the decoders that share LLaMA's layer conventions (Mistral, Qwen2, Qwen3, Gemma,
+Phi-3). By their layer conventions, each layer probed at conversion against its own forward: any
+decoder whose layers have LLaMA's parts and compute its pre-norm layer (Granite, OLMo, SmolLM3,
+Helium, Starcoder2, ...), sandwich-norm decoders (Gemma 2, Gemma 3, OLMo 2), decoders with GPT-2's
+layers (GPTBigCode), with parallel layers (GPT-J, CodeGen, Phi, Cohere, StableLM, Falcon), and
+pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL); post-norm
+encoders (BERT, RoBERTa, ELECTRA) under ``preserve="meft1"`` / ``"meft2"``.
 
 How it works:
 
@@ -44,7 +46,8 @@ from torch import nn
 from ..lm_loss import prepare_causal_lm
 from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
-from . import bloom, dinov2, encoder, gpt2, hf_vit, llama, neox, opt, parallel, postnorm, sandwich, timm_eva, timm_vit
+from . import (bloom, dinov2, encoder, gpt2, hf_vit, llama, modernbert, neox, opt, parallel, postnorm, sandwich,
+               timm_eva, timm_vit)
 from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls, _host_layer_tuple_calls  # noqa: F401 (a stack's layers_view pickles by name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
@@ -57,8 +60,8 @@ __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MO
 # pre-norm encoders'). Adding a family: a module with its FAMILY (see core.Family), listed here.
 # Detectors run in this order: sandwich before llama (whose detector names Gemma 2's extra norms).
 FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, neox.FAMILY,
-            sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bloom.FAMILY, encoder.FAMILY,
-            postnorm.FAMILY)
+            sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bloom.FAMILY, modernbert.FAMILY,
+            encoder.FAMILY, postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
 
@@ -141,7 +144,28 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
             f"revify: {cls.__name__} has post-norm layers ({post_norm}: LayerNorm after the residual add, as BERT "
             f"and RoBERTa): a reversible coupling adds each half's output to a stream, which a norm applied after "
             f"the add does not fit; pre-norm models are supported: {', '.join(SUPPORTED)}")
-    raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}; supported: {', '.join(SUPPORTED)}")
+    raise TypeError(f"revify does not support {cls.__module__}.{cls.__qualname__}: {_unmatched_layers(target)}; "
+                    f"supported: {', '.join(SUPPORTED)}")
+
+
+def _unmatched_layers(model: nn.Module) -> str:
+    """Why no family took ``model``, for revify's error: its layer list (the longest list of one
+    layer class), with the parts no family's conventions match, or that it has none; and what to do."""
+    best = None
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
+            classes = {type(layer) for layer in module}
+            if len(classes) == 1 and (best is None or len(module) > len(best[1])):
+                best = (path, module)
+    if best is None:
+        return "it has no list of repeated layers (a transformer's layer stack) to make reversible"
+    path, layers = best
+    parts = ", ".join(name for name, _ in layers[0].named_children()) or "none"
+    return (f"its layers ({path or 'the model'}: {len(layers)} x {type(layers[0]).__name__}, with parts {parts}) are "
+            f"not those of a family revify converts (the supported list ends this message: each family's model "
+            f"classes or layer parts); "
+            f"a layer made of two residual branches x + F(x), then h + G(h), converts by hand as "
+            f"revtriton.ReversibleBlock(F, G) in a ReversibleStack")
 
 
 def _family_of(model: nn.Module) -> tuple:

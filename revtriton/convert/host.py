@@ -287,10 +287,10 @@ def _blocks(stack) -> list:
     return list(stack._modules.values())
 
 
-def _host_layer_calls(stack, index):
+def _host_layer_calls(stack, index, tuples: bool = False):
     """The stack's ``layers_view``: while its model's own forward runs (and not the stack itself), the
-    layer loop's slice or iteration is a list of stand-ins (:func:`_host_layer_call`); otherwise None
-    (the layers)."""
+    layer loop's slice or iteration is a list of stand-ins (:class:`_LayerStand`); otherwise None
+    (the layers). ``tuples``: see :func:`_host_layer_tuple_calls`."""
     call = _HOST_CALL.get()
     if call is None or call.stack is not stack or call.running:
         return None
@@ -300,18 +300,32 @@ def _host_layer_calls(stack, index):
         raise NotImplementedError(f"revified model: the layer loop must run every layer in order (got layers "
                                   f"{list(positions)} of {len(stack)}): the reversible stack runs as one")
     call.layer_kwargs = [None] * len(stack)
-    return [functools.partial(_host_layer_call, call, i) for i in positions]
+    layers = _blocks(stack)
+    return [_LayerStand(call, i, layers[i], tuples) for i in positions]
 
 
 def _host_layer_tuple_calls(stack, index):
     """:func:`_host_layer_calls` for a loop that reads ``outputs[0]`` of layers that return (hidden
-    states, attention weights) (Falcon's): each stand-in returns ``(hidden states, None)``."""
-    calls = _host_layer_calls(stack, index)
-    return None if calls is None else [functools.partial(_as_layer_tuple, call) for call in calls]
+    states, attention weights) (Falcon's, BLOOM's): each stand-in returns ``(hidden states, None)``."""
+    return _host_layer_calls(stack, index, tuples=True)
 
 
-def _as_layer_tuple(call, *args, **kwargs) -> tuple:
-    return call(*args, **kwargs), None  # no attention weights (output_attentions is refused)
+class _LayerStand:
+    """Layer i in the library's loop while its model's forward runs: called, :func:`_host_layer_call`
+    (as ``(hidden states, None)`` with ``tuples``: no attention weights, output_attentions is refused);
+    any other attribute is the layer's own (ModernBERT's loop reads each layer's ``attention_type``)."""
+
+    __slots__ = ("call", "index", "layer", "tuples")
+
+    def __init__(self, call: "_HostCall", index: int, layer, tuples: bool):
+        self.call, self.index, self.layer, self.tuples = call, index, layer, tuples
+
+    def __call__(self, hidden, *args, **kwargs):
+        out = _host_layer_call(self.call, self.index, hidden, *args, **kwargs)
+        return (out, None) if self.tuples else out
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
 
 
 # A converted stack's layers_view: pickled by reference, under the package's name wherever it lives.

@@ -1,0 +1,73 @@
+"""Hugging Face ModernBERT (``ModernBertModel`` and its heads): a pre-norm encoder,
+``h = x + attn(attn_norm(x))`` then ``h + mlp(mlp_norm(h))`` (the first layer's attn_norm is the
+identity), its layers alternating global and local (sliding window) attention, each kind with a
+mask and a RoPE of its own (the conditioning carries one of each per kind). Both halves run the
+layer's own modules (the library path: its attention with the library's bidirectional masks and
+rotary embeddings, its output dropout; the MLP's own dropout)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .core import Family, LayerSpec, _Half, _host_block_mixins, _pickled_host_classes
+from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .llama import _sliding_windows
+from .probe import _check_layer_slice
+
+_MODERNBERT_LAYER_PARTS = {"attn_norm", "attn", "mlp_norm", "mlp"}
+
+
+class _ModernBertAttentionHalf(_LibraryAttentionHalf):
+    def _attention_module(self):
+        return self.block.attn
+
+    def _attention_norm(self):
+        return self.block.attn_norm  # (the first layer's: nn.Identity)
+
+
+class _ModernBertMlpHalf(_Half):
+    def _beyond_fused(self, x):
+        return True
+
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.mlp_norm(self._input(x, b.mlp_norm.weight)))
+
+
+_HostModernBertBlock, _HostModernBertOrdinaryBlock = _host_block_mixins((_ModernBertAttentionHalf, _ModernBertMlpHalf))
+
+
+class _HostModernBertModel(_HostDecoderModel):
+    """ModernBertModel: its layers are ``layers``, position ids drive RoPE, no cache (an encoder)."""
+
+    _layers = "layers"
+    _caches = False
+
+
+def _convert_modernbert(model, conversion, found=None):
+    base = model.model if hasattr(model, "model") else model
+    name, layers = type(model).__name__, base.layers
+    if not len(layers):
+        raise ValueError(f"revify: {name} has no layers")
+    _require_hosted_layer_loop(name)
+    for block in layers:
+        parts = {part for part, _ in block.named_children()}
+        if parts != _MODERNBERT_LAYER_PARTS:
+            raise NotImplementedError(f"revify: {type(block).__name__} has parts {sorted(parts)}, not ModernBERT's "
+                                      f"{sorted(_MODERNBERT_LAYER_PARTS)}: not supported")
+    _check_layer_slice(base)
+    spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
+    for block, window in zip(layers, _sliding_windows(base.config, len(layers))):
+        block._revtriton_spec = replace(spec, window=window)  # the attention kind: its mask and RoPE
+    _convert_hosted_layers(model, base, "layers", conversion, (_HostModernBertBlock, _HostModernBertOrdinaryBlock),
+                           _HostModernBertModel)
+
+
+_CLASSES = ("ModernBertModel", "ModernBertForMaskedLM", "ModernBertForSequenceClassification",
+            "ModernBertForTokenClassification", "ModernBertForQuestionAnswering", "ModernBertForMultipleChoice")
+FAMILY = Family("modernbert", ("transformers ModernBertModel and its heads (global and local attention, each with "
+                               "its RoPE)",), _convert_modernbert, halves="library",
+                classes=tuple(("transformers", name) for name in _CLASSES),
+                pickled=_pickled_host_classes("transformers.models.modernbert.modeling_modernbert",
+                                              "ModernBertEncoderLayer",
+                                              (_HostModernBertBlock, _HostModernBertOrdinaryBlock), "ModernBertModel",
+                                              _HostModernBertModel))
