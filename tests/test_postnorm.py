@@ -22,11 +22,18 @@ SCALE_BITS = 6  # revify's default
 FUNCTION_BITS, FUNCTION_BOUND = 10, 8 * 2**-10
 
 
+# DeBERTa-v3's attention: relative positions in buckets, both disentangled terms, the relative embeddings
+# normalised (a parameter outside the layers, handed to each with the relative positions by the encoder's loop).
+DEBERTA = dict(relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+               norm_rel_ebd="layer_norm", share_att_key=True)
+
+
 def hf_encoder(kind="Bert", head="ForSequenceClassification", seed=0, layers=3, **overrides):
     torch.manual_seed(seed)
-    config = getattr(transformers, f"{kind}Config")(
-        vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=96,
-        max_position_embeddings=64, num_labels=2, **overrides)
+    options = dict(vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                   intermediate_size=96, max_position_embeddings=64, num_labels=2,
+                   **(DEBERTA if kind == "DebertaV2" else {}))
+    config = getattr(transformers, f"{kind}Config")(**{**options, **overrides})
     return getattr(transformers, f"{kind}{head}")(config)
 
 
@@ -41,7 +48,7 @@ def relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra"])
+@pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra", "DebertaV2"])
 @pytest.mark.parametrize("mode", ["meft1", "meft2"])
 def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, seeded):
     """Right after conversion the logits are the unconverted model's up to the coupling's term (see
@@ -69,9 +76,11 @@ def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, s
     assert ups and any(g.abs().sum() > 0 for g in ups)
 
 
-@pytest.mark.parametrize("mode", ["meft1", "meft2"])
-def test_an_exact_step_equals_its_stored_twin_and_the_model_saves_and_pickles(mode, seeded, tmp_path):
-    model = revify(hf_encoder(seed=seeded, hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
+@pytest.mark.parametrize("mode, kind", [("meft1", "Bert"), ("meft2", "Bert"), ("meft2", "DebertaV2")])
+def test_an_exact_step_equals_its_stored_twin_and_the_model_saves_and_pickles(mode, kind, seeded, tmp_path):
+    """(DeBERTa-v2: its relative embeddings, a parameter of the encoder that every layer reads, get the
+    gradient each layer's rebuild gives them, summed: bitwise the twin's.)"""
+    model = revify(hf_encoder(kind, seed=seeded, hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
     twin = to_stored_activations(copy.deepcopy(model))
     ids, mask = padded_batch()
     labels = torch.tensor([1, 0])
@@ -99,10 +108,27 @@ def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked)
     assert type(model.bert.encoder.layer).__name__ == "ModuleList"  # unchanged
 
 
-def test_deberta_v2s_relative_positions_refuse_clearly():
-    model = hf_encoder("DebertaV2")
-    with pytest.raises(NotImplementedError, match="relative_pos, rel_embeddings.*not supported"):
+def test_post_norm_layers_taking_other_inputs_from_the_loop_are_refused_naming_them():
+    """A layer whose forward takes an input the whole-layer half does not hand it (here position_bias) is
+    refused at conversion, naming the input, rather than run without it."""
+    model = hf_encoder()
+    layer_class = type(model.bert.encoder.layer[0])
+
+    class LayerWithPositionBias(layer_class):
+        def forward(self, hidden_states, attention_mask=None, position_bias=None, **kwargs):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+
+    for layer in model.bert.encoder.layer:
+        layer.__class__ = LayerWithPositionBias
+    with pytest.raises(NotImplementedError, match="take position_bias from the encoder's loop"):
         revify(model, preserve="meft1")
+
+
+def test_deberta_v2s_convolution_after_the_first_layer_is_refused_clearly():
+    model = hf_encoder("DebertaV2", conv_kernel_size=3)
+    with pytest.raises(NotImplementedError, match="convolution of its input.*conv_kernel_size=3.*not supported"):
+        revify(model, preserve="meft1")
+    assert type(model.deberta.encoder.layer).__name__ == "ModuleList"  # unchanged
 
 
 def test_bert_fine_tunes_on_a_toy_task_from_its_own_loss_with_memory_flat_in_depth(seeded):

@@ -31,7 +31,7 @@ class _BloomAttentionHalf(_LibraryAttentionHalf):
         the attention's dropout and residual add are its own, the residual zero."""
         norm = self.block.input_layernorm
         x = self._input(x, norm.weight)
-        out = self.block.self_attention(norm(x), _no_residual(x), alibi=host.alibi,
+        out = self.block.self_attention(norm(x), _no_residual(x), alibi=host.layer_tensors["alibi"],
                                         attention_mask=host.mask_for(self.block), **extra)
         return _first(out)
 

@@ -218,8 +218,12 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 
 # The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
 # tensor stands for None.
+# Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases,
+# DeBERTa-v2's relative positions and relative embeddings (a parameter's value: its gradient flows).
+LAYER_TENSORS = ("alibi", "relative_pos", "rel_embeddings")
 _COND_SLOTS = ("positions", "segments", "cos", "sin", "sliding_cos", "sliding_sin", "position_ids", "full_mask",
-               "sliding_mask", "alibi", "fusable")
+               "sliding_mask", *LAYER_TENSORS, "fusable")
+_SHARED = _COND_SLOTS.index(LAYER_TENSORS[0])  # where the layer tensors' slots start
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,7 @@ class _HostCond:
     masks: tuple  # (full attention's, sliding attention's)
     fusable: bool
     sliding_position_embeddings: tuple | None = None  # sliding attention's own (Gemma 3's local RoPE), or None
-    alibi: torch.Tensor | None = None  # the ALiBi biases the model hands its layers (BLOOM's), or None
+    layer_tensors: dict = field(default_factory=dict)  # LAYER_TENSORS the loop gave its layers, by name
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
@@ -249,9 +253,10 @@ def _none_if_empty(t):
 
 
 def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None,
-                    alibi=None) -> tuple:
+                    layer_tensors=None) -> tuple:
     """The halves' conditioning (``_COND_SLOTS``); ``sliding_rotary``: the sliding layers' own rotary
-    embedding, where it is not ``position_embeddings``; ``alibi``: the layers' ALiBi biases."""
+    embedding, where it is not ``position_embeddings``; ``layer_tensors``: {name in LAYER_TENSORS: tensor}."""
+    layer_tensors = layer_tensors or {}
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
 
@@ -262,7 +267,8 @@ def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, l
 
     return (positions, segments, *cos_sin(position_embeddings), *cos_sin(sliding_rotary),
             empty if position_ids is None else position_ids,
-            *(empty if mask is None else mask for mask in masks), empty if alibi is None else alibi,
+            *(empty if mask is None else mask for mask in masks),
+            *(empty if layer_tensors.get(name) is None else layer_tensors[name] for name in LAYER_TENSORS),
             torch.tensor(bool(fusable)))
 
 
@@ -270,8 +276,8 @@ def _unpack_host_cond(cond) -> _HostCond:
     if not (isinstance(cond, tuple) and len(cond) == len(_COND_SLOTS)):
         raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
-    (positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask, alibi,
-     fusable) = cond
+    positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask = cond[:_SHARED]
+    fusable = cond[-1]
     layout = None if _none_if_empty(positions) is None else (positions, segments)
 
     def rotary(cos, sin):
@@ -279,7 +285,8 @@ def _unpack_host_cond(cond) -> _HostCond:
 
     return _HostCond(layout, rotary(cos, sin), _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable),
-                     rotary(sliding_cos, sliding_sin), _none_if_empty(alibi))
+                     rotary(sliding_cos, sliding_sin),
+                     {name: t for name, t in zip(LAYER_TENSORS, cond[_SHARED:-1]) if _none_if_empty(t) is not None})
 
 
 def _blocks(stack) -> list:
@@ -383,7 +390,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         kwargs = call.layer_kwargs[i]
         if kwargs.get("is_causal"):
             raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
-        for key in ("position_ids", "alibi"):
+        for key in ("position_ids", *LAYER_TENSORS):
             if kwargs.get(key) is not first.get(key):
                 raise NotImplementedError(f"revified model: layers got different {key}")
         block = stack[i]
@@ -398,7 +405,8 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         masks[kind], rotaries[kind], seen[kind] = mask, rotary, True
     full, sliding = rotaries if seen[0] else (rotaries[1], None)
     return _pack_host_cond(call.layout, full, first.get("position_ids"), masks, call.fusable, like,
-                           sliding_rotary=None if sliding is full else sliding, alibi=first.get("alibi"))
+                           sliding_rotary=None if sliding is full else sliding,
+                           layer_tensors={name: first.get(name) for name in LAYER_TENSORS})
 
 
 _CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
@@ -527,7 +535,7 @@ def decoding_inputs(block, attention) -> dict:
         return {}
     call.keep_cache_layer(cache, attention.layer_idx)
     return {key: value for key, value in live.items()
-            if key not in ("attention_mask", "position_embeddings", "position_ids", "alibi")}
+            if key not in ("attention_mask", "position_embeddings", "position_ids", *LAYER_TENSORS)}
 
 
 def _first(out):

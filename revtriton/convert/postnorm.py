@@ -18,9 +18,9 @@ from torch import nn
 from ..ops.streams import couple_output
 from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, _spec_of, preserving_adapters
 from .encoder import _HostEncoderModel, _attention_norm, bert_style_layer
-from .host import (_convert_hosted_layers, _first, _HostAttention, _library_forward, _require_hosted_layer_loop,
-                   _unpack_host_cond, decoding_inputs)
-from .probe import _require_layer_loop
+from .host import (LAYER_TENSORS, _convert_hosted_layers, _first, _HostAttention, _library_forward,
+                   _require_hosted_layer_loop, _unpack_host_cond, decoding_inputs)
+from .probe import _loop_source_matches, _require_layer_loop
 
 WHOLE_LAYER_MODES = ("meft1", "meft2")
 
@@ -55,6 +55,7 @@ class _LibraryLayer:
                       attention_mask=host.mask_for(self.block))
         if "position_ids" in _parameters(forward):  # (a decoder's: flash attention finds packed rows by them)
             inputs["position_ids"] = _HostAttention._position_ids(host)
+        inputs.update((name, t) for name, t in host.layer_tensors.items() if name in _parameters(forward))
         return _first(forward(self.block, x, **inputs))
 
     def couple(self, res, x, sign, frac_bits=None, cond=None):
@@ -102,16 +103,18 @@ def _postnorm_encoder_base(model: nn.Module):
     extra = [name for name in inspect.signature(type(layer).forward).parameters if name not in LAYER_INPUTS]
     if extra:
         raise NotImplementedError(
-            f"revify: {type(model).__name__}'s post-norm layers take {', '.join(extra)} from the encoder's loop "
-            f"(relative positions, as DeBERTa's), which a whole-layer half is not given yet (it gets the hidden "
-            f"states and the mask): not supported")
+            f"revify: {type(model).__name__}'s post-norm layers take {', '.join(extra)} from the encoder's loop, "
+            f"which a whole-layer half is not given (it gets the hidden states, the mask and "
+            f"{', '.join(LAYER_TENSORS)}): not supported")
     return base
 
 
-# The inputs of a BERT-style layer's forward a whole-layer half provides (the mask) or that an encoder
-# without cross-attention or a cache leaves at their defaults.
+# The inputs of a BERT-style layer's forward a whole-layer half provides (the mask, the layer tensors:
+# DeBERTa-v2's relative positions and embeddings) or that an encoder without cross-attention or a cache
+# leaves at their defaults (DeBERTa-v2's query_states: None but in its enhanced mask decoder).
 LAYER_INPUTS = {"self", "hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-                "cache", "past_key_value", "past_key_values", "cache_position", "output_attentions", "kwargs"}
+                "cache", "past_key_value", "past_key_values", "cache_position", "output_attentions", "kwargs",
+                "query_states", *LAYER_TENSORS}
 
 
 def require_whole_layer_mode(conversion, what: str):
@@ -132,15 +135,21 @@ def _convert_postnorm_encoder(model, conversion, base):
         raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
                                   f"cache, or cross-attention) is not supported; the encoder is")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
+    if getattr(base.encoder, "conv", None) is not None:
+        raise NotImplementedError(f"revify: {name}'s encoder adds a convolution of its input to the first layer's "
+                                  f"output (conv_kernel_size={config.conv_kernel_size}, DeBERTa-v2's), which the "
+                                  f"stack's layers, each taking the last one's output, do not compose: not supported")
     for block in base.encoder.layer:
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    # DeBERTa-v2's loop unpacks (output, attention weights) from each layer; BERT's takes one tensor.
+    tuples = _loop_source_matches(base.encoder, r"\w+, \w+ = layer_module\(")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
-                           _HostEncoderModel)
+                           _HostEncoderModel, layer_tuples=tuples)
 
 
 FAMILY = Family(
-    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA: any head), under "
-                         "preserve='meft1' or 'meft2'",),
+    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa-v2 with its "
+                         "relative positions: any head), under preserve='meft1' or 'meft2'",),
     _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
                  ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
