@@ -656,6 +656,24 @@ def test_bloom_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
     assert type(refused.transformer.h) is torch.nn.ModuleList
 
 
+# The decoders issue 48 added, as revify(model) converts them (the function changed, exact streams).
+NEW_DECODERS = {"Falcon": lambda seed: _parallel_decoder("Falcon", seed),
+                "FalconNew": lambda seed: _parallel_decoder("FalconNew", seed),
+                "FalconSequential": lambda seed: _parallel_decoder("Falcon", seed, parallel_attn=False, alibi=True),
+                "Bloom": _bloom, "Gemma3": lambda seed: _decoder("Gemma3", seed, **SANDWICH_FAMILIES["Gemma3"])}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_DECODERS))
+def test_converted_decoders_generate_the_same_with_and_without_their_cache(family, seeded):
+    """revify(model) of Falcon (parallel, new architecture, sequential), BLOOM and Gemma 3: greedy decoding with
+    the library's cache (its modules, the conditioning of each step) gives the tokens decoding without it gives
+    (the whole sequence through the reversible stack at every step)."""
+    model = revify(NEW_DECODERS[family](seeded)).eval()
+    prompt = torch.randint(1, 128, (2, 4))
+    cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))
+
+
 def _modernbert(seed, **overrides):
     """A tiny ModernBertForMaskedLM: layers 0 and 2 global attention (RoPE theta 160000), layer 1 local
     (a 4-token window, theta 10000)."""
