@@ -660,14 +660,18 @@ def test_bloom_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
 NEW_DECODERS = {"Falcon": lambda seed: _parallel_decoder("Falcon", seed),
                 "FalconNew": lambda seed: _parallel_decoder("FalconNew", seed),
                 "FalconSequential": lambda seed: _parallel_decoder("Falcon", seed, parallel_attn=False, alibi=True),
-                "Bloom": _bloom, "Gemma3": lambda seed: _decoder("Gemma3", seed, **SANDWICH_FAMILIES["Gemma3"])}
+                "Bloom": _bloom, "Gemma2": lambda seed: _decoder("Gemma2", seed, **SANDWICH_FAMILIES["Gemma2"]),
+                "Gemma3": lambda seed: _decoder("Gemma3", seed, **SANDWICH_FAMILIES["Gemma3"]),
+                "Olmo2": lambda seed: _decoder("Olmo2", seed), "StableLm": lambda seed: _decoder("StableLm", seed),
+                "StableLmParallel": lambda seed: _parallel_decoder("StableLm", seed), "OPT": _opt}
 
 
 @pytest.mark.parametrize("family", sorted(NEW_DECODERS))
 def test_converted_decoders_generate_the_same_with_and_without_their_cache(family, seeded):
-    """revify(model) of Falcon (parallel, new architecture, sequential), BLOOM and Gemma 3: greedy decoding with
-    the library's cache (its modules, the conditioning of each step) gives the tokens decoding without it gives
-    (the whole sequence through the reversible stack at every step)."""
+    """revify(model) of the decoders issue 48 added (Falcon: parallel, new architecture, sequential; BLOOM,
+    Gemma 2 and 3, OLMo 2, StableLM sequential and parallel, OPT): greedy decoding with the library's cache
+    (its modules, the conditioning of each step) gives the tokens decoding without it gives (the whole
+    sequence through the reversible stack at every step)."""
     model = revify(NEW_DECODERS[family](seeded)).eval()
     prompt = torch.randint(1, 128, (2, 4))
     cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
