@@ -9,7 +9,7 @@ its cache). Layers with ``apply_residual_connection_post_layernorm`` add the nor
 layer's input, back: not an additive residual of the input, refused."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _Half, _host_block_mixins, _pickled_host_classes
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .probe import _check_block_loop
 
@@ -36,10 +36,7 @@ class _BloomAttentionHalf(_LibraryAttentionHalf):
         return _first(out)
 
 
-class _BloomMlpHalf(_Half):
-    def _beyond_fused(self, x):
-        return True
-
+class _BloomMlpHalf(_LibraryHalf):
     def _modules(self, x):
         b = self.block
         x = self._input(x, b.post_attention_layernorm.weight)

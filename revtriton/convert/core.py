@@ -310,6 +310,14 @@ def _norm_eps(norm) -> float:
     return float(getattr(norm, "eps", 1e-6) if eps is None else eps)
 
 
+
+class _LibraryHalf(_Half):
+    """A half that always runs its layer's own modules (``_modules``): a branch the fused kernels do
+    not compute (the families converted on the library path)."""
+
+    def _beyond_fused(self, x):
+        return True
+
 def _residual_dropout(block, name):
     """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
     dropout; Falcon's ``hidden_dropout``, a probability its layer applies with ``dropout_add``), or

@@ -5,17 +5,14 @@ halves run the layer's own modules (its attention with the library's mask, its M
 drop-path draws are replayed in the rebuild as any half's random draws are."""
 from __future__ import annotations
 
-from .core import Family, _Half, _host_block_mixins, _pickled_host_classes
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
 
 _DINOV2_LAYER_PARTS = {"norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"}
 
 
-class _Dinov2AttentionHalf(_HostAttention, _Half):
+class _Dinov2AttentionHalf(_HostAttention, _LibraryHalf):
     takes_cond = True  # the library's mask (an attention_mask given to the model), no token layout
-
-    def _beyond_fused(self, x):
-        return True
 
     def _attention_module(self):
         return self.block.attention
@@ -33,10 +30,7 @@ class _Dinov2AttentionHalf(_HostAttention, _Half):
         return b.drop_path(b.layer_scale1(_first(b.attention(b.norm1(self._input(x, b.norm1.weight))))))
 
 
-class _Dinov2MlpHalf(_Half):
-    def _beyond_fused(self, x):
-        return True
-
+class _Dinov2MlpHalf(_LibraryHalf):
     def _modules(self, x):
         b = self.block
         return b.drop_path(b.layer_scale2(b.mlp(b.norm2(self._input(x, b.norm2.weight)))))

@@ -15,7 +15,7 @@ from torch import nn
 from ..engine import ReversibleStack, is_reversible_block
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
-from .core import SWAPPED_MODULE, _convert_blocks, _Half, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
+from .core import SWAPPED_MODULE, _convert_blocks, _LibraryHalf, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
 
 
 class _BlockSteps(nn.Module):
@@ -676,15 +676,12 @@ def _require_hosted_layer_loop(name: str):
                                   f"layer with keyword inputs, where revtriton stands in for them); found {version}")
 
 
-class _LibraryAttentionHalf(_HostAttention, _Half):
+class _LibraryAttentionHalf(_HostAttention, _LibraryHalf):
     """An attention half that always runs its layer's own modules (``self_attn`` unless the family
     names another) with the model's mask, rotary embedding and cache. Alone (no model inputs), it
     refuses: those are the model's (the layer's spec says fused_attention=False)."""
 
     takes_cond = True
-
-    def _beyond_fused(self, x):
-        return True
 
     def _attention_module(self):
         return self.block.self_attn

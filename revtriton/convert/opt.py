@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .core import Family, LayerSpec, _Half, _host_block_mixins, _pickled_host_classes
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
 
@@ -27,10 +27,7 @@ class _OPTAttentionHalf(_LibraryAttentionHalf):
         return _branch_dropout(self.block)
 
 
-class _OPTMlpHalf(_Half):
-    def _beyond_fused(self, x):
-        return True
-
+class _OPTMlpHalf(_LibraryHalf):
     def _modules(self, x):
         b = self.block
         x = self._input(x, b.final_layer_norm.weight)

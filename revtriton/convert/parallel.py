@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .core import (Family, LayerSpec, _dropout, _Half, _host_block_mixins, _refuse_meft3_with_parallel_layers,
+from .core import (Family, LayerSpec, _dropout, _host_block_mixins, _LibraryHalf, _refuse_meft3_with_parallel_layers,
                    _residual_dropout, _spec_of)
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .probe import _check_block_loop, _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
@@ -28,10 +28,7 @@ def _parallel_norm(block, mlp: bool = False) -> nn.Module:
     return getattr(block, (mlp and spec.mlp_norm) or spec.norm)
 
 
-class _ParallelMlpHalf(_Half):
-    def _beyond_fused(self, x):
-        return True
-
+class _ParallelMlpHalf(_LibraryHalf):
     def _modules(self, x):
         b, norm = self.block, _parallel_norm(self.block, mlp=True)
         return _branch_dropout(b, mlp=True)(b.mlp(norm(self._input(x, getattr(norm, "weight", None)))))

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from .core import Family, LayerSpec, _Half, _host_block_mixins
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
@@ -40,10 +40,7 @@ class _SandwichAttentionHalf(_LibraryAttentionHalf):
         return self.block.post_attention_layernorm
 
 
-class _SandwichMlpHalf(_Half):
-    def _beyond_fused(self, x):
-        return True
-
+class _SandwichMlpHalf(_LibraryHalf):
     def _modules(self, x):
         b = self.block
         x = self._input(x, getattr(b.post_feedforward_layernorm, "weight", None))
