@@ -290,6 +290,80 @@ def attention_fwd(q, k, v, *, causal: bool, sm_scale: float | None = None, out=N
     return launch(q, k, v, out, segments)
 
 
+class AttentionBackwardLaunch:
+    """:func:`attention_bwd` for one signature (the tensors' shapes, strides, dtypes and device; causal;
+    the RoPE tables' layout; segments or not): its checks, grids and switches worked out at
+    construction, then called with each call's tensors (the fused half's backward keeps one in its
+    launch plan)."""
+
+    launcher = "attention_bwd"  # (aot.recording_launches names launches by it)
+    __slots__ = ("dims", "sm_scale", "causal", "rope", "stride_ropeb", "options", "dq_grid", "dkdv_grid",
+                 "tma_strides", "kernels")
+
+    def __init__(self, q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
+                 dq=None, dk=None, dv=None, segments=None):
+        _check_attention_inputs(q, k, v)
+        batch, tokens, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        for name, t in (("o", o), ("do", do)):
+            if t.shape != q.shape or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be {tuple(q.shape)} with unit stride on head_dim, got {tuple(t.shape)}")
+        if lse.shape != (batch, heads, tokens) or lse.dtype != torch.float32 or not lse.is_contiguous():
+            raise ValueError(f"lse must be a contiguous fp32 [{batch}, {heads}, {tokens}] tensor")
+        for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if t is not None and (t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1):
+                raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with unit stride on "
+                                 f"head_dim")
+        self.stride_ropeb, self.rope = 0, rope is not None
+        if rope is not None:
+            cos, sin = rope
+            if cos.shape not in ((tokens, head_dim // 2), (batch, tokens, head_dim // 2)) or sin.shape != cos.shape:
+                raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}] or [{batch}, {tokens}, "
+                                 f"{head_dim // 2}], got {tuple(cos.shape)}")
+            self.stride_ropeb = head_dim // 2 * tokens if cos.dim() == 3 else 0  # (the contiguous fp32 copy's)
+        self.dims = (batch, heads, kv_heads, tokens)
+        self.causal = bool(causal)
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.kernels = kernels = _attention_kernels()
+        self.dq_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * heads,)  # noqa: E731
+        self.dkdv_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
+        limits.check_grid("attention_bwd", self.dq_grid({"BLOCK_FIXED": 16}))
+        self.options = dict(HEAD_DIM=head_dim, HEAD_PAD=kernels.head_pad(head_dim), CAUSAL=self.causal,
+                            ROPE=rope is not None, SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
+        # Tiles arrive by TMA on sm_90: a view whose strides (the signature's) or base address (each
+        # call's) cannot be described is copied once to an aligned layout.
+        self.tma_strides = tuple(strides_tma_ready(t, q.element_size()) for t in (q, k, v, do))  # (do: cast to q's)
+
+    def __call__(self, q, k, v, o, lse, do, rope=None, dq=None, dk=None, dv=None, segments=None):
+        batch, heads, kv_heads, tokens = self.dims
+        if do.dtype != q.dtype:
+            do = do.to(q.dtype)
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        if rope is not None:
+            cos, sin = (t.float().contiguous() for t in rope)
+        else:
+            cos = sin = unused_pointer(lse)
+        seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, self.causal, lse)
+        if q.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
+            q, k, v, do = (t if ready and t.data_ptr() % ALIGNMENT == 0 else t.contiguous()
+                           for t, ready in zip((q, k, v, do), self.tma_strides))
+            ensure_descriptor_allocator(q.device)
+        delta = torch.empty_like(lse)
+        kernels, bucket = self.kernels, self.kernels.seq_bucket(tokens)
+        q_s, k_s, v_s, do_s = _strides_bth(q), _strides_bth(k), _strides_bth(v), _strides_bth(do)
+        tail = (self.stride_ropeb, batch, heads, kv_heads, tokens, bucket, self.sm_scale)
+        # dq first: it writes delta = rowsum(dO * O), which the dk/dv pass reads.
+        dispatch.launch(kernels.attention_bwd_dq_kernel, self.dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin, seg,
+                        self_until, spans, *q_s, *k_s, *v_s, *_strides_bth(o), *do_s, *_strides_bth(dq), stride_segb,
+                        *tail, **self.options)
+        dispatch.launch(kernels.attention_bwd_dkdv_kernel, self.dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin,
+                        seg, self_until, spans, *q_s, *k_s, *v_s, *do_s, *_strides_bth(dk), *_strides_bth(dv),
+                        stride_segb, *tail, **self.options)
+        return dq, dk, dv
+
+
 def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
                   dq=None, dk=None, dv=None, segments=None):
     """Flash attention backward: (dq, dk, dv). Two launches: dq (with the delta pre-pass fused), then dk/dv.
@@ -299,55 +373,9 @@ def attention_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None =
     back (the RoPE backward) before they are stored. dq / dk / dv (optional) are tensors to write
     into (e.g. views of a packed dqkv buffer). ``segments``: as :func:`attention_fwd`'s.
     """
-    _check_attention_inputs(q, k, v)
-    batch, tokens, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    for name, t in (("o", o), ("do", do)):
-        if t.shape != q.shape or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be {tuple(q.shape)} with unit stride on head_dim, got {tuple(t.shape)}")
-    if lse.shape != (batch, heads, tokens) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse must be a contiguous fp32 [{batch}, {heads}, {tokens}] tensor")
-    if do.dtype != q.dtype:
-        do = do.to(q.dtype)
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with unit stride on head_dim")
-    stride_ropeb = 0
-    if rope is not None:
-        cos, sin = rope
-        if cos.shape not in ((tokens, head_dim // 2), (batch, tokens, head_dim // 2)) or sin.shape != cos.shape:
-            raise ValueError(f"rope tables must be [{tokens}, {head_dim // 2}] or [{batch}, {tokens}, "
-                             f"{head_dim // 2}], got {tuple(cos.shape)}")
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        stride_ropeb = cos.stride(0) if cos.dim() == 3 else 0
-    else:
-        cos = sin = unused_pointer(lse)
-    seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, causal, lse)
-    if q.device.type != "meta":  # tiles arrive by TMA on sm_90: odd views are copied once to an aligned layout
-        q, k, v, do = (t if tma_ready(t) else t.contiguous() for t in (q, k, v, do))
-        ensure_descriptor_allocator(q.device)
-    kernels = _attention_kernels()
-    pad = kernels.head_pad(head_dim)
-    delta = torch.empty_like(lse)
-    dq_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * heads,)  # noqa: E731
-    dkdv_grid = lambda meta: (cdiv(tokens, meta["BLOCK_FIXED"]) * batch * kv_heads,)  # noqa: E731
-    limits.check_grid("attention_bwd", dq_grid({"BLOCK_FIXED": 16}))
-    options = dict(HEAD_DIM=head_dim, HEAD_PAD=pad, CAUSAL=bool(causal), ROPE=rope is not None,
-                   SEGMENTS=segments is not None, DOT_PRECISION=_dot_precision(q.dtype))
-    # dq first: it writes delta = rowsum(dO * O), which the dk/dv pass reads.
-    dispatch.launch(kernels.attention_bwd_dq_kernel, dq_grid, q, k, v, o, do, lse, delta, dq, cos, sin, seg,
-                    self_until, spans, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(o),
-                    *_strides_bth(do), *_strides_bth(dq), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
-                    kernels.seq_bucket(tokens), sm_scale, **options)
-    dispatch.launch(kernels.attention_bwd_dkdv_kernel, dkdv_grid, q, k, v, do, lse, delta, dk, dv, cos, sin, seg,
-                    self_until, spans, *_strides_bth(q), *_strides_bth(k), *_strides_bth(v), *_strides_bth(do),
-                    *_strides_bth(dk), *_strides_bth(dv), stride_segb, stride_ropeb, batch, heads, kv_heads, tokens,
-                    kernels.seq_bucket(tokens), sm_scale, **options)
-    return dq, dk, dv
+    launch = AttentionBackwardLaunch(q, k, v, o, lse, do, causal=causal, sm_scale=sm_scale, rope=rope, dq=dq, dk=dk,
+                                     dv=dv, segments=segments)
+    return launch(q, k, v, o, lse, do, rope, dq, dk, dv, segments)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -666,8 +694,10 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
         dqkv = torch.empty_like(qkv)
         q, k, v = _split_heads(qkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
         dq, dk, dv = _split_heads(dqkv, plan.batch, plan.tokens, plan.heads, plan.kv_heads, plan.head_dim)
-        attention_bwd(q, k, v, o, lse, do.view(o.shape), causal=plan.causal, rope=plan.rope,         # launches 4, 5
-                      dq=dq, dk=dk, dv=dv, segments=plan.segments)
+        do = do.view(o.shape)
+        back.launch(7, lambda: AttentionBackwardLaunch(q, k, v, o, lse, do, causal=plan.causal, rope=plan.rope,
+                                                       dq=dq, dk=dk, dv=dv, segments=plan.segments))(  # launches 4, 5
+            q, k, v, o, lse, do, plan.rope, dq, dk, dv, plan.segments)
     dqkv2 = dqkv.view(rows, -1)
     layout = dqkv2.stride()  # (the SDPA core's gradient is autograd's: its layout keys the launches reading it)
     # QKV projection and the norm: dN = dqkv @ W_qkv, then the norm backward (dgamma / dbeta partials).
