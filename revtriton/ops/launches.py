@@ -7,6 +7,7 @@ ops.dispatch re-exports these names).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter
 
@@ -22,8 +23,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``). Read once: Triton
+    decides when it decorates a kernel (revtriton.kernels' import) whether it is interpreted, so a
+    later change of the variable changes no kernel; and the launchers ask at every launch (an
+    environment read is about a microsecond)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
