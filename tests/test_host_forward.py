@@ -463,14 +463,16 @@ def test_decoders_with_parallel_layers_refuse_meft3(family, seeded):
         revify(_parallel_decoder(family, seeded), preserve="meft3")
 
 
-@pytest.mark.parametrize("family", ["GPTJ", "Phi", "StableLm", "Falcon"])
+@pytest.mark.parametrize("family", ["GPTJ", "Phi", "StableLm", "Falcon", "FalconSequential"])
 def test_a_decoder_with_parallel_layers_trains_saves_and_pickles(family, seeded, tmp_path):
     """An exact training step (Phi: with its dropout on both branches; StableLM: on the MLP branch;
-    Falcon: its hidden_dropout, a probability, on both) bitwise equals its stored-activation twin;
-    save / load and a fresh process's unpickling give the converted model back; a half called alone
-    refuses (its RoPE is the model's)."""
-    dropout = dict(Phi=dict(resid_pdrop=0.1), StableLm=dict(hidden_dropout=0.1), Falcon=dict(hidden_dropout=0.1))
-    model = revify(_parallel_decoder(family, seeded, **dropout.get(family, {})), exact=True).train()
+    Falcon: its hidden_dropout, a probability, on both; its sequential layers: attention_dropout on the
+    attention branch too) bitwise equals its stored-activation twin; save / load and a fresh process's
+    unpickling give the converted model back; a half called alone refuses (its RoPE is the model's)."""
+    dropout = dict(Phi=dict(resid_pdrop=0.1), StableLm=dict(hidden_dropout=0.1), Falcon=dict(hidden_dropout=0.1),
+                   FalconSequential=dict(parallel_attn=False, hidden_dropout=0.1, attention_dropout=0.1))
+    builder = family.removesuffix("Sequential")
+    model = revify(_parallel_decoder(builder, seeded, **dropout.get(family, {})), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
         model.base_model.get_submodule("layers" if family in ("Phi", "StableLm") else "h")[0].coupling_halves()[0](
