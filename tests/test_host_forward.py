@@ -653,9 +653,18 @@ def test_bloom_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
         torch.testing.assert_close(classifier(input_ids=ids).logits, theirs, rtol=0,
                                    atol=2e-3 * theirs.abs().max().item())
     refused = _bloom(seeded, apply_residual_connection_post_layernorm=True)
-    with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm=True adds each norm"):
+    with pytest.raises(NotImplementedError, match="apply_residual_connection_post_layernorm=True has layers that add "
+                                                  "each norm's output back.*preserve='meft1' or 'meft2' converts it"):
         revify(refused)
     assert type(refused.transformer.h) is torch.nn.ModuleList
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_bloom_adding_its_norms_output_back_converts_whole_under_meft1(seeded):
+    """BLOOM with apply_residual_connection_post_layernorm (each sublayer adds its norm's output back, not
+    its input): meft1 keeps the whole layer as one half (as for post-norm layers), computing the library's
+    logits on whole and left-padded rows and its cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_bloom(seeded, apply_residual_connection_post_layernorm=True), "meft1")
 
 
 # The decoders issue 48 added, as revify(model) converts them (the function changed, exact streams).

@@ -6,11 +6,13 @@ add the residual themselves (their ``residual`` argument, after the branch's dro
 passes a zero residual, so that the module returns its branch alone. Both halves run the layer's
 own modules (the library path: the attention with the library's mask, ALiBi and, while decoding,
 its cache). Layers with ``apply_residual_connection_post_layernorm`` add the norm's output, not the
-layer's input, back: not an additive residual of the input, refused."""
+layer's input, back: not an additive residual of the input, so they convert only under
+``preserve="meft1"`` / ``"meft2"``, the whole layer one half (convert.postnorm), as post-norm layers do."""
 from __future__ import annotations
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
 from .probe import _check_block_loop
 
 
@@ -59,11 +61,15 @@ def _convert_bloom(model, conversion, found=None):
     if not len(base.h):
         raise ValueError(f"revify: {name} has no layers")
     _require_hosted_layer_loop(name)
-    if config.apply_residual_connection_post_layernorm:
-        raise NotImplementedError(f"revify: {name} with apply_residual_connection_post_layernorm=True adds each "
-                                  f"norm's output back, not the layer's input (no additive residual to couple): "
-                                  f"not supported")
     tuples = _check_block_loop(base, tuples=True)  # transformers 5's loop reads outputs[0]
+    if config.apply_residual_connection_post_layernorm:  # the whole layer as one half (meft1 / meft2)
+        require_whole_layer_mode(conversion, f"{name} with apply_residual_connection_post_layernorm=True",
+                                 "layers that add each norm's output back, not their input")
+        for block in base.h:
+            block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False, attention="self_attention")
+        _convert_hosted_layers(model, base, "h", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
+                               _HostBloomModel, layer_tuples=tuples)
+        return
     for block in base.h:  # the layer's own modules, the model's mask and ALiBi (alone, a half refuses)
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
     _convert_hosted_layers(model, base, "h", conversion, (_HostBloomBlock, _HostBloomOrdinaryBlock), _HostBloomModel,
@@ -73,7 +79,11 @@ def _convert_bloom(model, conversion, found=None):
 _MODULE = "transformers.models.bloom.modeling_bloom"
 _CLASSES = ("BloomForCausalLM", "BloomModel", "BloomForSequenceClassification", "BloomForTokenClassification",
             "BloomForQuestionAnswering")
-FAMILY = Family("bloom", ("transformers BloomForCausalLM / BloomModel and its other heads (ALiBi)",), _convert_bloom,
+FAMILY = Family("bloom", ("transformers BloomForCausalLM / BloomModel and its other heads (ALiBi; layers adding their "
+                          "norm's output back under preserve='meft1' / 'meft2', the whole layer one half)",),
+                _convert_bloom,
                 halves="library", classes=tuple(("transformers", name) for name in _CLASSES),
-                pickled=_pickled_host_classes(_MODULE, "BloomBlock", (_HostBloomBlock, _HostBloomOrdinaryBlock),
-                                              "BloomModel", _HostBloomModel))
+                pickled={**_pickled_host_classes(_MODULE, "BloomBlock", (_HostBloomBlock, _HostBloomOrdinaryBlock),
+                                                 "BloomModel", _HostBloomModel),
+                         **_pickled_host_classes(_MODULE, "BloomBlock", (_PostNormBlock, _PostNormOrdinaryBlock),
+                                                 "BloomModel", _HostBloomModel)})

@@ -117,14 +117,18 @@ LAYER_INPUTS = {"self", "hidden_states", "attention_mask", "encoder_hidden_state
                 "query_states", *LAYER_TENSORS}
 
 
-def require_whole_layer_mode(conversion, what: str):
-    """Post-norm layers (``what`` names them) convert only with the whole layer as one half."""
+POST_NORM = "post-norm layers (a LayerNorm after each residual add)"
+
+
+def require_whole_layer_mode(conversion, what: str, structure: str = POST_NORM):
+    """Layers whose residual is not an additive one of their input (``what`` names the model,
+    ``structure`` says how: post-norm by default) convert only with the whole layer as one half."""
     if conversion.preserve not in WHOLE_LAYER_MODES:
         asked = "revify(model)" if conversion.preserve is None else f"preserve={conversion.preserve!r}"
         raise NotImplementedError(
-            f"revify: {what} has post-norm layers (a LayerNorm after each residual add): {asked} couples each "
-            f"branch to a stream, which a norm applied after the add does not fit; preserve='meft1' or 'meft2' "
-            f"converts it (the whole pretrained layer is one half, MEFT's setting)")
+            f"revify: {what} has {structure}: {asked} couples each branch to a stream, which that residual does "
+            f"not fit; preserve='meft1' or 'meft2' converts it (the whole pretrained layer is one half, MEFT's "
+            f"setting)")
 
 
 def _convert_postnorm_encoder(model, conversion, base):
