@@ -7,16 +7,14 @@ decoding, its cache), run through the library's own forward (``model.decoder``).
 whole layer one half (convert.postnorm)."""
 from __future__ import annotations
 
-from torch import nn
-
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, LayerSpec, _dropout, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
 
 
 def _branch_dropout(block):
     """OPT's dropout on each branch's output (``F.dropout(h, p=block.dropout)``, the layer's training flag)."""
-    return lambda h: nn.functional.dropout(h, p=block.dropout, training=block.training)
+    return _dropout(block.dropout, block.training)
 
 
 class _OPTAttentionHalf(_LibraryAttentionHalf):

@@ -17,7 +17,7 @@ from .launches import LaunchPlan, PlanCache, cdiv, plan_key, unused_pointer
 from .reference import repeat_kv_heads, rope_tables_at, rotate_half_reference, sequence_mask
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
                       port_gradient, residual_gradient)
-from .tma import ALIGNMENT, ensure_descriptor_allocator, strides_tma_ready, tma_ready
+from .tma import ensure_descriptor_allocator, strides_tma_ready, tma_aligned
 
 from revtriton.kernels.configs import next_power_of_2  # kernels/ (revtriton/__init__.py maps it in a checkout)
 
@@ -264,10 +264,10 @@ class AttentionForwardLaunch:
         if self.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
             # K / V arrive by TMA on sm_90: odd views are copied once to an aligned layout.
             k_ready, v_ready = self.kv_strides_ready
-            if not (k_ready and k.data_ptr() % ALIGNMENT == 0):
+            if not (k_ready and tma_aligned(k)):
                 k = k.contiguous()
                 k_strides = _strides_bth(k)
-            if not (v_ready and v.data_ptr() % ALIGNMENT == 0):
+            if not (v_ready and tma_aligned(v)):
                 v = v.contiguous()
                 v_strides = _strides_bth(v)
             ensure_descriptor_allocator(self.device)
@@ -297,7 +297,7 @@ class AttentionBackwardLaunch:
     launch plan)."""
 
     launcher = "attention_bwd"  # (aot.recording_launches names launches by it)
-    __slots__ = ("dims", "sm_scale", "causal", "rope", "stride_ropeb", "options", "dq_grid", "dkdv_grid",
+    __slots__ = ("dims", "sm_scale", "causal", "stride_ropeb", "options", "dq_grid", "dkdv_grid",
                  "tma_strides", "kernels")
 
     def __init__(self, q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None, rope=None,
@@ -314,7 +314,7 @@ class AttentionBackwardLaunch:
             if t is not None and (t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1):
                 raise ValueError(f"{name} must be a {tuple(like.shape)} {like.dtype} tensor with unit stride on "
                                  f"head_dim")
-        self.stride_ropeb, self.rope = 0, rope is not None
+        self.stride_ropeb = 0
         if rope is not None:
             cos, sin = rope
             if cos.shape not in ((tokens, head_dim // 2), (batch, tokens, head_dim // 2)) or sin.shape != cos.shape:
@@ -347,7 +347,7 @@ class AttentionBackwardLaunch:
             cos = sin = unused_pointer(lse)
         seg, self_until, stride_segb, spans = _segment_args(segments, batch, tokens, self.causal, lse)
         if q.device.type != "meta":  # (meta: the static model's recording; the packed layout is aligned)
-            q, k, v, do = (t if ready and t.data_ptr() % ALIGNMENT == 0 else t.contiguous()
+            q, k, v, do = (t if ready and tma_aligned(t) else t.contiguous()
                            for t, ready in zip((q, k, v, do), self.tma_strides))
             ensure_descriptor_allocator(q.device)
         delta = torch.empty_like(lse)
@@ -528,7 +528,7 @@ class QKVLaunch:
         if self.rows == 0:
             return out
         cos, sin = rope if rope is not None else (unused_pointer(out),) * 2
-        tma = self.tma_possible and n.data_ptr() % ALIGNMENT == 0 and w_qkv.data_ptr() % ALIGNMENT == 0
+        tma = self.tma_possible and tma_aligned(n) and tma_aligned(w_qkv)
         if tma:
             ensure_descriptor_allocator(self.device)
         bias = unused_pointer(out) if b_qkv is None else b_qkv

@@ -12,15 +12,10 @@ import torch
 ALIGNMENT = 16  # bytes
 
 
-def tma_ready(t: torch.Tensor) -> bool:
-    """Whether a row-major view (unit last stride) can be described as it is."""
-    return t.data_ptr() % ALIGNMENT == 0 and strides_tma_ready(t)
-
-
 def strides_tma_ready(t: torch.Tensor, element_size: int | None = None) -> bool:
-    """Whether a row-major view's strides allow a descriptor (its base address is the other condition):
-    what a launch plan works out once per call signature, leaving the address to each call.
-    ``element_size``: the bytes of the dtype it will be cast to, if not its own."""
+    """Whether a row-major view's strides allow a descriptor (its base address is the other condition,
+    :func:`tma_aligned`): what a launch plan works out once per call signature, leaving the address to
+    each call. ``element_size``: the bytes of the dtype it will be cast to, if not its own."""
     size = t.element_size() if element_size is None else element_size
     return all((stride * size) % ALIGNMENT == 0 for stride in t.stride()[:-1])
 
