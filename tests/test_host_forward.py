@@ -8,8 +8,6 @@ reversible stack once, with every layer's inputs as the halves' conditioning. At
 where the kernels compute what the library does, else through the layer's own attention module.
 """
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch
 from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
+from fresh_process import run_python
 from test_models import check_against_twin
 from test_revify import DEPTH, hf_bigcode, hf_gptj, hf_llama, hf_qwen2, hf_vit
 
@@ -56,7 +55,8 @@ def assert_saves_and_pickles(model, inputs, tmp_path, input_name="input_ids"):
 
 def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path, input_name="input_ids"):
     """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
-    by name, and gives the same logits. ``expected`` comes from under torch.no_grad(): so does the fresh
+    by name, and gives the same logits (tests/fresh_process: a child of a server that imported torch and
+    transformers' base, nothing else). ``expected`` comes from under torch.no_grad(): so does the fresh
     process's (with grad a decoder runs the fused halves, without it and a cache the library's modules:
     equal up to float rounding, not bitwise), on as many threads (a GEMM's sums split by thread)."""
     torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
@@ -64,8 +64,7 @@ def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path, input_name="
              "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
              "out = saved['model'](**{sys.argv[3]: saved['ids']}).logits; "
              "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt"), str(torch.get_num_threads()), input_name],
-                   check=True, timeout=300)
+    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), input_name, check=True)
 
 
 def _count_calls(module, counts, key, pre=True):
@@ -560,7 +559,7 @@ def test_an_unpickled_gpt2_runs_the_fused_halves_in_a_fresh_process(seeded, tmp_
     fresh = ("import sys, torch; model = torch.load(sys.argv[1], weights_only=False); "
              "halves = [half for block in model.transformer.h for half in block.coupling_halves()]; "
              "x = torch.randn(1, 4, 64); sys.exit(1 if any(half._use_modules(x) for half in halves) else 0)")
-    subprocess.run([sys.executable, "-c", fresh, str(tmp_path / "whole.pt")], check=True, timeout=300)
+    run_python(fresh, tmp_path / "whole.pt", check=True)
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only

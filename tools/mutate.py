@@ -1108,6 +1108,12 @@ MUTANTS = [
            "    if not config.do_layer_norm_before:  # OPT-350M", "    if False:  # OPT-350M",
            ("tests/test_host_forward.py", "-k", "opt_with_its_dropout"),
            "post-norm OPT (350M) converted as if its layers were pre-norm: another function, silently"),
+    # ---- the suite's fresh interpreters (issue 47)
+    Mutant("fresh-process-has-revtriton", "tests/fresh_process.py",
+           'PRELOADED = ("torch", "transformers.modeling_utils")',
+           'PRELOADED = ("torch", "transformers.modeling_utils", "revtriton")',
+           ("tests/test_fresh_process.py",),
+           "the fresh-process checks run in an interpreter that already imported revtriton"),
 ]
 
 
