@@ -55,6 +55,8 @@ for line in requests:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    answers.write(json.dumps(pid) + "\\n")  # (the caller kills a child that runs past its timeout)
+    answers.flush()
     _, status = os.waitpid(pid, 0)
     answers.write(json.dumps(os.waitstatus_to_exitcode(status)) + "\\n")
     answers.flush()
@@ -78,9 +80,18 @@ def _running_server() -> subprocess.Popen:
     global _server
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, start_new_session=True)
+                                   bufsize=0, start_new_session=True)
         atexit.register(_stop_server)
     return _server
+
+
+def _answer(server) -> int:
+    """The server's next answer line (the pipe is unbuffered: select sees every line not read yet)."""
+    line = server.stdout.readline()
+    if not line:  # the server died: the next call starts another
+        _stop_server()
+        raise RuntimeError("the fresh-process server exited")
+    return json.loads(line)
 
 
 def run_python(code: str, *argv, env: dict | None = None, timeout: float = 300,
@@ -93,16 +104,19 @@ def run_python(code: str, *argv, env: dict | None = None, timeout: float = 300,
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         request = dict(code=code, argv=[str(a) for a in argv], env=dict(os.environ if env is None else env),
                        cwd=os.getcwd(), stdout=out_path, stderr=err_path)
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        child = _answer(server)
         ready, _, _ = select.select([server.stdout], [], [], timeout)
-        answer = server.stdout.readline() if ready else ""
-        if not answer:  # timed out, or the server died: the next call starts another
-            _stop_server()
-            raise subprocess.TimeoutExpired(["<fresh process>", "-c", code], timeout) if not ready else \
-                RuntimeError("the fresh-process server exited")
+        if not ready:  # the child is killed; the server goes on (its answer: the kill's exit code)
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:  # (it ended just now)
+                pass
+            _answer(server)
+            raise subprocess.TimeoutExpired(["<fresh process>", "-c", code], timeout)
+        returncode = _answer(server)
         with open(out_path) as out, open(err_path) as err:
-            done = subprocess.CompletedProcess(["<fresh process>", "-c", code, *argv], json.loads(answer), out.read(),
+            done = subprocess.CompletedProcess(["<fresh process>", "-c", code, *argv], returncode, out.read(),
                                                err.read())
     if check and done.returncode:
         raise AssertionError(f"the fresh process exited with {done.returncode}:\n{done.stderr[-4000:]}")
