@@ -139,6 +139,12 @@ def stored_exact_streams(layers, x1, x2, frac_bits, cond=None, read=_mean):
     engine adds the two streams' input grads last, dx = dx1 + dx2) and each half's input grad is
     summed before the stream's own grad joins it (:class:`_HalfInput`). With the same order the
     gradients agree bitwise, so the two train step for step alike.
+
+    This is the twins' own arithmetic on purpose, not the engine's: the bitwise twin tests compare
+    the reversible engine against it, and an oracle that ran the engine's segment, epilogue or
+    rebuild code would share its bugs and pass them. Only the definitions of the rounded model
+    are shared (``to_fixed``, ``from_fixed``, ``quantize_reference``, ``scale_shift`` of
+    ops.streams: the fixed-point format itself, each with its own tests).
     """
     k, dtype = frac_bits, x1.dtype
     grad_dtype = stream_grad_dtype(dtype)  # the engine's stream-gradient dtype
