@@ -2,20 +2,26 @@
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fresh_process import run_python
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+# ``python SCRIPT ARGS...`` in a fresh process (tests/fresh_process: a fork of one that imported torch and
+# transformers' base, nothing else, so each run does not pay those imports again): the script's folder
+# first on sys.path, its path as argv[0], run as __main__.
+_AS_A_SCRIPT = ("import runpy, sys, os; script = sys.argv[1]; sys.argv = sys.argv[1:]; "
+                "sys.path.insert(0, os.path.dirname(script)); runpy.run_path(script, run_name='__main__')")
 
 
 def run_example(script, *args):
     env = {**os.environ, "KINETO_LOG_LEVEL": "5"}
     # One thread: on a busy 2-core runner, two torch threads each wait on the other.
-    command = [sys.executable, str(EXAMPLES / script), "--smoke", "--threads", "1", *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    proc = run_python(_AS_A_SCRIPT, EXAMPLES / script, "--smoke", "--threads", "1", *args, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, proc.stderr
 
