@@ -24,7 +24,7 @@ from perf.static import RULES, failures, owner
 from revtriton import aot
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # (module: its tests then share one xdist worker, which compiles once: conftest)
 def report():
     return aot.analyze_in_subprocess("perf.static")
 
