@@ -22,11 +22,16 @@ import tempfile
 
 PRELOADED = ("torch", "transformers.modeling_utils")  # what every check here would import anyway
 
-# The server: reads one request a line, forks, the child runs the script, the server answers with
-# its exit code. Written with no import of this file's (the server's own imports are the preloaded).
+# The server: reads one request a line, forks, the child runs the script; the server answers with the
+# child's pid, then its exit code. It imports nothing of this file's: its own imports are the preloaded
+# (those installed: a check that needs one that is not fails in the child, as it would in python -c).
 _SERVER = f"""
-import json, os, sys, traceback
-{"; ".join(f"import {name}" for name in PRELOADED)}
+import importlib, json, os, sys, traceback
+for name in {PRELOADED!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 requests, answers = sys.stdin, sys.stdout
 for line in requests:
     request = json.loads(line)
