@@ -503,13 +503,14 @@ def test_launchers_bench_stubs_every_launch_and_reports_us_per_launch(tmp_path, 
     assert dispatch.launch is real_launch
     text, _ = capsys.readouterr()
     assert "| gpt2 | G | float |" in text and "| llama | F | rebuild+backward |" in text
-    assert "forward couples: worst" in text and ("PASS" in text or "MISS" in text)
+    assert "forward couples: worst" in text and ("PASS" in text or "MISS" in text) and "alone the worst is" in text
     results = json.loads(out.read_text())["results"]
     assert set(results) == {f"{f}/{h}/{k}" for f in launchers.FAMILIES for h in "FG" for k in launchers.KINDS}
     for key, r in results.items():
         # forward: the norm, then the GEMMs (attention: QKV, the attention kernel, the projection)
         assert r["launches"] >= 3 and len(r["us_all"]) == 2, key
         assert r["us_per_launch"] == pytest.approx(r["us"] / r["launches"])
+        assert r["us_per_launch_alone"] == pytest.approx(r["us_alone"] / r["launches"]) and r["us_alone"] > 0
     for f in launchers.FAMILIES:  # a backward launches more than its forward
         assert results[f"{f}/G/rebuild+backward"]["launches"] > results[f"{f}/G/float"]["launches"]
 
