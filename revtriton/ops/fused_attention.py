@@ -638,11 +638,12 @@ class _Plan:
 def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj, row_scale, scale,
                    keep_graph=False):
     """The four launches (a coupling ``scale`` in the last one's epilogue). Returns (stream
-    [B, T, dim], saved tensors for backward, SDPA's graph when the core is SDPA and ``keep_graph``)."""
+    [B, T, dim], saved tensors for backward, SDPA's graph when the core is SDPA and ``keep_graph``).
+    ``x`` and ``res`` go to the launches as they are when contiguous (gemm.row_operand)."""
     launches = plan.launches
-    x2 = gemm.as_rows(x, plan.dim)
+    x2 = gemm.row_operand(x, plan.dim)
     n, mean, rstd = launches.launch(0, lambda: gemm.NormalizeLaunch(                               # launch 1
-        x2, norm=plan.norm, eps=plan.eps, norm_weight=norm_weight, norm_bias=norm_bias,
+        gemm.as_rows(x2, plan.dim), norm=plan.norm, eps=plan.eps, norm_weight=norm_weight, norm_bias=norm_bias,
         out_dtype=plan.dot_dtype))(x2, norm_weight, norm_bias)
     rope = plan.rope
     if rope is not None and rope[0].dim() == 3:  # a table per row (positions): [B * T, D/2]
@@ -657,11 +658,11 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
         o, lse = launches.launch(2, lambda: AttentionForwardLaunch(                                # launch 3
             q, k, v, causal=plan.causal, segments=plan.segments))(q, k, v, None, plan.segments)
     o2 = o.view(plan.rows, plan.heads * plan.head_dim)
-    res2 = gemm.as_rows(res, plan.dim)
+    res2 = gemm.row_operand(res, plan.dim)
     stream = launches.launch(3, lambda: gemm.LinearCoupleLaunch(                                    # launch 4
-        o2, w_proj, b_proj, res2, plan.sign, frac_bits=plan.frac_bits, row_scale=row_scale, scale=scale))(
-        o2, w_proj, b_proj, res2, row_scale, scale)
-    return stream.view_as(res), (x2, mean, rstd, n, qkv, o, lse), graph
+        o2, w_proj, b_proj, gemm.as_rows(res2, plan.dim), plan.sign, frac_bits=plan.frac_bits, row_scale=row_scale,
+        scale=scale, out_shape=res.shape))(o2, w_proj, b_proj, res2, row_scale, scale)
+    return stream, (x2, mean, rstd, n, qkv, o, lse), graph
 
 
 def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight, norm_bias, w_qkv, w_proj,
@@ -673,6 +674,7 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
     dt, rows = plan.dot_dtype, plan.rows
     gamma_dtype, beta_dtype, w_qkv_dtype, b_qkv_dtype, w_proj_dtype, b_proj_dtype = param_dtypes
     g2 = gemm.as_rows(g, plan.dim)
+    x2 = gemm.as_rows(x2, plan.dim)  # (the forward kept x as it came: [B, T, dim] when contiguous)
     # The backward's launches, kept in the plan per gradient layout and per gradients asked for.
     back = plan.launches.launch(("backward", tuple(param_dtypes), need_dx, g2.stride(), g2.dtype), LaunchPlan)
     # out-projection: gs = sign * row_scale * g in the operand dtype (db_proj partials on the way),

@@ -87,14 +87,17 @@ _plans = PlanCache()
 
 def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
                       eps, row_scale, dot_dtype, save, scale):
+    """The three launches on ``res2`` and ``x2``: [M, dim] rows, or the [..., dim] tensors themselves
+    when contiguous (gemm.row_operand); the stream comes back in ``res2``'s shape."""
+    dim = x2.shape[-1]
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
-        x2, norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias, out_dtype=dot_dtype))(
-        x2, norm_weight, norm_bias)
+        gemm.as_rows(x2, dim), norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
+        out_dtype=dot_dtype))(x2, norm_weight, norm_bias)
     w1, w2 = gemm.as_operand(w1, dot_dtype), gemm.as_operand(w2, dot_dtype)
     a1, z1 = plan.launch(1, lambda: gemm.LinearLaunch(n, w1, b1, activation=activation, save_preact=save))(n, w1, b1)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
-        a1, w2, b2, res2, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale))(a1, w2, b2, res2, row_scale,
-                                                                                          scale)
+        a1, w2, b2, gemm.as_rows(res2, dim), sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale,
+        out_shape=res2.shape))(a1, w2, b2, res2, row_scale, scale)
     return stream, (n, mean, rstd, a1, z1)
 
 
@@ -119,18 +122,17 @@ class FusedNormMLPCouple(torch.autograd.Function):
     def forward(ctx, res, x, norm_weight, norm_bias, w1, b1, w2, b2, row_scale, sign, frac_bits, norm, activation,
                 eps, dot_dtype, scale, plan):
         dim = x.shape[-1]
-        x2 = gemm.as_rows(x, dim)
-        res2 = gemm.as_rows(res, dim)
-        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight,
-                                                            norm_bias, w1, b1, w2, b2, norm, activation, eps,
-                                                            row_scale, dot_dtype, True, scale)
+        x2 = gemm.as_rows(x, dim)  # (rows: the backward's launches read them)
+        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(plan, gemm.row_operand(res, dim), x2, sign, frac_bits,
+                                                            norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
+                                                            eps, row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
         ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, norm, activation, dot_dtype)
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view_as(res), frac_bits, scaled=scale is not None)
+        return function_outputs(ctx, stream, frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -202,11 +204,10 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
         _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
-        res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
-        stream, _ = _norm_mlp_forward(plan, res2, x2, sign, frac_bits, *params, norm, activation,
-                                      eps, rs, dot_dtype, False, scale)
+        stream, _ = _norm_mlp_forward(plan, gemm.row_operand(res, dim), gemm.row_operand(x, dim), sign, frac_bits,
+                                      *params, norm, activation, eps, rs, dot_dtype, False, scale)
     _plans.keep(key, plan)
-    return stream.view_as(res), None
+    return stream, None
 
 
 def _kept_plan(args, options, call_key, option_names) -> tuple:
@@ -217,6 +218,15 @@ def _kept_plan(args, options, call_key, option_names) -> tuple:
         return False, None
     needs_grad = _needs_grad(*args[:2], *args[4:])
     return needs_grad, _plans.get((call_key, needs_grad))
+
+
+def _row_operands(res, x, dim):
+    """``(res, x) -> (res, x)`` as the forward launches read them, decided once for a bound runner
+    (its call signature fixes the layouts): the tensors themselves when both are contiguous, else
+    their [M, dim] rows (gemm.row_operand)."""
+    if res.is_contiguous() and x.is_contiguous():
+        return lambda res, x: (res, x)
+    return lambda res, x: (gemm.as_rows(res, dim), gemm.as_rows(x, dim))
 
 
 def bind_norm_mlp_couple(args, options, call_key):
@@ -235,10 +245,12 @@ def bind_norm_mlp_couple(args, options, call_key):
                                            None, plan)
             return couple_result(out, frac_bits, scaled=False)
     else:
+        rows = _row_operands(res, x, dim)
+
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
-            stream, _ = _norm_mlp_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits,
-                                          *params, norm, activation, eps, None, dot_dtype, False, None)
-            return stream.view_as(res), None
+            stream, _ = _norm_mlp_forward(plan, *rows(res, x), sign, frac_bits, *params, norm, activation, eps, None,
+                                          dot_dtype, False, None)
+            return stream, None
     return run
 
 
@@ -246,15 +258,17 @@ def bind_norm_mlp_couple(args, options, call_key):
 
 def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
                     save, scale):
+    """As :func:`_norm_mlp_forward` (rows or contiguous tensors in, the stream in ``res2``'s shape)."""
+    dim = x2.shape[-1]
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
-        x2, norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
+        gemm.as_rows(x2, dim), norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
     w_gate, w_up, w_down = (gemm.as_operand(w_gate, dot_dtype), gemm.as_operand(w_up, dot_dtype),
                              gemm.as_operand(w_down, dot_dtype))
     a1, z = plan.launch(1, lambda: gemm.LinearLaunch(n, w_gate, None, activation="swiglu", weight_up=w_up,
                                                      save_preact=save))(n, w_gate, None, w_up)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
-        a1, w_down, None, res2, sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale))(
-        a1, w_down, None, res2, row_scale, scale)
+        a1, w_down, None, gemm.as_rows(res2, dim), sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale,
+        out_shape=res2.shape))(a1, w_down, None, res2, row_scale, scale)
     return stream, (n, mean, rstd, a1, z)
 
 
@@ -263,16 +277,16 @@ class FusedSwiGLUCouple(torch.autograd.Function):
     def forward(ctx, res, x, norm_weight, w_gate, w_up, w_down, row_scale, sign, frac_bits, eps, dot_dtype, scale,
                 plan):
         dim = x.shape[-1]
-        x2 = gemm.as_rows(x, dim)
-        res2 = gemm.as_rows(res, dim)
-        stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate,
-                                                         w_up, w_down, eps, row_scale, dot_dtype, True, scale)
+        x2 = gemm.as_rows(x, dim)  # (rows: the backward's launches read them)
+        stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, gemm.row_operand(res, dim), x2, sign, frac_bits,
+                                                         norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
+                                                         True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, dot_dtype)
         ctx.res_scale = None if scale is None else scale.value  # not the dropped bits
         ctx.x_shape = x.shape
-        return function_outputs(ctx, stream.view_as(res), frac_bits, scaled=scale is not None)
+        return function_outputs(ctx, stream, frac_bits, scaled=scale is not None)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -334,11 +348,10 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
         _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
-        res2, x2 = gemm.as_rows(res, dim), gemm.as_rows(x, dim)
-        stream, _ = _swiglu_forward(plan, res2, x2, sign, frac_bits, *params, eps, rs, dot_dtype,
-                                    False, scale)
+        stream, _ = _swiglu_forward(plan, gemm.row_operand(res, dim), gemm.row_operand(x, dim), sign, frac_bits,
+                                    *params, eps, rs, dot_dtype, False, scale)
     _plans.keep(key, plan)
-    return stream.view_as(res), None
+    return stream, None
 
 
 def bind_swiglu_mlp_couple(args, options, call_key):
@@ -353,8 +366,10 @@ def bind_swiglu_mlp_couple(args, options, call_key):
             out = FusedSwiGLUCouple.apply(res, x, *params, None, sign, frac_bits, eps, dot_dtype, None, plan)
             return couple_result(out, frac_bits, scaled=False)
     else:
+        rows = _row_operands(res, x, dim)
+
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
-            stream, _ = _swiglu_forward(plan, gemm.as_rows(res, dim), gemm.as_rows(x, dim), sign, frac_bits, *params,
-                                        eps, None, dot_dtype, False, None)
-            return stream.view_as(res), None
+            stream, _ = _swiglu_forward(plan, *rows(res, x), sign, frac_bits, *params, eps, None, dot_dtype, False,
+                                        None)
+            return stream, None
     return run

@@ -141,6 +141,13 @@ def as_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t
 
 
+def row_operand(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` [..., dim] as a launch reads it: itself when contiguous (a launch takes its address and
+    the row stride its launch object worked out from the [M, dim] view, which a contiguous tensor
+    shares: the reshape costs about 3.6 us of a couple's host time), else :func:`as_rows`."""
+    return t if t.is_contiguous() else as_rows(t, dim)
+
+
 # ---------------------------------------------------------------- partial sums
 
 @dataclass
@@ -490,11 +497,16 @@ class LinearCoupleLaunch:
     call's ``(a, weight, bias, res, row_scale, scale)`` of that signature."""
 
     launcher = "linear_couple"  # the public launcher it is (aot.recording_launches names launches by it)
-    __slots__ = ("rows", "cols", "out_dtype", "device", "gemm")
+    __slots__ = ("out_shape", "out_dtype", "device", "gemm")
 
     def __init__(self, a, weight, bias, res, sign, *, frac_bits=None, row_scale=None,
-                 scale: ResidualScale | None = None):
+                 scale: ResidualScale | None = None, out_shape: tuple | None = None):
+        """``out_shape``: the output stream's shape, [M, N] by default; the couples give their
+        residual's [..., N] (rows in order: no view of the output afterwards)."""
         M, K, N = _check_forward_gemm(a, weight, bias)
+        out_shape = (M, N) if out_shape is None else tuple(int(n) for n in out_shape)
+        if not out_shape or out_shape[-1] != N or math.prod(out_shape) != M * N:
+            raise ValueError(f"out_shape {out_shape} does not hold the [{M}, {N}] output")
         _check_row_scale(row_scale, M)
         if sign not in (1, -1):
             raise ValueError(f"sign must be +1 or -1, got {sign!r}")
@@ -507,14 +519,14 @@ class LinearCoupleLaunch:
             residual = gemm_kernels.RES_EXACT
         _check_same_device(("a", a), ("weight", weight), ("bias", bias), ("res", res), ("row_scale", row_scale))
         check_residual_scale(scale, sign, frac_bits, res)
-        self.rows, self.cols, self.out_dtype, self.device = M, N, res.dtype, res.device
+        self.out_shape, self.out_dtype, self.device = out_shape, res.dtype, res.device
         b, b_strides = _weight_as_b(weight)
         self.gemm = None if M == 0 or N == 0 else GemmLaunch(
             a, a.stride(), b, b_strides, (N, 1), M, N, K, bias=bias, row_scale=row_scale, res_stride=res.stride(0),
             sign=sign, frac_bits=0 if frac_bits is None else frac_bits, residual=residual, scale=scale)
 
     def __call__(self, a, weight, bias, res, row_scale=None, scale: ResidualScale | None = None):
-        out = torch.empty(self.rows, self.cols, dtype=self.out_dtype, device=self.device)
+        out = torch.empty(*self.out_shape, dtype=self.out_dtype, device=self.device)
         if self.gemm is not None:
             self.gemm(a, weight, out, bias=bias, row_scale=row_scale, res=res, scale=scale)
         return out
