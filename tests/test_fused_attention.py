@@ -446,6 +446,32 @@ def test_fused_half_under_autocast_uses_the_autocast_dtype(seeded, monkeypatch):
 # Errors
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_inputs_the_launches_cannot_read_as_rows_are_copied_first(seeded, grad):
+    """The couple hands a contiguous x / res to its launches as they are (gemm.row_operand: a launch
+    reads an address with the row stride its launch object worked out) and copies any other into rows:
+    x with a column stride other than 1, res with one row broadcast to all. The stream, and with grad
+    the gradients of x and of every weight, bitwise those of the same values contiguous."""
+    dim, heads, kv_heads, tokens = 64, 4, 2, 8
+    params = make_half_params(dim, heads, kv_heads, "rms", bias=False)
+    weights = [p.requires_grad_(grad) for p in half_args(params) if p is not None]
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=10000.0, norm="rms")
+    x, row, g = torch.randn(2, tokens, dim), torch.randn(1, 1, dim), torch.randn(2, tokens, dim)
+    by_columns = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column stride 8
+    broadcast = row.expand(2, tokens, dim)
+
+    def run(res, x):
+        x = x.detach().requires_grad_(grad)
+        with force_triton(), torch.set_grad_enabled(grad):
+            stream, _ = fa.fused_norm_attention_couple(res, x, 1, None, *half_args(params), **options)
+        return [stream.detach()] + (list(torch.autograd.grad(stream, [x, *weights], g)) if grad else [])
+
+    want = run(broadcast.contiguous(), x)
+    assert not by_columns.is_contiguous() and not broadcast.is_contiguous()
+    for got in (run(broadcast, by_columns), run(broadcast, by_columns)):  # the second: the plan kept
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("norm,rope_theta", [("layer", None), ("rms", 10000.0)])
 def test_a_kept_couple_plan_serves_only_calls_of_its_signature(seeded, norm, rope_theta):
     """A repeated couple call runs the plan (and forward launches) its first call kept (issue 44

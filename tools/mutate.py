@@ -1108,6 +1108,16 @@ MUTANTS = [
            "    if not config.do_layer_norm_before:  # OPT-350M", "    if False:  # OPT-350M",
            ("tests/test_host_forward.py", "-k", "opt_with_its_dropout"),
            "post-norm OPT (350M) converted as if its layers were pre-norm: another function, silently"),
+    # ---- the forward couples' row operands (issue 44)
+    Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
+           "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",
+           ("tests/test_fused_mlp.py", "tests/test_fused_attention.py", "-k", "cannot_read_as_rows"),
+           "a non-contiguous x / res handed to the launches, read with a contiguous copy's row stride"),
+    Mutant("mlp-stream-in-the-rows-shape", "revtriton/ops/fused_mlp.py",
+           "out_shape=res.shape))(a1, w2, b2, res2, row_scale, scale)",
+           "out_shape=res2.shape))(a1, w2, b2, res2, row_scale, scale)",
+           ("tests/test_fused_mlp.py", "-k", "cannot_read_as_rows"),
+           "a couple whose res was copied into rows returns its stream as rows, not in res's shape"),
     # ---- the suite's fresh interpreters (issue 47)
     Mutant("fresh-process-has-revtriton", "tests/fresh_process.py",
            'PRELOADED = ("torch", "transformers.modeling_utils")',

@@ -85,11 +85,12 @@ _plans = PlanCache()
 
 # ---------------------------------------------------------------- LayerNorm / RMSNorm + MLP
 
-def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
+def _norm_mlp_forward(plan, res, x, sign, frac_bits, norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
                       eps, row_scale, dot_dtype, save, scale):
-    """The three launches on ``res2`` and ``x2``: [M, dim] rows, or the [..., dim] tensors themselves
-    when contiguous (gemm.row_operand); the stream comes back in ``res2``'s shape."""
-    dim = x2.shape[-1]
+    """The three launches; ``res`` and ``x`` [..., dim] go to them as they are when contiguous, else
+    as [M, dim] rows (gemm.row_operand); the stream comes back in ``res``'s shape."""
+    dim = x.shape[-1]
+    res2, x2 = gemm.row_operand(res, dim), gemm.row_operand(x, dim)
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
         gemm.as_rows(x2, dim), norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
         out_dtype=dot_dtype))(x2, norm_weight, norm_bias)
@@ -97,7 +98,7 @@ def _norm_mlp_forward(plan, res2, x2, sign, frac_bits, norm_weight, norm_bias, w
     a1, z1 = plan.launch(1, lambda: gemm.LinearLaunch(n, w1, b1, activation=activation, save_preact=save))(n, w1, b1)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
         a1, w2, b2, gemm.as_rows(res2, dim), sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale,
-        out_shape=res2.shape))(a1, w2, b2, res2, row_scale, scale)
+        out_shape=res.shape))(a1, w2, b2, res2, row_scale, scale)
     return stream, (n, mean, rstd, a1, z1)
 
 
@@ -123,9 +124,9 @@ class FusedNormMLPCouple(torch.autograd.Function):
                 eps, dot_dtype, scale, plan):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)  # (rows: the backward's launches read them)
-        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(plan, gemm.row_operand(res, dim), x2, sign, frac_bits,
-                                                            norm_weight, norm_bias, w1, b1, w2, b2, norm, activation,
-                                                            eps, row_scale, dot_dtype, True, scale)
+        stream, (n, mean, rstd, a1, z1) = _norm_mlp_forward(plan, res, x2, sign, frac_bits, norm_weight, norm_bias,
+                                                            w1, b1, w2, b2, norm, activation, eps, row_scale,
+                                                            dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z1, norm_weight, norm_bias, w1, w2, row_scale)
         ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, norm, activation, dot_dtype)
@@ -196,7 +197,7 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
             raise ValueError(f"w2 shape {tuple(w2.shape)} must be {(dim, w1.shape[0])} for w1 {tuple(w1.shape)}")
         scale = check_residual_scale(scale, sign, frac_bits, res)
         plan = LaunchPlan(_dot_dtype(x, [("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)]))
-    dot_dtype, dim = plan.options, x.shape[-1]
+    dot_dtype = plan.options
     rs = _flat_row_scale(row_scale, x)
     if needs_grad:
         out = FusedNormMLPCouple.apply(res, x, *params, rs, sign, frac_bits, norm, activation, eps, dot_dtype, scale,
@@ -204,8 +205,8 @@ def fused_norm_mlp_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w1, b
         _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
-        stream, _ = _norm_mlp_forward(plan, gemm.row_operand(res, dim), gemm.row_operand(x, dim), sign, frac_bits,
-                                      *params, norm, activation, eps, rs, dot_dtype, False, scale)
+        stream, _ = _norm_mlp_forward(plan, res, x, sign, frac_bits, *params, norm, activation, eps, rs, dot_dtype,
+                                      False, scale)
     _plans.keep(key, plan)
     return stream, None
 
@@ -220,15 +221,6 @@ def _kept_plan(args, options, call_key, option_names) -> tuple:
     return needs_grad, _plans.get((call_key, needs_grad))
 
 
-def _row_operands(res, x, dim):
-    """``(res, x) -> (res, x)`` as the forward launches read them, decided once for a bound runner
-    (its call signature fixes the layouts): the tensors themselves when both are contiguous, else
-    their [M, dim] rows (gemm.row_operand)."""
-    if res.is_contiguous() and x.is_contiguous():
-        return lambda res, x: (res, x)
-    return lambda res, x: (gemm.as_rows(res, dim), gemm.as_rows(x, dim))
-
-
 def bind_norm_mlp_couple(args, options, call_key):
     """A runner ``(res, x, *weights)`` of later calls of this call's signature (ops.dispatch.bind_op):
     the plan this signature's call kept, the options fixed; no checks (the signature passed them),
@@ -238,17 +230,15 @@ def bind_norm_mlp_couple(args, options, call_key):
     if plan is None:
         return None
     norm, activation, eps = options["norm"], options["activation"], options["eps"]
-    dot_dtype, dim = plan.options, x.shape[-1]
+    dot_dtype = plan.options
     if needs_grad:
         def run(res, x, *params):
             out = FusedNormMLPCouple.apply(res, x, *params, None, sign, frac_bits, norm, activation, eps, dot_dtype,
                                            None, plan)
             return couple_result(out, frac_bits, scaled=False)
     else:
-        rows = _row_operands(res, x, dim)
-
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
-            stream, _ = _norm_mlp_forward(plan, *rows(res, x), sign, frac_bits, *params, norm, activation, eps, None,
+            stream, _ = _norm_mlp_forward(plan, res, x, sign, frac_bits, *params, norm, activation, eps, None,
                                           dot_dtype, False, None)
             return stream, None
     return run
@@ -256,10 +246,12 @@ def bind_norm_mlp_couple(args, options, call_key):
 
 # ---------------------------------------------------------------- RMSNorm + SwiGLU
 
-def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
+def _swiglu_forward(plan, res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
                     save, scale):
-    """As :func:`_norm_mlp_forward` (rows or contiguous tensors in, the stream in ``res2``'s shape)."""
-    dim = x2.shape[-1]
+    """As :func:`_norm_mlp_forward` (``res`` and ``x`` as they are when contiguous, the stream in
+    ``res``'s shape)."""
+    dim = x.shape[-1]
+    res2, x2 = gemm.row_operand(res, dim), gemm.row_operand(x, dim)
     n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
         gemm.as_rows(x2, dim), norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
     w_gate, w_up, w_down = (gemm.as_operand(w_gate, dot_dtype), gemm.as_operand(w_up, dot_dtype),
@@ -268,7 +260,7 @@ def _swiglu_forward(plan, res2, x2, sign, frac_bits, norm_weight, w_gate, w_up, 
                                                      save_preact=save))(n, w_gate, None, w_up)
     stream = plan.launch(2, lambda: gemm.LinearCoupleLaunch(
         a1, w_down, None, gemm.as_rows(res2, dim), sign, frac_bits=frac_bits, row_scale=row_scale, scale=scale,
-        out_shape=res2.shape))(a1, w_down, None, res2, row_scale, scale)
+        out_shape=res.shape))(a1, w_down, None, res2, row_scale, scale)
     return stream, (n, mean, rstd, a1, z)
 
 
@@ -278,9 +270,8 @@ class FusedSwiGLUCouple(torch.autograd.Function):
                 plan):
         dim = x.shape[-1]
         x2 = gemm.as_rows(x, dim)  # (rows: the backward's launches read them)
-        stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, gemm.row_operand(res, dim), x2, sign, frac_bits,
-                                                         norm_weight, w_gate, w_up, w_down, eps, row_scale, dot_dtype,
-                                                         True, scale)
+        stream, (n, mean, rstd, a1, z) = _swiglu_forward(plan, res, x2, sign, frac_bits, norm_weight, w_gate, w_up,
+                                                         w_down, eps, row_scale, dot_dtype, True, scale)
         ctx.save_for_backward(x2, mean, rstd, n, a1, z, norm_weight, w_gate, w_up, w_down, row_scale)
         ctx.plan = plan  # the backward's launches are kept in it too
         ctx.options = (sign, frac_bits, dot_dtype)
@@ -341,15 +332,14 @@ def fused_swiglu_mlp_couple(res, x, sign, frac_bits, norm_weight, w_gate, w_up, 
             raise ValueError(f"w_down shape {tuple(w_down.shape)} must be {(dim, w_gate.shape[0])}")
         scale = check_residual_scale(scale, sign, frac_bits, res)
         plan = LaunchPlan(_dot_dtype(x, [("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]))
-    dot_dtype, dim = plan.options, x.shape[-1]
+    dot_dtype = plan.options
     rs = _flat_row_scale(row_scale, x)
     if needs_grad:
         out = FusedSwiGLUCouple.apply(res, x, *params, rs, sign, frac_bits, eps, dot_dtype, scale, plan)
         _plans.keep(key, plan)
         return couple_result(out, frac_bits, scaled=scale is not None)
     with torch.no_grad():
-        stream, _ = _swiglu_forward(plan, gemm.row_operand(res, dim), gemm.row_operand(x, dim), sign, frac_bits,
-                                    *params, eps, rs, dot_dtype, False, scale)
+        stream, _ = _swiglu_forward(plan, res, x, sign, frac_bits, *params, eps, rs, dot_dtype, False, scale)
     _plans.keep(key, plan)
     return stream, None
 
@@ -360,16 +350,13 @@ def bind_swiglu_mlp_couple(args, options, call_key):
     needs_grad, plan = _kept_plan(args, options, call_key, {"eps", "row_scale"})
     if plan is None:
         return None
-    eps, dot_dtype, dim = options["eps"], plan.options, x.shape[-1]
+    eps, dot_dtype = options["eps"], plan.options
     if needs_grad:
         def run(res, x, *params):
             out = FusedSwiGLUCouple.apply(res, x, *params, None, sign, frac_bits, eps, dot_dtype, None, plan)
             return couple_result(out, frac_bits, scaled=False)
     else:
-        rows = _row_operands(res, x, dim)
-
         def run(res, x, *params):  # nothing requires grad: no graph is recorded, grad mode or not
-            stream, _ = _swiglu_forward(plan, *rows(res, x), sign, frac_bits, *params, eps, None, dot_dtype, False,
-                                        None)
+            stream, _ = _swiglu_forward(plan, res, x, sign, frac_bits, *params, eps, None, dot_dtype, False, None)
             return stream, None
     return run
