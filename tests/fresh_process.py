@@ -1,7 +1,7 @@
 """A new interpreter for the tests' "a fresh process loads it" checks, at the cost of a fork.
 
 ``python -c SCRIPT`` pays torch's and transformers' imports at every check (about 5 s of the
-2-core development machine's CPU each, a few dozen checks in the suite). Here a small server
+2-core development machine's CPU each). Here a small server
 process per test process imports torch and transformers' base once, and forks a child per check:
 a process that has imported those two packages and nothing of the tests' (not revtriton, no model
 family's module, no class a conversion made, no state a test set), which runs SCRIPT as

@@ -266,7 +266,7 @@ def test_inputs_the_launches_cannot_read_as_rows_are_copied_first(seeded, kind, 
     rows: x with a column stride other than 1, res with one row broadcast to all. The stream, and with
     grad the gradients of x and of every weight, bitwise those of the same values contiguous."""
     dim, hidden, shape = 64, 96, (2, 6)
-    params = [p.requires_grad_(grad) for p in make_params(kind, dim, hidden) if p is not None]
+    params = [p.requires_grad_(grad) for p in make_params(kind, dim, hidden)]  # (LayerNorm's has its bias)
     fn = couple_fn(kind)
     x, row = rand(*shape, dim), rand(1, 1, dim)
     g = rand(*shape, dim)
@@ -276,18 +276,13 @@ def test_inputs_the_launches_cannot_read_as_rows_are_copied_first(seeded, kind, 
     def run(res, x):
         x = x.detach().requires_grad_(grad)
         with dispatch.force_triton(), torch.set_grad_enabled(grad):
-            stream, _ = fn(res, x, 1, None, params if kind == "swiglu" else _with_bias_slot(params, kind), None)
+            stream, _ = fn(res, x, 1, None, params, None)
         return [stream.detach()] + (list(torch.autograd.grad(stream, [x, *params], g)) if grad else [])
 
     want = run(broadcast.contiguous(), x)
     assert not by_columns.is_contiguous() and not broadcast.is_contiguous()
     for got in (run(broadcast, by_columns), run(broadcast, by_columns)):  # the second: the plan kept
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-def _with_bias_slot(params, kind):
-    """make_params' list back with its None norm bias (RMSNorm) where the couple expects one."""
-    return params if kind == "layer" else [params[0], None, *params[1:]]
 
 
 @pytest.mark.parametrize("kind", ["layer", "swiglu"])
