@@ -167,10 +167,10 @@ def _mlp_case(kind: str):
             backward_of(lambda xx: couple_output(res, cublas_h(xx), -1, 16)), bwd_flops, bwd_bytes)
 
         # The fused GEMMs alone vs cuBLAS on the same shape.
-        from revtriton.ops import gemm
+        from revtriton.ops import gemm, norm_rows
 
         norm = "rms" if swiglu else "layer"
-        n, _, _ = gemm.normalize(x, norm=norm, norm_weight=gamma, norm_bias=beta, out_dtype=x.dtype)
+        n, _, _ = norm_rows.normalize(x, norm=norm, norm_weight=gamma, norm_bias=beta, out_dtype=x.dtype)
         act = "swiglu" if swiglu else "gelu_tanh"
         a1, _ = gemm.linear(n, w1, b1, activation=act, weight_up=wu)
         g1_flops = gemm_flops * (2 if swiglu else 1)

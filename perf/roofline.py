@@ -265,7 +265,7 @@ def _engine_ops(shape: Shape, phase: str, exact: bool) -> list[Op]:
 
 
 def _normalize_op(shape: Shape) -> list[Op]:
-    """gemm.normalize: x read once, the normalized rows written once in bf16 (and the stats)."""
+    """norm_rows.normalize: x read once, the normalized rows written once in bf16 (and the stats)."""
     m, d = shape.tokens, shape.dim
     return [_op("normalize", "reduction", reads=[("x", m * d * VALUE), *_norm_param_reads(shape)],
                 writes=[("n bf16", m * d * BF16), ("mean", m * FP32), ("rstd", m * FP32)])]
@@ -354,7 +354,7 @@ def _fused_mlp(shape: Shape, phase: str, master_fp32: bool) -> list[Op]:
 
 
 def _norm_bwd_op(shape: Shape) -> Op:
-    """gemm.norm_bwd_partials: the row kernel with dgamma / dbeta partials."""
+    """norm_rows.norm_bwd_partials: the row kernel with dgamma / dbeta partials."""
     m, d = shape.tokens, shape.dim
     params = 2 if shape.norm == "layer" else 1
     p = min(m, NORM_PARTIAL_PROGRAMS)

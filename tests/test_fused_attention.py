@@ -170,7 +170,7 @@ def test_attention_bad_inputs():
     ("layer", False, True, torch.float32), ("rms", True, False, torch.float32), ("layer", True, True, torch.float32),
     ("rms", False, True, torch.float16), ("layer", True, False, torch.float16)])
 def test_qkv_projection_matches_reference(seeded, norm, rope, bias, dtype):
-    from revtriton.ops import gemm
+    from revtriton.ops import norm_rows
 
     batch, tokens, heads, kv_heads, head_dim = 2, 17, 4, 2, 16
     dim = heads * head_dim
@@ -178,7 +178,7 @@ def test_qkv_projection_matches_reference(seeded, norm, rope, bias, dtype):
     x = torch.randn(batch * tokens, dim) * 2 + 0.5
     gamma = 1 + 0.2 * torch.randn(dim)
     beta = 0.2 * torch.randn(dim) if norm == "layer" else None
-    n, _, _ = gemm.normalize(x, norm=norm, norm_weight=gamma, norm_bias=beta, out_dtype=dtype)
+    n, _, _ = norm_rows.normalize(x, norm=norm, norm_weight=gamma, norm_bias=beta, out_dtype=dtype)
     w = (torch.randn(n_out, dim) / dim**0.5).to(dtype)
     b = (0.2 * torch.randn(n_out)).to(dtype) if bias else None
     tables = fa.rope_tables(tokens, head_dim, 500.0, x.device) if rope else None

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from revtriton.ops import dispatch, gemm, mlp
+from revtriton.ops import dispatch, gemm, mlp, norm_rows
 from revtriton.ops.reference import apply_row_scale, normalize_reference
 from revtriton.ops.fused_mlp import fused_norm_mlp_couple, fused_swiglu_mlp_couple
 from revtriton.ops.streams import ResidualScale, couple_output, quantize_reference, to_fixed
@@ -43,7 +43,7 @@ def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
     for norm in ("layer", "rms"):
         nb = beta if norm == "layer" else None
         kw = dict(norm=norm, norm_weight=gamma, norm_bias=nb, out_dtype=dtype)
-        got, want = gemm.normalize(x, **kw), gemm.normalize_and_stats_reference(x, **kw)
+        got, want = norm_rows.normalize(x, **kw), norm_rows.normalize_and_stats_reference(x, **kw)
         errors[f"normalize_{norm}"] = max(rel_err(s, r) for s, r in zip(got, want) if r.norm() > 0)
         n, mean, rstd = got
         for act in ("gelu_tanh", "gelu", "relu"):
@@ -57,8 +57,8 @@ def test_launchers_match_references(seeded, dtype, rows, dim, hidden):
 
         dn = rand(rows, dim)
         dres = rand(rows, dim, dtype=dtype)
-        got = gemm.norm_bwd(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
-        want = gemm.norm_bwd_reference(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+        got = norm_rows.norm_bwd(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+        want = norm_rows.norm_bwd_reference(dn, x, (mean, rstd), gamma, norm=norm, has_bias=norm == "layer", dres=dres)
         errors[f"norm_bwd_{norm}"] = max(rel_err(g, w) for g, w in zip(got, want) if w is not None)
 
     a = rand(rows, hidden, dtype=dtype)
@@ -536,7 +536,7 @@ def test_bad_launcher_and_couple_inputs_raise_clearly():
     with pytest.raises(ValueError, match="columns"):
         gemm.linear(rand(8, 63), w)
     with pytest.raises(ValueError, match="unit stride"):
-        gemm.normalize(rand(64, 8).t())
+        norm_rows.normalize(rand(64, 8).t())
     with pytest.raises(ValueError, match="stride-0|broadcast"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, torch.zeros(64).expand(8, 64), 1)
     with pytest.raises(TypeError, match="int32"):
@@ -548,7 +548,7 @@ def test_bad_launcher_and_couple_inputs_raise_clearly():
     with pytest.raises(ValueError, match="col_sums"):
         gemm.scale_rows(x, store=False)
     with pytest.raises(ValueError, match="RMSNorm has no bias"):
-        gemm.normalize(x, norm="rms", norm_bias=rand(64))
+        norm_rows.normalize(x, norm="rms", norm_bias=rand(64))
     with pytest.raises(ValueError, match="sign"):
         gemm.linear_couple(rand(8, 32), rand(64, 32), None, rand(8, 64), 2)
 

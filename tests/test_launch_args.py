@@ -15,7 +15,7 @@ from triton.backends.compiler import BaseBackend
 
 from revtriton import aot
 from revtriton.ops import fused_attention as fa
-from revtriton.ops import gemm, launches, streams
+from revtriton.ops import gemm, launches, norm_rows, streams
 from revtriton.ops.streams import ResidualScale
 
 
@@ -58,7 +58,7 @@ def recorded(monkeypatch, call, *, null):
     def as_on_cuda(like, dtype=None):
         return launches.NullPointer(like.dtype if dtype is None else dtype)
 
-    for module in (gemm, fa, streams):  # the launchers' own references to unused_pointer
+    for module in (gemm, norm_rows, fa, streams):  # the launchers' own references to unused_pointer
         monkeypatch.setattr(module, "unused_pointer", as_on_cuda if null else launches.unused_pointer)
     with aot.recording_launches() as seen:
         call()
@@ -73,9 +73,9 @@ CALLS = {
         torch.randn(40, 48), torch.randn(32, 48), None, torch.zeros(40, 32, dtype=torch.int32), 1, frac_bits=16,
         scale=ResidualScale(0.5)),
     "weight_grad": lambda: gemm.linear_weight_grad(torch.randn(40, 48), torch.randn(40, 32)),
-    "normalize_rms": lambda: gemm.normalize(torch.randn(40, 32), norm="rms"),
+    "normalize_rms": lambda: norm_rows.normalize(torch.randn(40, 32), norm="rms"),
     "scale_rows_sums_only": lambda: gemm.scale_rows(torch.randn(40, 32), col_sums=True, store=False),
-    "norm_bwd_no_params": lambda: gemm.norm_bwd_partials(
+    "norm_bwd_no_params": lambda: norm_rows.norm_bwd_partials(
         torch.randn(40, 32), torch.randn(40, 32), (torch.zeros(40), torch.ones(40)), None, norm="rms",
         has_bias=False),
     "attention_fwd": lambda: fa.attention_fwd(torch.randn(1, 16, 2, 16), torch.randn(1, 16, 2, 16),

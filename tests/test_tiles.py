@@ -13,7 +13,7 @@ large-magnitude rows.
 import pytest
 import torch
 
-from revtriton.ops import dispatch, gemm
+from revtriton.ops import dispatch, gemm, norm_rows
 from revtriton.ops import fused_attention as fa
 
 pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
@@ -385,9 +385,9 @@ def test_row_kernels_on_constant_zero_and_large_rows(seeded, norm):
     # The norm is applied once per row, before the GEMMs (issue 12): large-mean and large-scale
     # rows must normalise as accurately as the fp32 reference.
     # The oracle is float64: an fp32 reference loses about 1e-4 of a 3000 + noise row's spread itself.
-    n, mean, rstd = gemm.normalize(x, norm=norm, eps=eps, norm_weight=gamma, norm_bias=beta)
-    ref_n, ref_mean, ref_rstd = gemm.normalize_and_stats_reference(x.double(), norm=norm, eps=eps, norm_weight=gamma.double(),
-                                                         norm_bias=None if beta is None else beta.double())
+    n, mean, rstd = norm_rows.normalize(x, norm=norm, eps=eps, norm_weight=gamma, norm_bias=beta)
+    ref_n, ref_mean, ref_rstd = norm_rows.normalize_and_stats_reference(
+        x.double(), norm=norm, eps=eps, norm_weight=gamma.double(), norm_bias=None if beta is None else beta.double())
     assert torch.isfinite(mean).all() and torch.isfinite(rstd).all() and torch.isfinite(n).all()
     assert rel_err(mean, ref_mean) <= 1e-6 and rel_err(rstd, ref_rstd) <= 1e-5
     for row in range(9):  # row by row: a large row must not hide a wrong small one
@@ -396,8 +396,8 @@ def test_row_kernels_on_constant_zero_and_large_rows(seeded, norm):
     assert torch.allclose(rstd[zero_var], torch.full((len(zero_var),), eps**-0.5), rtol=1e-5)
     dn, dres = torch.randn(9, dim), torch.randn(9, dim)
     stats = (mean, rstd)
-    got = gemm.norm_bwd(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
-    want = gemm.norm_bwd_reference(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+    got = norm_rows.norm_bwd(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
+    want = norm_rows.norm_bwd_reference(dn, x, stats, gamma, norm=norm, has_bias=norm == "layer", dres=dres)
     for g, w in zip(got, want):
         if w is not None:
             assert torch.isfinite(g).all() and rel_err(g, w) <= 1e-5

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, gemm, limits
+from . import dispatch, gemm, limits, norm_rows
 from .graph import backward_keeps_graph
 from .launches import LaunchPlan, PlanCache, cdiv, plan_key, unused_pointer
 from .reference import repeat_kv_heads, rope_tables_at, rotate_half_reference, sequence_mask
@@ -540,7 +540,7 @@ class QKVLaunch:
 def qkv_projection(n, w_qkv, b_qkv, *, heads, kv_heads, tokens, rope=None):
     """One launch: ``rope(n @ w_qkv.T + b_qkv)`` -> packed qkv [M, (H + 2 KV) * D] in w_qkv's dtype.
 
-    n [M, dim]: the normalized rows (``gemm.normalize``) in the GEMM operand dtype, w_qkv's
+    n [M, dim]: the normalized rows (``norm_rows.normalize``) in the GEMM operand dtype, w_qkv's
     (rows are batch-major tokens, M = B * tokens); rope = (cos, sin) [tokens, D/2] (shared by the
     sequences), [M, D/2] (a table per row: packed or padded rows' positions) or None.
     """
@@ -642,7 +642,7 @@ def _fused_forward(plan: _Plan, res, x, norm_weight, norm_bias, w_qkv, b_qkv, w_
     ``x`` and ``res`` go to the launches as they are when contiguous (gemm.row_operand)."""
     launches = plan.launches
     x2 = gemm.row_operand(x, plan.dim)
-    n, mean, rstd = launches.launch(0, lambda: gemm.NormalizeLaunch(                               # launch 1
+    n, mean, rstd = launches.launch(0, lambda: norm_rows.NormalizeLaunch(                               # launch 1
         gemm.as_rows(x2, plan.dim), norm=plan.norm, eps=plan.eps, norm_weight=norm_weight, norm_bias=norm_bias,
         out_dtype=plan.dot_dtype))(x2, norm_weight, norm_bias)
     rope = plan.rope
@@ -707,7 +707,7 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
     if need_dx or gamma_dtype is not None or beta_dtype is not None:
         dn = back.launch((3, layout), lambda: gemm.LinearInputGradLaunch(                              # launch 6
             dqkv2, w_qkv, out_dtype=torch.float32))(dqkv2, w_qkv)
-        dx, norm_part = back.launch(4, lambda: gemm.NormBwdLaunch(                                      # launch 7
+        dx, norm_part = back.launch(4, lambda: norm_rows.NormBwdLaunch(                                      # launch 7
             dn, x2, (mean, rstd), norm_weight, norm=plan.norm, has_bias=norm_bias is not None))(
             dn, x2, (mean, rstd), norm_weight)
         dx = dx.view(plan.batch, plan.tokens, plan.dim)
@@ -719,7 +719,7 @@ def _fused_backward(plan: _Plan, g, x2, mean, rstd, n, qkv, o, lse, norm_weight,
         _, db_qkv = back.launch((6, layout), lambda: gemm.ScaleRowsLaunch(                             # launch 9
             dqkv2, store=False, col_sums=True, sums_dtype=b_qkv_dtype))(dqkv2)
     gemm.reduce_partials(db_proj, db_qkv, norm_part, *pending)                                         # launch 10
-    dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
+    dgamma, dbeta = norm_rows.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
     return (dx, dgamma, dbeta, dw_qkv, None if db_qkv is None else db_qkv.out, dw_proj,
             None if db_proj is None else db_proj.out)
 

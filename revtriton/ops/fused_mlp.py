@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm
+from . import gemm, norm_rows
 from .launches import LaunchPlan, PlanCache, plan_key
 from .reference import ACTIVATIONS, NORMS
 from .streams import (ResidualScale, check_frac_bits, check_residual_scale, couple_result, function_outputs,
@@ -91,7 +91,7 @@ def _norm_mlp_forward(plan, res, x, sign, frac_bits, norm_weight, norm_bias, w1,
     as [M, dim] rows (gemm.row_operand); the stream comes back in ``res``'s shape."""
     dim = x.shape[-1]
     res2, x2 = gemm.row_operand(res, dim), gemm.row_operand(x, dim)
-    n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
+    n, mean, rstd = plan.launch(0, lambda: norm_rows.NormalizeLaunch(
         gemm.as_rows(x2, dim), norm=norm, eps=eps, norm_weight=norm_weight, norm_bias=norm_bias,
         out_dtype=dot_dtype))(x2, norm_weight, norm_bias)
     w1, w2 = gemm.as_operand(w1, dot_dtype), gemm.as_operand(w2, dot_dtype)
@@ -160,12 +160,12 @@ class FusedNormMLPCouple(torch.autograd.Function):
             dw1 = back.launch(3, lambda: gemm.LinearWeightGradLaunch(dz1, n, out_dtype=w1_dtype))(dz1, n, pending)
         if need[1] or need[2] or need[3]:
             dn = back.launch(4, lambda: gemm.LinearInputGradLaunch(dz1, w1))(dz1, w1)
-            dx, norm_part = back.launch(5, lambda: gemm.NormBwdLaunch(
+            dx, norm_part = back.launch(5, lambda: norm_rows.NormBwdLaunch(
                 dn, x2, (mean, rstd), norm_weight, norm=norm, has_bias=norm_bias is not None))(
                 dn, x2, (mean, rstd), norm_weight)
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(db2, db1, norm_part, *pending)
-        dgamma, dbeta = gemm.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
+        dgamma, dbeta = norm_rows.norm_param_grads(norm_part, norm_weight, norm_bias is not None)
         if dbeta is not None and dbeta.dtype != norm_bias.dtype:
             dbeta = dbeta.to(norm_bias.dtype)
         return (grad_res, dx, dgamma, dbeta, dw1, None if db1 is None else db1.out, dw2,
@@ -252,7 +252,7 @@ def _swiglu_forward(plan, res, x, sign, frac_bits, norm_weight, w_gate, w_up, w_
     ``res``'s shape)."""
     dim = x.shape[-1]
     res2, x2 = gemm.row_operand(res, dim), gemm.row_operand(x, dim)
-    n, mean, rstd = plan.launch(0, lambda: gemm.NormalizeLaunch(
+    n, mean, rstd = plan.launch(0, lambda: norm_rows.NormalizeLaunch(
         gemm.as_rows(x2, dim), norm="rms", eps=eps, norm_weight=norm_weight, out_dtype=dot_dtype))(x2, norm_weight)
     w_gate, w_up, w_down = (gemm.as_operand(w_gate, dot_dtype), gemm.as_operand(w_up, dot_dtype),
                              gemm.as_operand(w_down, dot_dtype))
@@ -306,11 +306,11 @@ class FusedSwiGLUCouple(torch.autograd.Function):
             d_gate, d_up = d_gate_up[:hidden], d_gate_up[hidden:]
         if need[1] or need[2]:
             dn = back.launch(4, lambda: gemm.LinearInputGradLaunch(dz, w_gate, weight2=w_up))(dz, w_gate, w_up)
-            dx, norm_part = back.launch(5, lambda: gemm.NormBwdLaunch(
+            dx, norm_part = back.launch(5, lambda: norm_rows.NormBwdLaunch(
                 dn, x2, (mean, rstd), norm_weight, norm="rms", has_bias=False))(dn, x2, (mean, rstd), norm_weight)
             dx = dx.view(ctx.x_shape)
         gemm.reduce_partials(norm_part, *pending)
-        dgamma, _ = gemm.norm_param_grads(norm_part, norm_weight, False)
+        dgamma, _ = norm_rows.norm_param_grads(norm_part, norm_weight, False)
         return grad_res, dx, dgamma, d_gate, d_up, d_down, None, None, None, None, None, None, None
 
 
