@@ -140,6 +140,29 @@ def test_training_step_equals_the_stored_activation_twin_bitwise(preset, seeded)
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_token_chunk_runs_the_mlp_halves_by_rows_with_the_same_training_step(preset, seeded, tmp_path):
+    """``token_chunk``: the converted MLP half (GPT-2's, LLaMA's) by chunks of 5 of the 18 token rows, the
+    attention half whole; the loss and gradients those of the whole model (float32: the chunked GEMMs and
+    the chunk-by-chunk sums of the weight gradients move the last bits, 1e-5 relative is 100 ulps), and
+    save / load keeps the option."""
+    whole = preset_model(preset, seeded).train()
+    chunked = preset_model(preset, seeded, token_chunk=5).train()
+    stack = chunked.get_decoder().layers if preset.startswith("llama") else chunked.transformer.h
+    assert isinstance(stack, ReversibleStack) and stack.token_chunk == 5
+    attention, mlp = stack[0].coupling_halves()
+    assert mlp.rows_independent and not attention.rows_independent
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    losses = [m(input_ids=ids, labels=ids).loss for m in (whole, chunked)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) <= 1e-5 * abs(losses[0].item())
+    for p, q in zip(whole.parameters(), chunked.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max()
+    chunked.save_pretrained(tmp_path)
+    assert from_pretrained(tmp_path).config.revtriton["token_chunk"] == 5
+
+
 def test_bad_presets_and_options_raise_clearly():
     with pytest.raises(ValueError, match="unknown RevGPT preset 'gpt3'"):
         rev_causal_lm("gpt3")
@@ -151,3 +174,5 @@ def test_bad_presets_and_options_raise_clearly():
         rev_causal_lm("llama-tiny", dropout=0.1)
     with pytest.raises(ValueError, match="grouped-query attention"):
         rev_causal_lm("gpt2-tiny", kv_heads=2)
+    with pytest.raises(ValueError, match="token_chunk"):
+        rev_causal_lm("gpt2-tiny", token_chunk=0)

@@ -521,11 +521,17 @@ def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
 
     pytest.importorskip("transformers")
     out = tmp_path / "lm.json"
-    assert lm_loss.main(["--depth", "1", "--batch", "1", "--tokens", "256", "--json", str(out)]) == 0
+    assert lm_loss.main(["--depth", "1", "--batch", "1", "--tokens", "256", "--token-chunk", "64",
+                         "--json", str(out)]) == 0
     text, _ = capsys.readouterr()
     assert "| 256 | full logits |" in text and "| 256 | fused |" in text and "0.5x the logits: " in text
+    assert "| 256 | fused, MLP by 64 rows |" in text
     rows = json.loads(out.read_text())["rows"]
-    full, fused, headless = (next(r for r in rows if r["fused"] is f) for f in (False, True, None))
+    full, fused, headless = (next(r for r in rows if r["fused"] is f and r["token_chunk"] is None)
+                             for f in (False, True, None))
+    # the MLP by chunks of 64 rows: its [256, 3072] activations (3 MiB each) were the stack's peak
+    chunked = next(r for r in rows if r["fused"] is None and r["token_chunk"] == 64)
+    assert chunked["peak_past_parameter_gradients_bytes"] <= headless["peak_past_parameter_gradients_bytes"] - 2**22
     # the full-logits loss holds several logits-sized buffers at once; the fused one a few chunks
     assert full["peak_past_parameter_gradients_bytes"] > 2 * full["logits_bytes"]
     assert fused["peak_past_parameter_gradients_bytes"] < 0.5 * fused["logits_bytes"]

@@ -43,6 +43,25 @@ class Mutant:
 
 
 MUTANTS = [
+    # ---- halves by chunks of token rows (issue 36)
+    Mutant("rebuild-ignores-the-token-chunk", "revtriton/engine/segment.py",
+           "        chunks = row_chunks(g, rb.y2, run.chunk_rows(rb.layer), self.cond, rb.scale2)\n",
+           "        chunks = None\n",
+           ("tests/test_token_chunks.py", "-k", "same_chunks"),
+           "the backward rebuilds G whole after a forward by chunks: an exact rebuild may differ in the last bits"),
+    Mutant("chunked-g-backward-deferred", "revtriton/engine/segment.py",
+           "            return PhaseResult(None), self._rebuild_g(rb, g, token, g_grad)",
+           "            return PhaseResult(None), self._rebuild_g(rb, g, token)",
+           ("tests/test_token_chunks.py", "-k", "peak_falls"),
+           "the sequential step keeps every chunk's graph of G until its backward: no memory saved"),
+    Mutant("chunk-gradient-rows-misplaced", "revtriton/engine/segment.py",
+           "    rows_of(into.grad)[start:stop] = chunk_grad\n", "    rows_of(into.grad)[:stop - start] = chunk_grad\n",
+           ("tests/test_token_chunks.py", "-k", "match_plain_autograd"),
+           "a chunk's input gradient written into the first rows"),
+    Mutant("chunks-miss-the-last-rows", "revtriton/engine/rows.py",
+           "range(0, total, rows)]", "range(0, total - rows, rows)]",
+           ("tests/test_token_chunks.py", "-k", "which_halves"),
+           "the last chunk's rows never computed"),
     # ---- post-norm encoders under meft1 / meft2 (issue 48)
     Mutant("postnorm-layer-without-the-mask", "revtriton/convert/postnorm.py",
            "                      attention_mask=host.mask_for(self.block))\n",
@@ -458,9 +477,8 @@ MUTANTS = [
            "the backward after functional_call rebuilds with the module's own weights, silently"),
     # ---- the sequential backward's memory (issue 20)
     Mutant("sequential-rebuilds-both-halves-first", "revtriton/engine/segment.py",
-           "            grads, self._owned = self._block_grads(rb, dy1, dy2, owned,\n"
-           "                                                   rebuild_f=lambda: self._in_phase(rb, f_phase))",
-           "            self._in_phase(rb, f_phase)\n            grads, self._owned = self._block_grads(rb, dy1, dy2, owned)",
+           "            grads, self._owned = self._block_grads(rb, dy1, dy2, owned, rebuild_f=rebuild_f)",
+           "            rebuild_f(None)\n            grads, self._owned = self._block_grads(rb, dy1, dy2, owned)",
            ("tests/test_engine.py", "-k", "one_half_graph"),
            "F's recompute graph is built before G's gradients run: two half graphs alive at the peak"),
     Mutant("negated-gradient-not-restored", "revtriton/engine/segment.py",

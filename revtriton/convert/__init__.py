@@ -76,13 +76,16 @@ def family_table() -> str:
 
 def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
            schedule: str = "sequential", preserve: str | None = None, scale_bits: int = 6,
-           adapter_size: int = 64, ordinary_top: int = 0, fused_loss: bool = True) -> nn.Module:
+           adapter_size: int = 64, ordinary_top: int = 0, fused_loss: bool = True,
+           token_chunk: int | None = None) -> nn.Module:
     """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
 
-    ``exact``, ``frac_bits``, ``anchor_every`` and ``schedule`` are
-    :class:`~revtriton.engine.ReversibleStack` options; ``anchor_every=None`` (the default) is 0,
-    except for a preserving conversion on float streams: anchors every ``max(1, 8 // bits)`` blocks,
-    ``bits`` being the scale bits a block's inverse amplifies rounding by.
+    ``exact``, ``frac_bits``, ``anchor_every``, ``schedule`` and ``token_chunk`` are
+    :class:`~revtriton.engine.ReversibleStack` options (``token_chunk``: the MLP halves of the
+    LLaMA-style, GPT-2 and GPT-NeoX families by chunks of that many token rows);
+    ``anchor_every=None`` (the default) is 0, except for a preserving conversion on float streams:
+    anchors every ``max(1, 8 // bits)`` blocks, ``bits`` being the scale bits a block's inverse
+    amplifies rounding by.
 
     Args:
         preserve: None (the two-stream coupling of the block's halves: the function changes) or a
@@ -118,7 +121,8 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         checked_int(name, value, low)
     if scale_bits > MAX_SCALE_SHIFT:
         raise ValueError(f"scale_bits must be <= {MAX_SCALE_SHIFT}, got {scale_bits}")
-    options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule)
+    options = dict(exact=exact, frac_bits=frac_bits, anchor_every=anchor_every, schedule=schedule,
+                   token_chunk=token_chunk)
     conversion = _Conversion(options, preserve, scale_bits, adapter_size, ordinary_top)
     target = _peft_base_model(model)  # a PEFT model: its base model is converted, LoRA layers kept
     peft_model = target is not model

@@ -56,6 +56,8 @@ def _out_in(projection) -> torch.Tensor:
 
 
 class _GPT2MlpHalf(_Half):
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
         return m["c_fc"], m["c_proj"]

@@ -52,7 +52,7 @@ class _BlockSteps(nn.Module):
     def _one(self, i):
         stack = self.stack
         return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
-                               streams="duplicate", readout=stack.readout)
+                               streams="duplicate", readout=stack.readout, token_chunk=stack.chunk_rows)
 
     def _step(self, i, x):
         stack, state = self.stack, self.state

@@ -128,6 +128,8 @@ def _mlp_branch_dropout(block):
 
 
 class _LlamaMlpHalf(_LlamaHalf):
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
         if "gate_up_proj" in m:  # Phi-3: one gate/up projection, rows [gate, up]

@@ -64,6 +64,8 @@ class _NeoXAttentionHalf(_Half):
 
 
 class _NeoXMlpHalf(_Half):
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
         return m["dense_h_to_4h"], m["dense_4h_to_h"]

@@ -4,6 +4,7 @@ that same recompute, as a backward schedule composes the two steps (revtriton.sc
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .plan import SegmentPlan
 from .replay import AutocastState, HalfRandomness
+from .rows import couple_by_rows, layer_rows, row_chunks, rows_of
 from .state import (StateWatch, _buffer_starts, _buffer_versions, _check_input_untouched, _scratch_buffers,
                     _updated_buffers, _version_of)
 
@@ -113,6 +115,11 @@ class SegmentRun:
     plan: SegmentPlan | None = None  # the layers' modules, parameters, buffers, RNG draws (engine.plan)
     walk_key: tuple | None = None  # what a rebuilt half's graph depends on besides the plan (shapes, modes)
     join: bool = False  # float streams, the stack's split output: return one tensor whose halves are the kept streams
+    token_chunk: int | None = None  # rows a chunk of the rows-independent halves (engine.rows), None: whole
+
+    def chunk_rows(self, layer) -> int | None:
+        """The rows a chunk for this layer's halves (engine.rows.layer_rows)."""
+        return layer_rows(layer, self.token_chunk)
 
     def cond_value(self, tensors):
         """The conditioning as halves get it, from its tensors (the node's inputs, or their leaves in backward)."""
@@ -169,14 +176,15 @@ def _segment_forward(run: SegmentRun, s1: torch.Tensor, s2: torch.Tensor, record
                 states = []  # what each half that may draw drew (HalfRandomness.recorded)
                 x = values.value(s2)
                 version = _version_of(x)
+                rows = run.chunk_rows(layer)
                 with _recording(draws, 0, states, routing[0]):
-                    y1, port_f = couple_half(f, s1, x, +1, k, cond, scale1)
+                    y1, port_f = couple_by_rows(f, s1, x, +1, k, cond, scale1, rows)
                 state_f = states.pop() if states else None
                 _check_input_untouched(x, version, "F", index)
                 x = values.value(y1)
                 version = _version_of(x)
                 with _recording(draws, 1, states, routing[1]):
-                    y2, port_g = couple_half(g, s2, x, +1, k, cond, scale2)
+                    y2, port_g = couple_by_rows(g, s2, x, +1, k, cond, scale2, rows)
                 state_g = states.pop() if states else None
                 _check_input_untouched(x, version, "G", index)
                 if lp is not None and (draws is None or "global" in draws):  # probed: later forwards
@@ -374,10 +382,14 @@ class _HalfInput:
     StreamFormat.differentiable_value), so the engine keeps no copy of the value alive: the half's
     graph keeps it only if an op saves it."""
 
-    __slots__ = ("leaf",)
+    __slots__ = ("leaf", "grad")
 
     def __init__(self):
         self.leaf = None
+        self.grad = None  # a half rebuilt by chunks of rows: their gradients, put together (see _RowChunks)
+
+    def gradient(self):
+        return self.leaf.grad if self.leaf is not None else self.grad
 
     def attach(self, stream: torch.Tensor, fmt: StreamFormat) -> torch.Tensor:
         """The tensor the half takes: the stream's value, whose gradient ``gradient()`` then returns."""
@@ -393,7 +405,7 @@ class _HalfInput:
         when the engine owns it (the leaf's gradient then goes with the leaf), else into the leaf's
         gradient (autograd's own buffer, which nothing else holds); the bits are those of ``n - grad``
         either way."""
-        g = self.leaf.grad
+        g = self.gradient()
         if g is None:
             return n, False
         if g.shape == n.shape:
@@ -403,6 +415,41 @@ class _HalfInput:
             if g.dtype == dtype:
                 return torch.sub(n, g, out=g), True
         return n - g, True
+
+
+class _RowChunks:
+    """A half rebuilt chunk by chunk of rows (engine.rows) whose gradients run later (PaReprop's
+    recover, or a block with backward hooks): each chunk's port and input, until :meth:`backward`
+    runs them and puts the inputs' gradients together."""
+
+    __slots__ = ("bounds", "ports", "inputs")
+
+    def __init__(self):
+        self.bounds, self.ports, self.inputs = [], [], []
+
+    def add(self, bounds, port, half_input):
+        if port is not None:
+            self.bounds.append(bounds)
+            self.ports.append(port)
+            self.inputs.append(half_input)
+
+    def backward(self, segment, grad: torch.Tensor, into: _HalfInput):
+        """Every chunk's backward with its rows of ``grad``; their input gradients go into ``into``."""
+        grad_rows = rows_of(grad)
+        for (start, stop), port, half_input in zip(self.bounds, self.ports, self.inputs):
+            segment._backward(port, grad_rows[start:stop], [half_input.leaf])
+            _put_rows(into, half_input.gradient(), start, stop, grad)
+        self.ports = self.inputs = ()
+
+
+def _put_rows(into: _HalfInput, chunk_grad, start: int, stop: int, like: torch.Tensor):
+    """Write a chunk's input gradient into rows ``start:stop`` of ``into.grad`` (made at the first one, in
+    ``like``'s shape, zeros where no chunk's gradient arrives)."""
+    if chunk_grad is None:
+        return
+    if into.grad is None:
+        into.grad = torch.zeros(like.shape, dtype=chunk_grad.dtype, device=chunk_grad.device)
+    rows_of(into.grad)[start:stop] = chunk_grad
 
 
 @dataclass(eq=False)
@@ -423,8 +470,8 @@ class _BlockRebuild:
     token: torch.Tensor | None = None  # the token as the rebuild phase got it (FSDP2's view of token_leaf)
     x1: torch.Tensor | None = None
     x2: torch.Tensor | None = None
-    port_g: torch.Tensor | None = None
-    port_f: torch.Tensor | None = None
+    port_g: torch.Tensor | _RowChunks | None = None
+    port_f: torch.Tensor | _RowChunks | None = None
     input_g: _HalfInput | None = None  # G's input, y1's value
     input_f: _HalfInput | None = None  # F's input, x2's value
 
@@ -476,10 +523,19 @@ class _SegmentBackward:
         token = (rb.token_leaf,) if with_token and rb.token_leaf is not None else ()
         run_block_phase(rb.layer, work, *token)
 
-    def _rebuild_g(self, rb: _BlockRebuild, g, token=None) -> torch.Tensor:
-        """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook)."""
+    def _rebuild_g(self, rb: _BlockRebuild, g, token=None, grad=None) -> torch.Tensor | None:
+        """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook).
+
+        A G run by chunks of rows (engine.rows) is rebuilt chunk by chunk; with ``grad`` (the gradient of
+        y2, the sequential step's) each chunk's backward runs right after its rebuild, so one chunk's
+        graph is alive at a time, and ``rb.input_g`` gets the gradient of y1 itself."""
         run, fmt = self.run, self.run.fmt
         rb.token = token
+        chunks = row_chunks(g, rb.y2, run.chunk_rows(rb.layer), self.cond, rb.scale2)
+        if chunks is not None:
+            x2, rb.port_g, rb.input_g = self._rebuild_by_rows(rb, g, "G", rb.y2, rb.y1, rb.state_g, chunks, grad)
+            rb.x2, rb.y2 = x2, None
+            return None
         rb.input_g = _HalfInput()
         y1_value = rb.input_g.attach(rb.y1, fmt)
         with HalfRandomness.replayed(rb.state_g):
@@ -488,9 +544,15 @@ class _SegmentBackward:
         self._check_captured(rb, "G", rb.port_g, rb.input_g.leaf)
         return y1_value
 
-    def _rebuild_f(self, rb: _BlockRebuild, f):
-        """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1."""
+    def _rebuild_f(self, rb: _BlockRebuild, f, grad=None):
+        """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1.
+        By chunks of rows as :meth:`_rebuild_g` (no FSDP2 token then: engine.rows)."""
         run, fmt = self.run, self.run.fmt
+        chunks = row_chunks(f, rb.y1, run.chunk_rows(rb.layer), self.cond, rb.scale1)
+        if chunks is not None:
+            x1, rb.port_f, rb.input_f = self._rebuild_by_rows(rb, f, "F", rb.y1, rb.x2, rb.state_f, chunks, grad)
+            rb.x1, rb.y1 = x1, None
+            return
         rb.input_f = _HalfInput()
         x2_value = rb.input_f.attach(rb.x2, fmt)
         if rb.token_leaf is not None:  # (only FSDP2's post-backward hook waits on the token)
@@ -500,6 +562,36 @@ class _SegmentBackward:
         rb.x1, rb.y1 = x1.detach(), None
         # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
         self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, *(() if rb.token_leaf is None else (rb.token_leaf,)))
+
+    def _rebuild_by_rows(self, rb: _BlockRebuild, half, name: str, res, other, state, chunks, grad):
+        """``res - H(value of other)`` chunk by chunk of rows: ``(rebuilt stream, port, input)``. With
+        ``grad`` each chunk's backward runs at once (port None, the input holding the gradient put
+        together); without, the port is a :class:`_RowChunks` whose backward runs later."""
+        fmt = self.run.fmt
+        out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
+        out_rows, res_rows, other_rows = rows_of(out), rows_of(res), rows_of(other)
+        grad_rows = None if grad is None else rows_of(grad)
+        whole, later = _HalfInput(), _RowChunks()
+        with HalfRandomness.replayed(state):
+            for start, stop in chunks:
+                half_input = _HalfInput()
+                value = half_input.attach(other_rows[start:stop], fmt)
+                stream, port = couple_half(half, res_rows[start:stop], value, -1, fmt.frac_bits, self.cond)
+                out_rows[start:stop] = stream.detach()
+                self._check_captured(rb, name, port, half_input.leaf)
+                if grad_rows is None:
+                    later.add((start, stop), port, half_input)
+                elif port is not None:
+                    self._backward(port, grad_rows[start:stop], [half_input.leaf])
+                    _put_rows(whole, half_input.gradient(), start, stop, other)
+        return out, (later if grad is None and later.ports else None), whole
+
+    def _half_backward(self, port, grad, half_input: _HalfInput):
+        """A rebuilt half's backward with the gradient of its output stream (none left to run: None)."""
+        if isinstance(port, _RowChunks):
+            port.backward(self, grad, half_input)
+        elif port is not None:
+            self._backward(port, grad, [half_input.leaf])
 
     def _check_captured(self, rb: _BlockRebuild, half: str, port, *leaves):
         """Raise if the rebuilt half's graph reaches a leaf from outside the stack (reaches_foreign_leaf).
@@ -547,16 +639,14 @@ class _SegmentBackward:
         if coupling.swap:  # the gradients of the block's outputs (y2, y1)
             n1, n2 = n2, n1
             owned1, owned2 = owned2, owned1
-        if rb.port_g is not None:
-            self._backward(rb.port_g, n2, [rb.input_g.leaf])
+        self._half_backward(rb.port_g, n2, rb.input_g)
         rb.port_g = None
         n1, fresh = rb.input_g.subtract_from(n1, owned1)
         owned1 = owned1 or fresh
         rb.input_g = None
         if rebuild_f is not None:
-            rebuild_f()
-        if rb.port_f is not None:
-            self._backward(rb.port_f, n1, [rb.input_f.leaf])
+            rebuild_f(n1)
+        self._half_backward(rb.port_f, n1, rb.input_f)
         rb.port_f = None
         # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
         nx1 = n1 if coupling.scale1 == 1.0 else n1 * coupling.scale1
@@ -613,18 +703,26 @@ class _SegmentBackward:
         streams.clear()
         owned = (self._owns(dy1), self._owns(dy2))
 
-        def g_phase(f, g, token=None):
-            return PhaseResult(None), self._rebuild_g(rb, g, token)  # visible: FSDP2's pre-backward hook
+        # A G by chunks of rows runs each chunk's backward at its rebuild: with the gradient of its output
+        # stream, known now unless backward hooks are still to see (and may change) it (_block_grads).
+        hooks = BlockHooks.of(layer)
+        g_grad = None if hooks is not None and (hooks.backward_pre or hooks.backward) else (
+            dy1 if rb.coupling.swap else dy2)
 
-        def f_phase(f, g):
-            self._rebuild_f(rb, f)
+        def g_phase(f, g, token=None):
+            return PhaseResult(None), self._rebuild_g(rb, g, token, g_grad)  # visible: FSDP2's pre-backward hook
+
+        def f_phase(f, g, grad):
+            self._rebuild_f(rb, f, grad)
             return (PhaseResult(None),)
+
+        def rebuild_f(n1):  # (F by chunks of rows runs each chunk's backward with n1 at its rebuild)
+            self._in_phase(rb, functools.partial(f_phase, grad=n1))
 
         updated = self.run.updated_buffers.get(i)
         with _scratch_buffers(updated) if updated else _NO_SCRATCH:  # BatchNorm & co. update copies
             self._in_phase(rb, g_phase, with_token=True)
-            grads, self._owned = self._block_grads(rb, dy1, dy2, owned,
-                                                   rebuild_f=lambda: self._in_phase(rb, f_phase))
+            grads, self._owned = self._block_grads(rb, dy1, dy2, owned, rebuild_f=rebuild_f)
         return self._checked(Recovered(i, (rb.x1, rb.x2), kind="block", tensors=())), grads
 
     # -- invertible layers -------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..halves.base import couple_half, takes_cond, transition_output, transition_takes_cond
+from ..halves.base import takes_cond, transition_output, transition_takes_cond
 from ..ops.arguments import checked_int
 from ..ops.dispatch import capture_state
 from ..ops.streams import STREAM_LIMIT_BITS, check_frac_bits, from_fixed
@@ -18,6 +18,7 @@ from .guards import ForwardGuards, StreamFormat, out_of_range
 from .plan import plan_of
 from .protocol import PLAIN_COUPLING, coupling_of, is_invertible_layer, is_reversible_block, residual_scale
 from .replay import AutocastState
+from .rows import couple_by_rows, layer_rows
 from .segment import ReversibleSegmentFunction, SegmentRun, _segment_forward
 from .state import StateWatch, swapped_parameter_message
 
@@ -66,6 +67,11 @@ class ReversibleStack(nn.Module):
         readout: what a duplicate-stream stack returns and its stage transitions map:
             ``"mean"`` (``(y1 + y2) / 2``), ``"first"`` (y1) or ``"second"`` (y2). A conversion
             that keeps a pretrained model's function reads the stream that carries it.
+        token_chunk: run the halves whose rows are independent (``rows_independent``: the MLP
+            halves) on at most this many token rows at a time, in the forward, the inverse and
+            the rebuild (the sequential backward runs each chunk's gradients before the next), so
+            their hidden activations stay ``[token_chunk, hidden]``; None (the default): whole.
+            Same FLOPs; see revtriton.engine.rows.
 
     Blocks may be scaled couplings (``ReversibleBlock(f, g, scale1=, scale2=, swap=)``, see
     :class:`~revtriton.engine.protocol.Coupling`); exact stacks need their scales to be 2**-s.
@@ -81,7 +87,8 @@ class ReversibleStack(nn.Module):
     """
 
     def __init__(self, layers, *, exact: bool = True, frac_bits: int = 16, anchor_every: int = 0,
-                 schedule: str = "sequential", streams: str = "duplicate", readout: str = "mean"):
+                 schedule: str = "sequential", streams: str = "duplicate", readout: str = "mean",
+                 token_chunk: int | None = None):
         super().__init__()
         layers = list(layers)
         if not layers:
@@ -107,7 +114,13 @@ class ReversibleStack(nn.Module):
         self.schedule = schedule
         self.streams = streams
         self.readout = readout
+        self.token_chunk = None if token_chunk is None else checked_int("token_chunk", token_chunk, 1)
         self.trace: ScheduleTrace | None = None  # set a ScheduleTrace to record the backward
+
+    @property
+    def chunk_rows(self) -> int | None:
+        """``token_chunk`` (None for a stack pickled before it existed)."""
+        return getattr(self, "token_chunk", None)
 
     # -- structure ------------------------------------------------------------------------
 
@@ -131,7 +144,7 @@ class ReversibleStack(nn.Module):
                 return layer_calls
             part = ReversibleStack(layers[index], exact=self.exact, frac_bits=self.frac_bits,
                                    anchor_every=self.anchor_every, schedule=self.schedule, streams=self.streams,
-                                   readout=getattr(self, "readout", "mean"))
+                                   readout=getattr(self, "readout", "mean"), token_chunk=self.chunk_rows)
             if view is not None:
                 part.layers_view = view
             return part
@@ -259,7 +272,8 @@ class ReversibleStack(nn.Module):
         fmt = self.stream_format(x1.dtype)
         run = SegmentRun(plan.modules, plan.first_index, fmt, self.anchor_every, self.schedule, guards=guards,
                          autocast=AutocastState.capture(), trace=self.trace,
-                         checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple), plan=plan)
+                         checks=checks, dispatch=capture_state(), cond_is_tuple=isinstance(cond, tuple), plan=plan,
+                         token_chunk=self.chunk_rows)
         cond_tensors = () if cond is None else (cond,) if isinstance(cond, torch.Tensor) else cond
         per_layer = [lp.parameters() for lp in plan.layers]
         params = [p for layer_params in per_layer for p in layer_params]
@@ -338,9 +352,9 @@ class ReversibleStack(nn.Module):
 
                     c = coupling_of(layer)
 
-                    def peak_phase(f, g, x1=x1, x2=x2, c=c):
-                        x1 = couple_half(f, x1, x2, +1, None, cond, residual_scale(c.scale1))[0]
-                        x2 = couple_half(g, x2, x1, +1, None, cond, residual_scale(c.scale2))[0]
+                    def peak_phase(f, g, x1=x1, x2=x2, c=c, rows=layer_rows(layer, self.chunk_rows)):
+                        x1 = couple_by_rows(f, x1, x2, +1, None, cond, residual_scale(c.scale1), rows)[0]
+                        x2 = couple_by_rows(g, x2, x1, +1, None, cond, residual_scale(c.scale2), rows)[0]
                         return (PhaseResult((x2, x1) if c.swap else (x1, x2)),)
 
                     x1, x2 = run_block_phase(layer, peak_phase)
@@ -393,11 +407,11 @@ class ReversibleStack(nn.Module):
                 if c.swap:
                     s1, s2 = s2, s1
 
-                def inverse_phase(f, g, s1=s1, s2=s2, c=c):
+                def inverse_phase(f, g, s1=s1, s2=s2, c=c, rows=layer_rows(layer, self.chunk_rows)):
                     values = fmt.for_block(f)
                     k = fmt.frac_bits
-                    s2 = couple_half(g, s2, values.value(s1), -1, k, cond, residual_scale(c.scale2))[0]
-                    s1 = couple_half(f, s1, values.value(s2), -1, k, cond, residual_scale(c.scale1))[0]
+                    s2 = couple_by_rows(g, s2, values.value(s1), -1, k, cond, residual_scale(c.scale2), rows)[0]
+                    s1 = couple_by_rows(f, s1, values.value(s2), -1, k, cond, residual_scale(c.scale1), rows)[0]
                     return (PhaseResult((s1, s2)),)
 
                 s1, s2 = run_block_phase(layer, inverse_phase)
@@ -427,7 +441,7 @@ class ReversibleStack(nn.Module):
                     f"run through reversible blocks and invertible layers"
                 )
         guards = ForwardGuards()
-        run = SegmentRun(list(self), 0, fmt, 0, self.schedule, guards=guards)
+        run = SegmentRun(list(self), 0, fmt, 0, self.schedule, guards=guards, token_chunk=self.chunk_rows)
         y1, y2, _, _ = _segment_forward(run, s1, s2, record=False, cond=cond)
         failure = guards.first_failure()
         if failure is not None:

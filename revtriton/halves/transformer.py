@@ -70,6 +70,13 @@ class _TransformerHalf(CouplingHalf):
 
     # Subclasses give the op pair (dispatching couple, pure-torch reference), their weights and options.
     couple_op = reference_op = None
+    token_wise = False  # the MLPs: each output row is computed from its input row alone
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether the stack may run this half by chunks of token rows (engine.rows): a token-wise half
+        whose drop-path draws nothing (its draw is per sample)."""
+        return self.token_wise and not (self.training and self.drop_path)
     # The engine hands a scaled coupling's ResidualScale to couple() (applied in the epilogue).
     takes_scale = True
 
@@ -120,6 +127,8 @@ class _TransformerHalf(CouplingHalf):
 class LayerNormMLP(_TransformerHalf):
     """G = fc2(act(fc1(LayerNorm(x)))), the ViT / GPT-2 MLP half."""
 
+    token_wise = True
+
     def __init__(self, dim: int, hidden: int, activation: str = "gelu_tanh", bias: bool = True, eps: float = 1e-6,
                  drop_path: float = 0.0, layer_scale: float | None = None):
         super().__init__(dim, drop_path, layer_scale)
@@ -141,6 +150,8 @@ class LayerNormMLP(_TransformerHalf):
 
 class RMSNormSwiGLU(_TransformerHalf):
     """G = down(silu(gate(n)) * up(n)), n = RMSNorm(x): the LLaMA MLP half."""
+
+    token_wise = True
 
     def __init__(self, dim: int, hidden: int, eps: float = 1e-6, drop_path: float = 0.0,
                  layer_scale: float | None = None):

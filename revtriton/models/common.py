@@ -19,7 +19,7 @@ from ..halves.base import half_output, transition_output
 from ..ops.arguments import checked_int
 from ..ops.streams import from_fixed, quantize_reference, scale_shift, stream_grad_dtype, to_fixed
 
-STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule")
+STACK_OPTIONS = ("exact", "frac_bits", "anchor_every", "schedule", "token_chunk")
 
 
 def drop_path_schedule(drop_path_rate: float, depth: int) -> list[float]:
@@ -105,7 +105,8 @@ class StoredActivationStack(ReversibleStack):
     reversible stack's up to the float rounding of its inverse); exact stacks compute the same
     rounded model as the fixed-point streams (every half output rounded to the 2**-frac_bits
     grid, straight-through gradient) with the engine's summation order, so on the same device
-    and halves their losses and gradients are bitwise those of the reversible stack.
+    and halves their losses and gradients are bitwise those of the reversible stack (one that runs
+    its halves whole: by chunks of rows, ``token_chunk``, its GEMMs may differ in the last bits).
     Made by :func:`to_stored_activations`; not meant to be built directly.
     """
 

@@ -76,7 +76,7 @@ class RevGPT(nn.Module):
     targets; with targets the fused chunked loss, and logits None (``return_logits=True``: both).
 
     ``reversible=False`` builds the stored-activation twin; ``exact``, ``frac_bits``,
-    ``anchor_every``, ``schedule`` are ReversibleStack options.
+    ``anchor_every``, ``schedule``, ``token_chunk`` are ReversibleStack options.
     """
 
     def __init__(self, config: GPTConfig | None = None, *, reversible: bool = True, **kwargs):

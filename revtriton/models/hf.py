@@ -44,11 +44,11 @@ def hf_config(config: GPTConfig):
 
 
 def rev_causal_lm(preset: str = "gpt2", *, exact: bool = True, frac_bits: int = 16, anchor_every: int | None = None,
-                  schedule: str = "sequential", **overrides) -> nn.Module:
+                  schedule: str = "sequential", token_chunk: int | None = None, **overrides) -> nn.Module:
     """A RevGPT preset (``GPT_PRESETS``; ``overrides``: GPTConfig fields) as a revified Hugging Face
     causal LM, freshly initialised by the library (``config.initializer_range``).
 
-    ``exact``, ``frac_bits``, ``anchor_every``, ``schedule``: ReversibleStack options (as
+    ``exact``, ``frac_bits``, ``anchor_every``, ``schedule``, ``token_chunk``: ReversibleStack options (as
     :func:`revtriton.revify`). Save with ``save_pretrained``; load with
     :func:`revtriton.from_pretrained` (the library's own ``from_pretrained`` gives the plain model).
     """
@@ -63,4 +63,4 @@ def rev_causal_lm(preset: str = "gpt2", *, exact: bool = True, frac_bits: int = 
     config = hf_config(dataclasses.replace(GPT_PRESETS[preset], **overrides))
     model_class = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else transformers.LlamaForCausalLM
     return revify(model_class(config), exact=exact, frac_bits=frac_bits, anchor_every=anchor_every,
-                  schedule=schedule)
+                  schedule=schedule, token_chunk=token_chunk)

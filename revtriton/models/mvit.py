@@ -144,7 +144,7 @@ class RevMViT(nn.Module):
             (MViTv2's adaptive kv stride keeps the key grid about constant).
         patch_kernel, patch_stride: the convolutional patch embedding (MViT: 7 and 4).
         reversible: False builds the stored-activation twin; exact, frac_bits, anchor_every,
-        schedule: ReversibleStack options.
+        schedule, token_chunk: ReversibleStack options.
     """
 
     def __init__(self, *, img_size: int = 224, in_chans: int = 3, num_classes: int = 1000,

@@ -64,7 +64,7 @@ class RevViT(nn.Module):
         drop_path_rate: stochastic depth, increasing linearly over the blocks.
         layer_scale: initial value of per-channel layer scale on both halves (None: off).
         reversible: False builds the stored-activation twin (same weights and function).
-        exact, frac_bits, anchor_every, schedule: ReversibleStack options.
+        exact, frac_bits, anchor_every, schedule, token_chunk: ReversibleStack options.
     """
 
     def __init__(self, *, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, num_classes: int = 1000,

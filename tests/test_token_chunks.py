@@ -1,0 +1,192 @@
+"""Halves run by chunks of token rows: ``ReversibleStack(token_chunk=N)`` (revtriton.engine.rows, issue 36)."""
+import pytest
+import torch
+from torch import nn
+
+from revtriton import LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, RMSNormSwiGLU
+from revtriton.engine.rows import row_chunks
+from revtriton.halves.base import CouplingHalf, GenericHalf
+from revtriton.ops.streams import ResidualScale
+from revtriton.profiling import peak_memory
+from twins import MODES, grads_of, max_rel_error, mlp, plain_forward, rounded_forward
+
+DIM = 8
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(seeded):
+    return seeded
+
+
+class RowsMLP(CouplingHalf):
+    """An MLP half that declares its rows independent and records the rows of every call."""
+
+    rows_independent = True
+
+    def __init__(self, dim, hidden=None, dropout=0.0):
+        super().__init__()
+        self.inner = mlp(dim, hidden, dropout)
+        self.rows_seen = []
+
+    def forward(self, x):
+        self.rows_seen.append(x.numel() // x.shape[-1])
+        return self.inner(x)
+
+
+def rows_stack(depth, chunk, exact, schedule="sequential", dtype=torch.float64, dropout=0.0, hidden=None):
+    blocks = [ReversibleBlock(RowsMLP(DIM, hidden, dropout), RowsMLP(DIM, hidden, dropout)) for _ in range(depth)]
+    return ReversibleStack(blocks, exact=exact, schedule=schedule, token_chunk=chunk).to(dtype)
+
+
+def loss_of(out):
+    return (out * torch.linspace(-1, 2, out.shape[-1], dtype=out.dtype)).square().sum()
+
+
+def seen(stack):
+    """Every half's recorded rows, then cleared."""
+    rows = []
+    for block in stack:
+        for half in block.coupling_halves():
+            rows.append(list(half.rows_seen))
+            half.rows_seen.clear()
+    return rows
+
+
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_chunked_stack_gradients_match_plain_autograd(exact, schedule, depth):
+    """15 rows in chunks of 4 (4, 4, 4, 3). Float streams against plain autograd, exact streams against
+    the rounded model they compute; float64: the chunked GEMMs differ from the whole ones in the last
+    bits at most, far below 1e-10 (an exact stream's grid point flips only where a value lies within
+    1e-16 of a rounding boundary)."""
+    stack = rows_stack(depth, 4, exact, schedule)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    twin = (lambda: loss_of(rounded_forward(stack, x, 16))) if exact else (lambda: loss_of(plain_forward(stack, x)))
+    want = grads_of(stack, x, twin)
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_forward_rebuild_and_inverse_run_the_same_chunks(schedule):
+    """Every pass splits the rows at the same multiples of token_chunk: an exact stack's rebuild adds back
+    what its forward added only if each chunk is computed as it was."""
+    stack = rows_stack(2, 4, True, schedule)
+    x = (torch.randn(3, 5, DIM, dtype=torch.float64) * 2**16).round() / 2**16  # on the streams' grid
+    x.requires_grad_()
+    y1, y2 = stack.forward_streams(x, x)
+    assert seen(stack) == [[4, 4, 4, 3]] * 4
+    (y1 * y2).sum().backward()
+    assert seen(stack) == [[4, 4, 4, 3]] * 4
+    x1, x2 = stack.inverse(y1.detach(), y2.detach())
+    assert torch.equal(x1, x) and torch.equal(x2, x)
+    assert seen(stack) == [[4, 4, 4, 3]] * 4
+    with torch.no_grad():
+        stack(x)
+    assert seen(stack) == [[4, 4, 4, 3]] * 4
+    stack.token_chunk = 15  # as many rows as there are: whole
+    stack(x).sum().backward()
+    assert seen(stack) == [[15, 15]] * 4
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_draws_are_replayed_chunk_by_chunk(schedule):
+    """Dropout in a chunked half, exact streams: the rebuild redraws each chunk's mask as the forward drew
+    it (the backward's checksum compares every rebuilt stream with the forward's: a differing mask would
+    raise) and the gradients are the rounded model's under the same draws: the input's bitwise, the
+    parameters' summed chunk by chunk (float64: the order of a 15-row sum moves the last bits only)."""
+    stack = rows_stack(3, 4, True, schedule, dropout=0.3).train()
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    # The twin runs each half on the same chunks (the halves draw per call): the masks are the forward's.
+    for block in stack:
+        for half in block.coupling_halves():
+            half.forward = chunked(half.forward, 4)
+    torch.manual_seed(seed)
+    want = grads_of(stack, x, lambda: loss_of(rounded_forward(stack, x, 16)))
+    assert torch.equal(got[0], want[0])
+    assert max_rel_error(got[1], want[1]) <= 1e-12
+
+
+def chunked(forward, rows):
+    def run(x):
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.cat([forward(flat[i:i + rows]) for i in range(0, flat.shape[0], rows)]).view_as(x)
+    return run
+
+
+def test_which_halves_run_by_chunks():
+    x = torch.randn(2, 9, 16)
+    mlp_half = LayerNormMLP(16, 32)
+    assert row_chunks(mlp_half, x, 8) == [(0, 8), (8, 16), (16, 18)]
+    assert row_chunks(RMSNormSwiGLU(16, 32), x, 8) is not None
+    assert row_chunks(mlp_half, x, None) is None  # no token_chunk
+    assert row_chunks(mlp_half, x, 18) is None  # no more rows than a chunk
+    assert row_chunks(mlp_half, x, 8, scale=ResidualScale(0.5)) is None  # a scaled coupling
+    drop_path = LayerNormMLP(16, 32, drop_path=0.2)
+    assert row_chunks(drop_path.train(), x, 8) is None  # a per-sample draw
+    assert row_chunks(drop_path.eval(), x, 8) is not None
+    assert row_chunks(LayerNormAttention(16, 2), x, 8) is None  # tokens see each other
+    assert row_chunks(GenericHalf(nn.Linear(16, 16)), x, 8) is None  # undeclared
+
+    class Conditioned(RowsMLP):
+        def forward(self, x, cond=None):
+            return super().forward(x)
+
+    assert row_chunks(Conditioned(16), x, 8, cond=torch.ones(2, 16)) is None
+    assert row_chunks(Conditioned(16), x, 8) is not None
+
+
+def test_transformer_halves_by_chunks_match_the_whole_stack():
+    """The fused transformer halves (CPU reference path): an MLP half by chunks, attention whole."""
+    def build(chunk):
+        torch.manual_seed(1)
+        blocks = [ReversibleBlock(LayerNormAttention(16, 2), LayerNormMLP(16, 64)) for _ in range(3)]
+        return ReversibleStack(blocks, exact=False, token_chunk=chunk).double()
+
+    x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
+    whole, by_chunks = build(None), build(5)
+    want = grads_of(whole, x, lambda: loss_of(whole(x)))
+    got = grads_of(by_chunks, x, lambda: loss_of(by_chunks(x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-12
+
+
+def test_sequential_peak_falls_with_the_chunk():
+    """MLP halves 32x as wide as the streams, 512 rows: whole, a half's hidden activations (three of
+    [512, 256] float32, 512 KiB each, in its rebuild and backward) dwarf the streams (16 KiB); in chunks of
+    32 rows they are 32 KiB each, so the step's peak falls to well under half."""
+    x = torch.randn(4, 128, DIM)
+
+    def peak(chunk):
+        torch.manual_seed(0)
+        stack = rows_stack(2, chunk, True, dtype=torch.float32, hidden=32 * DIM)
+
+        def step():
+            stack(x.requires_grad_()).sum().backward()
+
+        step()
+        return peak_memory(step)
+
+    whole, chunks = peak(None), peak(32)
+    assert chunks <= 0.4 * whole, (whole, chunks)
+
+
+def test_backward_hooks_see_the_gradients_of_a_chunked_block():
+    """A block with a full backward pre-hook: G's chunks run their backward after the hook (with its
+    gradient), not at their rebuild."""
+    stack = rows_stack(2, 4, False)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    want = grads_of(stack, x, lambda: loss_of(stack(x)))
+    stack[1].register_full_backward_pre_hook(lambda module, grads: tuple(2 * g for g in grads))
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    assert max_rel_error([got[0]] + got[1], [2 * want[0]] + [2 * g for g in want[1]]) <= 1e-12
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_token_chunk_must_be_a_positive_int(bad):
+    with pytest.raises((TypeError, ValueError), match="token_chunk"):
+        ReversibleStack([ReversibleBlock(RowsMLP(DIM), RowsMLP(DIM))], token_chunk=bad)
