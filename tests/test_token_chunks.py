@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from revtriton import LayerNormAttention, LayerNormMLP, ReversibleBlock, ReversibleStack, RMSNormSwiGLU
-from revtriton.engine.rows import row_chunks
+from revtriton.engine.rows import RowChunks, row_chunks
 from revtriton.halves.base import CouplingHalf, GenericHalf
 from revtriton.ops.streams import ResidualScale
 from revtriton.profiling import peak_memory
@@ -122,7 +122,7 @@ def chunked(forward, rows):
 def test_which_halves_run_by_chunks():
     x = torch.randn(2, 9, 16)
     mlp_half = LayerNormMLP(16, 32)
-    assert row_chunks(mlp_half, x, 8) == [(0, 8), (8, 16), (16, 18)]
+    assert row_chunks(mlp_half, x, 8).bounds == [(0, 8), (8, 16), (16, 18)]
     assert row_chunks(RMSNormSwiGLU(16, 32), x, 8) is not None
     assert row_chunks(mlp_half, x, None) is None  # no token_chunk
     assert row_chunks(mlp_half, x, 18) is None  # no more rows than a chunk
@@ -130,7 +130,11 @@ def test_which_halves_run_by_chunks():
     drop_path = LayerNormMLP(16, 32, drop_path=0.2)
     assert row_chunks(drop_path.train(), x, 8) is None  # a per-sample draw
     assert row_chunks(drop_path.eval(), x, 8) is not None
-    assert row_chunks(LayerNormAttention(16, 2), x, 8) is None  # tokens see each other
+    attention = LayerNormAttention(16, 2)  # tokens see each other, samples do not: whole samples a chunk
+    assert row_chunks(attention, x, 8) == RowChunks([(0, 9), (9, 18)], (9, 16))
+    assert row_chunks(attention, x, 9) == RowChunks([(0, 9), (9, 18)], (9, 16))
+    assert row_chunks(attention, x, 18) is None
+    assert row_chunks(attention, x[:1], 8) is None  # one sample
     assert row_chunks(GenericHalf(nn.Linear(16, 16)), x, 8) is None  # undeclared
 
     class Conditioned(RowsMLP):
@@ -139,14 +143,20 @@ def test_which_halves_run_by_chunks():
 
     assert row_chunks(Conditioned(16), x, 8, cond=torch.ones(2, 16)) is None
     assert row_chunks(Conditioned(16), x, 8) is not None
+    conditioned = SamplesHalf(16, conditioned=True)
+    assert row_chunks(conditioned, x, 8, cond=torch.ones(2, 16)) is not None  # it splits its conditioning
+    conditioned.cond_samples = None
+    assert row_chunks(conditioned, x, 8, cond=torch.ones(2, 16)) is None
 
 
-def test_transformer_halves_by_chunks_match_the_whole_stack():
-    """The fused transformer halves (CPU reference path): an MLP half by chunks, attention whole."""
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_transformer_halves_by_chunks_match_the_whole_stack(exact, schedule):
+    """The transformer halves (CPU reference path): the MLP by 5 rows, attention a sample at a time."""
     def build(chunk):
         torch.manual_seed(1)
-        blocks = [ReversibleBlock(LayerNormAttention(16, 2), LayerNormMLP(16, 64)) for _ in range(3)]
-        return ReversibleStack(blocks, exact=False, token_chunk=chunk).double()
+        blocks = [ReversibleBlock(LayerNormAttention(16, 2, causal=True), LayerNormMLP(16, 64)) for _ in range(3)]
+        return ReversibleStack(blocks, exact=exact, schedule=schedule, token_chunk=chunk).double()
 
     x = torch.randn(2, 9, 16, dtype=torch.float64, requires_grad=True)
     whole, by_chunks = build(None), build(5)
@@ -184,6 +194,58 @@ def test_backward_hooks_see_the_gradients_of_a_chunked_block():
     stack[1].register_full_backward_pre_hook(lambda module, grads: tuple(2 * g for g in grads))
     got = grads_of(stack, x, lambda: loss_of(stack(x)))
     assert max_rel_error([got[0]] + got[1], [2 * want[0]] + [2 * g for g in want[1]]) <= 1e-12
+
+
+class SamplesHalf(CouplingHalf):
+    """A half whose tokens see each other (each row gets its sample's mean), samples independent;
+    records the samples of every call. ``conditioned``: adds a per-sample conditioning row."""
+
+    samples_independent = True
+
+    def __init__(self, dim, conditioned=False):
+        super().__init__()
+        self.inner, self.conditioned, self.samples_seen = mlp(dim), conditioned, []
+
+    def forward(self, x, cond=None):
+        self.samples_seen.append(x.shape[0])
+        h = self.inner(x + x.mean(dim=1, keepdim=True))
+        return h if cond is None else h * cond[:, None, :]
+
+    @property
+    def takes_cond(self):
+        return self.conditioned
+
+    def cond_samples(self, cond, start, stop):
+        return cond[start:stop]
+
+
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+@pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "conditioned"])
+def test_halves_by_samples_match_plain_autograd(exact, schedule, conditioned):
+    """5 samples of 3 tokens, token_chunk 7: two samples a chunk (2, 2, 1), the conditioning split with
+    them (its gradient every chunk's); float64 against plain autograd / the rounded model."""
+    blocks = [ReversibleBlock(SamplesHalf(DIM, conditioned), RowsMLP(DIM)) for _ in range(3)]
+    stack = ReversibleStack(blocks, exact=exact, schedule=schedule, token_chunk=7).double()
+    x = torch.randn(5, 3, DIM, dtype=torch.float64, requires_grad=True)
+    cond = (1 + 0.3 * torch.randn(5, DIM, dtype=torch.float64)).requires_grad_() if conditioned else None
+    got = grads_of(stack, x, lambda: loss_of(stack(x, cond=cond)))
+    got_cond = None if cond is None else cond.grad.clone()
+    assert [block.f.samples_seen for block in stack] == [[2, 2, 1] * 2] * 3  # forward, rebuild
+    if cond is not None:
+        cond.grad = None
+    want = grads_of(stack, x, lambda: loss_of(twin_forward(stack, x, cond, exact)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+    if cond is not None:
+        assert max_rel_error([got_cond], [cond.grad]) <= 1e-10
+
+
+def twin_forward(stack, x, cond, exact):
+    from revtriton.models.common import stored_exact_streams, stored_float_streams
+
+    layers = list(stack)
+    y1, y2 = (stored_exact_streams(layers, x, x, 16, cond) if exact else stored_float_streams(layers, x, x, cond))
+    return (y1 + y2) * 0.5
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])

@@ -1,24 +1,32 @@
 """Halves computed by chunks of token rows (``ReversibleStack(token_chunk=N)``).
 
 An MLP half's hidden activations are ``[tokens, hidden]`` (four times a stream for GPT-2's,
-in every pass: the forward, the rebuild and its backward), the largest tensors of a long
-sequence's step once the streams are the only activations kept. A half whose output row ``r``
-depends on its input row ``r`` alone says so with ``rows_independent = True`` (the MLP halves:
-``halves.transformer``, the converted LLaMA / GPT-2 / GPT-NeoX MLPs); the stack then runs it on
-at most ``token_chunk`` rows at a time, each chunk a ``[rows, dim]`` view of the streams, so
-those activations stay ``[token_chunk, hidden]``. The FLOPs are the same; the sequential
-schedule's backward rebuilds each chunk and runs its gradients before the next
-(``engine.segment``), so no more than one chunk's graph is alive.
+in every pass: the forward, the rebuild and its backward), and an attention half's projections
+``[tokens, 3 * dim]``: the largest tensors of a long sequence's step once the streams are the
+only activations kept. A half says which of its rows depend on which:
 
-Every pass that computes a half (forward, inverse, rebuild) splits its rows at the same
-multiples of ``token_chunk``, so an exact stack's rebuild still adds back, chunk for chunk, the
-very values its forward added. A half that draws random numbers draws them chunk by chunk in the
-same order in the forward and its replay. Not chunked: a half that takes the stack's
-conditioning (it may be per sample), a scaled coupling's half (its dropped low bits are the
-whole stream's), and a half whose rows are not independent (attention; drop-path, whose draw is
-per sample).
+* ``rows_independent = True``: output row ``r`` from input row ``r`` alone (the MLP halves:
+  ``halves.transformer``, the converted LLaMA / GPT-2 / GPT-NeoX MLPs). The stack runs it on at
+  most ``token_chunk`` rows at a time, each chunk a ``[rows, dim]`` view of the streams.
+* ``samples_independent = True``: sample ``b`` (index ``b`` of the leading dim) from sample ``b``
+  alone (the attention halves: tokens see each other, samples do not). The stack runs it on as
+  many whole samples as fit in ``token_chunk`` rows (at least one), each chunk a
+  ``[samples, ...]`` view; a half that takes the stack's conditioning gets its rows of it from
+  ``cond_samples(cond, start, stop)`` (no such method: run whole).
+
+The FLOPs are the same; the sequential schedule's backward rebuilds each chunk and runs its
+gradients before the next (``engine.segment``), so no more than one chunk's graph is alive.
+
+Every pass that computes a half (forward, inverse, rebuild) splits its rows at the same places,
+so an exact stack's rebuild still adds back, chunk for chunk, the very values its forward added.
+A half that draws random numbers draws them chunk by chunk in the same order in the forward and
+its replay. Not chunked: a scaled coupling's half (its dropped low bits are the whole stream's),
+a conditioned half without ``cond_samples``, a token-wise half whose draw is per sample
+(drop-path), an FSDP2 layer's halves.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,41 +39,81 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+@dataclass(frozen=True)
+class RowChunks:
+    """Where a half's rows are split: ``bounds``, ``(start, stop)`` row ranges of the flattened
+    ``[rows, dim]`` streams; ``sample_shape``: for chunks of whole samples, a sample's shape (a
+    chunk is then handed over as ``[samples, *sample_shape]``), else None (``[rows, dim]``)."""
+
+    bounds: list
+    sample_shape: tuple | None = None
+
+    def view(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of ``t`` (a stream, or a gradient in its shape) as the half takes them."""
+        rows = rows_of(t)[start:stop]
+        return rows if self.sample_shape is None else rows.view(-1, *self.sample_shape)
+
+    def cond(self, half, cond, start: int, stop: int):
+        """The conditioning for rows ``start:stop``: its samples' rows for a chunk of samples."""
+        if cond is None or self.sample_shape is None or not takes_cond(half):
+            return cond
+        per_sample = _rows_in(self.sample_shape)
+        return half.cond_samples(cond, start // per_sample, stop // per_sample)
+
+
+def _rows_in(sample_shape: tuple) -> int:
+    rows = 1
+    for size in sample_shape[:-1]:
+        rows *= size
+    return rows
+
+
 def layer_rows(layer, rows: int | None) -> int | None:
     """The rows a chunk for ``layer``'s halves: none for an FSDP2 layer (its rebuild's backward runs
     outside the phase, after its post-backward token: engine.segment)."""
     return None if rows is None or _is_fsdp_module(layer) else rows
 
 
-def row_chunks(half, stream: torch.Tensor, rows: int | None, cond=None, scale=None) -> list | None:
-    """The ``(start, stop)`` row ranges ``half`` runs on for a stream like ``stream``, or None to run
-    it whole: no ``rows`` set, a half that does not declare ``rows_independent``, a conditioned
-    half given conditioning, a scaled coupling, or no more rows than ``rows``."""
-    if rows is None or scale is not None or not getattr(half, "rows_independent", False):
+def row_chunks(half, stream: torch.Tensor, rows: int | None, cond=None, scale=None) -> RowChunks | None:
+    """Where ``half`` splits a stream like ``stream`` (see the module doc), or None to run it whole:
+    no ``rows`` set, a half that declares neither independence, a scaled coupling, a conditioned
+    half given conditioning it cannot split, or a single chunk."""
+    if rows is None or scale is not None or not stream.dim() or not stream.shape[-1]:
         return None
-    if cond is not None and takes_cond(half):
-        return None
-    total = stream.numel() // stream.shape[-1] if stream.dim() and stream.shape[-1] else 0
-    if total <= rows:
-        return None
-    return [(start, min(start + rows, total)) for start in range(0, total, rows)]
+    total = stream.numel() // stream.shape[-1]
+    if getattr(half, "rows_independent", False):
+        if (cond is not None and takes_cond(half)) or total <= rows:
+            return None
+        return RowChunks([(start, min(start + rows, total)) for start in range(0, total, rows)])
+    if getattr(half, "samples_independent", False) and stream.dim() >= 2:
+        if cond is not None and takes_cond(half) and not callable(getattr(half, "cond_samples", None)):
+            return None
+        samples = stream.shape[0]
+        per_sample = total // samples if samples else 0
+        step = max(1, rows // per_sample) if per_sample else samples
+        if step >= samples:
+            return None
+        bounds = [(b * per_sample, min(b + step, samples) * per_sample) for b in range(0, samples, step)]
+        return RowChunks(bounds, tuple(stream.shape[1:]))
+    return None
 
 
 def couple_by_rows(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits, cond=None, scale=None,
                    rows: int | None = None):
-    """``couple_half(half, res, x, ...)`` chunk by chunk of rows where :func:`row_chunks` says so:
-    ``(stream, port)``, the stream in ``res``'s shape. For the passes that keep no graph (forward,
-    inverse): the port returned is the first chunk's that has one (the forward's captured-tensor
-    check asks only whether there is one); the engine's rebuild keeps every chunk's itself."""
+    """``couple_half(half, res, x, ...)`` chunk by chunk where :func:`row_chunks` says so: ``(stream,
+    port)``, the stream in ``res``'s shape. For the passes that keep no graph (forward, inverse):
+    the port returned is the first chunk's that has one (the forward's captured-tensor check asks
+    only whether there is one); the engine's rebuild keeps every chunk's itself."""
     chunks = row_chunks(half, res, rows, cond, scale)
     if chunks is None:
         return couple_half(half, res, x, sign, frac_bits, cond, scale)
     out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
-    out_rows, res_rows, x_rows = rows_of(out), rows_of(res), rows_of(x)
+    out_rows = rows_of(out)
     port = None
-    for start, stop in chunks:
-        stream, chunk_port = couple_half(half, res_rows[start:stop], x_rows[start:stop], sign, frac_bits, cond)
-        out_rows[start:stop] = stream.detach()
+    for start, stop in chunks.bounds:
+        stream, chunk_port = couple_half(half, chunks.view(res, start, stop), chunks.view(x, start, stop), sign,
+                                         frac_bits, chunks.cond(half, cond, start, stop))
+        out_rows[start:stop] = rows_of(stream.detach())
         if port is None:
             port = chunk_port
     return out, port

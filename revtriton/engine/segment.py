@@ -422,9 +422,10 @@ class _RowChunks:
     recover, or a block with backward hooks): each chunk's port and input, until :meth:`backward`
     runs them and puts the inputs' gradients together."""
 
-    __slots__ = ("bounds", "ports", "inputs")
+    __slots__ = ("chunks", "bounds", "ports", "inputs")
 
-    def __init__(self):
+    def __init__(self, chunks):
+        self.chunks = chunks  # engine.rows.RowChunks: how a chunk's rows are viewed
         self.bounds, self.ports, self.inputs = [], [], []
 
     def add(self, bounds, port, half_input):
@@ -435,9 +436,8 @@ class _RowChunks:
 
     def backward(self, segment, grad: torch.Tensor, into: _HalfInput):
         """Every chunk's backward with its rows of ``grad``; their input gradients go into ``into``."""
-        grad_rows = rows_of(grad)
         for (start, stop), port, half_input in zip(self.bounds, self.ports, self.inputs):
-            segment._backward(port, grad_rows[start:stop], [half_input.leaf])
+            segment._backward(port, self.chunks.view(grad, start, stop), [half_input.leaf])
             _put_rows(into, half_input.gradient(), start, stop, grad)
         self.ports = self.inputs = ()
 
@@ -449,7 +449,7 @@ def _put_rows(into: _HalfInput, chunk_grad, start: int, stop: int, like: torch.T
         return
     if into.grad is None:
         into.grad = torch.zeros(like.shape, dtype=chunk_grad.dtype, device=chunk_grad.device)
-    rows_of(into.grad)[start:stop] = chunk_grad
+    rows_of(into.grad)[start:stop] = rows_of(chunk_grad)
 
 
 @dataclass(eq=False)
@@ -569,20 +569,20 @@ class _SegmentBackward:
         together); without, the port is a :class:`_RowChunks` whose backward runs later."""
         fmt = self.run.fmt
         out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
-        out_rows, res_rows, other_rows = rows_of(out), rows_of(res), rows_of(other)
-        grad_rows = None if grad is None else rows_of(grad)
-        whole, later = _HalfInput(), _RowChunks()
+        out_rows = rows_of(out)
+        whole, later = _HalfInput(), _RowChunks(chunks)
         with HalfRandomness.replayed(state):
-            for start, stop in chunks:
+            for start, stop in chunks.bounds:
                 half_input = _HalfInput()
-                value = half_input.attach(other_rows[start:stop], fmt)
-                stream, port = couple_half(half, res_rows[start:stop], value, -1, fmt.frac_bits, self.cond)
-                out_rows[start:stop] = stream.detach()
+                value = half_input.attach(chunks.view(other, start, stop), fmt)
+                cond = chunks.cond(half, self.cond, start, stop)
+                stream, port = couple_half(half, chunks.view(res, start, stop), value, -1, fmt.frac_bits, cond)
+                out_rows[start:stop] = rows_of(stream.detach())
                 self._check_captured(rb, name, port, half_input.leaf)
-                if grad_rows is None:
+                if grad is None:
                     later.add((start, stop), port, half_input)
                 elif port is not None:
-                    self._backward(port, grad_rows[start:stop], [half_input.leaf])
+                    self._backward(port, chunks.view(grad, start, stop), [half_input.leaf])
                     _put_rows(whole, half_input.gradient(), start, stop, other)
         return out, (later if grad is None and later.ports else None), whole
 

@@ -175,6 +175,7 @@ class RMSNormSwiGLU(_TransformerHalf):
 
 
 class _AttentionHalf(_TransformerHalf):
+    samples_independent = True  # tokens see each other, samples do not (ReversibleStack token_chunk)
     def __init__(self, dim, heads, kv_heads, causal, rope_theta, norm, qkv_bias, proj_bias, eps, drop_path,
                  layer_scale):
         super().__init__(dim, drop_path, layer_scale)
