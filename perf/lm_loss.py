@@ -16,8 +16,9 @@ Two parts, each printing the fused chunked linear + cross-entropy beside the ful
 A third model row runs the stack without a head (its last hidden states' sum as the loss): the
 peak a head cannot go below, one block's rebuild and backward (perf.engine_bench's one-block
 bound), which grows with the tokens as the logits do. The fused and headless rows run again with
-the stack's MLP halves by chunks of ``--token-chunk`` token rows (``ReversibleStack(token_chunk=)``:
-the MLP's hidden activations, the largest of a block's rebuild and backward, stay chunk-sized).
+the stack's ``token_chunk`` at ``--token-chunk`` rows (``ReversibleStack(token_chunk=)``: the MLP
+halves by chunks of that many token rows, the attention by whole samples, so the largest
+activations of a block's rebuild and backward stay chunk-sized).
 
 Bars (issue 36, model rows, CPU): fused peak past parameter gradients <= 0.5x the logits at 2 x 256
 tokens and <= 0.15x at 2 x 2048, judged on the fused row with ``--token-chunk`` (without one when it
@@ -61,7 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=2, help="rows a batch (default: 2)")
     ap.add_argument("--tokens", default="256,2048", help="tokens a row, comma-separated (default: 256,2048)")
     ap.add_argument("--token-chunk", type=int, default=256,
-                    help="token rows a chunk of the MLP halves in the chunked rows (default: 256; 0: no such rows)")
+                    help="the stack's token_chunk in the chunked rows (default: 256; 0: no such rows)")
     ap.add_argument("--op", action="store_true", help="the op rows instead (the loss alone, GPT-2 and LLaMA-3 "
                                                       "vocabularies)")
     ap.add_argument("--op-tokens", type=int, default=8192, help="tokens of the op rows (default: 8192)")
@@ -130,13 +131,13 @@ def model_report(rows, args) -> tuple[str, bool]:
         past = r["peak_past_parameter_gradients_bytes"]
         loss = {False: "full logits", True: "fused", None: "no head (the stack alone)"}[r["fused"]]
         if r.get("token_chunk"):
-            loss += f", MLP by {r['token_chunk']} rows"
+            loss += f", token_chunk {r['token_chunk']}"
         lines.append(f"| {r['tokens']} | {loss} | {logits / MIB:.1f} "
                      f"| {r['peak_bytes'] / MIB:.1f} | {r['peak_bytes'] / logits:.2f}x "
                      f"| {'-' if past is None else f'{past / MIB:.1f}'} "
                      f"| {'-' if past is None else f'{past / logits:.3f}x'} | {r['step_s']:.2f} |")
     lines.append("")
-    judged = args.token_chunk or None  # the bar's row: the fused loss, the MLP halves by chunks when asked
+    judged = args.token_chunk or None  # the bar's row: the fused loss, with token_chunk when asked
     for r in rows:
         bar = BARS.get(r["tokens"])
         if r["fused"] and r["token_chunk"] == judged and bar is not None and (

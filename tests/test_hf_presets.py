@@ -142,23 +142,30 @@ def test_training_step_equals_the_stored_activation_twin_bitwise(preset, seeded)
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_token_chunk_runs_the_mlp_halves_by_rows_with_the_same_training_step(preset, seeded, tmp_path):
-    """``token_chunk``: the converted MLP half (GPT-2's, LLaMA's) by chunks of 5 of the 18 token rows, the
-    attention half whole; the loss and gradients those of the whole model (float32: the chunked GEMMs and
-    the chunk-by-chunk sums of the weight gradients move the last bits, 1e-5 relative is 100 ulps), and
-    save / load keeps the option."""
+    """``token_chunk``: the converted MLP half (GPT-2's, LLaMA's) by chunks of 5 of the 27 token rows, the
+    attention half a sample at a time with its samples' mask and positions (the first sample left-padded);
+    the loss and gradients those of the whole model (float32: the chunked GEMMs and the chunk-by-chunk
+    sums of the weight gradients move the last bits, 1e-5 relative is 100 ulps); cached generation (the
+    attention whole while the library's cache takes the batch) the same tokens; save / load keeps it."""
     whole = preset_model(preset, seeded).train()
     chunked = preset_model(preset, seeded, token_chunk=5).train()
     stack = chunked.get_decoder().layers if preset.startswith("llama") else chunked.transformer.h
     assert isinstance(stack, ReversibleStack) and stack.token_chunk == 5
     attention, mlp = stack[0].coupling_halves()
-    assert mlp.rows_independent and not attention.rows_independent
-    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
-    losses = [m(input_ids=ids, labels=ids).loss for m in (whole, chunked)]
+    assert mlp.rows_independent and not attention.rows_independent and attention.samples_independent
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = [m(input_ids=ids, attention_mask=mask, labels=labels).loss for m in (whole, chunked)]
     for loss in losses:
         loss.backward()
     assert abs(losses[0].item() - losses[1].item()) <= 1e-5 * abs(losses[0].item())
     for p, q in zip(whole.parameters(), chunked.parameters()):
         assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max()
+    with torch.no_grad():
+        tokens = [m.eval().generate(ids[1:], max_new_tokens=3, do_sample=False) for m in (whole, chunked)]
+    assert torch.equal(tokens[0], tokens[1])
     chunked.save_pretrained(tmp_path)
     assert from_pretrained(tmp_path).config.revtriton["token_chunk"] == 5
 

@@ -525,7 +525,7 @@ def test_lm_loss_bench_prints_both_losses_and_judges_the_bars(tmp_path, capsys):
                          "--json", str(out)]) == 0
     text, _ = capsys.readouterr()
     assert "| 256 | full logits |" in text and "| 256 | fused |" in text and "0.5x the logits: " in text
-    assert "| 256 | fused, MLP by 64 rows |" in text
+    assert "| 256 | fused, token_chunk 64 |" in text
     rows = json.loads(out.read_text())["rows"]
     full, fused, headless = (next(r for r in rows if r["fused"] is f and r["token_chunk"] is None)
                              for f in (False, True, None))

@@ -131,8 +131,8 @@ def test_which_halves_run_by_chunks():
     assert row_chunks(drop_path.train(), x, 8) is None  # a per-sample draw
     assert row_chunks(drop_path.eval(), x, 8) is not None
     attention = LayerNormAttention(16, 2)  # tokens see each other, samples do not: whole samples a chunk
-    assert row_chunks(attention, x, 8) == RowChunks([(0, 9), (9, 18)], (9, 16))
-    assert row_chunks(attention, x, 9) == RowChunks([(0, 9), (9, 18)], (9, 16))
+    assert row_chunks(attention, x, 8) == RowChunks([(0, 9), (9, 18)], (9, 16), 2)
+    assert row_chunks(attention, x, 9) == RowChunks([(0, 9), (9, 18)], (9, 16), 2)
     assert row_chunks(attention, x, 18) is None
     assert row_chunks(attention, x[:1], 8) is None  # one sample
     assert row_chunks(GenericHalf(nn.Linear(16, 16)), x, 8) is None  # undeclared
@@ -145,6 +145,7 @@ def test_which_halves_run_by_chunks():
     assert row_chunks(Conditioned(16), x, 8) is not None
     conditioned = SamplesHalf(16, conditioned=True)
     assert row_chunks(conditioned, x, 8, cond=torch.ones(2, 16)) is not None  # it splits its conditioning
+    assert row_chunks(conditioned, x, 8, cond=torch.ones(3, 16)) is None  # ... where it can
     conditioned.cond_samples = None
     assert row_chunks(conditioned, x, 8, cond=torch.ones(2, 16)) is None
 
@@ -215,8 +216,8 @@ class SamplesHalf(CouplingHalf):
     def takes_cond(self):
         return self.conditioned
 
-    def cond_samples(self, cond, start, stop):
-        return cond[start:stop]
+    def cond_samples(self, cond, start, stop, samples):
+        return cond[start:stop] if cond.shape[0] == samples else None
 
 
 @pytest.mark.parametrize("exact", MODES)

@@ -136,6 +136,8 @@ def _gpt2_convention_base(model: nn.Module):
 
 
 class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
+
     def _attention_module(self):
         return self.block.attn
 

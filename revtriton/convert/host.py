@@ -483,10 +483,34 @@ class _HostAttention:
         return host.layout[0]
 
     def _fuses(self, x, host: "_HostCond") -> bool:
-        call = _HOST_CALL.get()
-        decoding = (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
-                    and any(kwargs is not None and _layer_cache(kwargs) is not None for kwargs in call.layer_kwargs))
-        return host.fusable and not decoding and not self._use_modules(x)
+        return host.fusable and not _decoding() and not self._use_modules(x)
+
+    # Families whose layers' inputs (the conditioning) all have a row a sample or one for all:
+    # ReversibleStack(token_chunk=) may run their attention a few samples at a time (engine.rows).
+    _splits_samples = False
+
+    @property
+    def samples_independent(self) -> bool:
+        """Samples see only themselves, except while the model decodes: the library's attention then
+        appends the whole batch's keys and values to its cache."""
+        return self._splits_samples and not _decoding()
+
+    def cond_samples(self, cond, start, stop, samples):
+        """The conditioning of samples ``start:stop`` (engine.rows): each of the model's layer inputs
+        cut to them where it has a row a sample, kept where it has one for all or is empty; None (the
+        half then runs whole) where the loop gives its layers tensors of other layouts (ALiBi's,
+        relative positions) or an input has another leading dim."""
+        if any(_none_if_empty(t) is not None for t in cond[_SHARED:-1]):
+            return None
+        shared = []
+        for t in cond[:_SHARED]:
+            if t.dim() == 0 or _none_if_empty(t) is None or t.shape[0] == 1:
+                shared.append(t)
+            elif t.shape[0] == samples:
+                shared.append(t[start:stop])
+            else:
+                return None
+        return (*shared, *cond[_SHARED:])
 
     def _standalone(self, cond) -> bool:
         """Called outside the model's forward (no conditioning): one sequence per row at positions
@@ -519,6 +543,13 @@ class _HostAttention:
         if self._fuses(x, host):
             return self._fused_with(torch.zeros_like(x), x, +1, None, host)[0]
         return self._library_attention(x, host)
+
+
+def _decoding() -> bool:
+    """Whether the model's forward decodes now (no grad, a cache among its layers' inputs)."""
+    call = _HOST_CALL.get()
+    return (not torch.is_grad_enabled() and call is not None and call.layer_kwargs is not None
+            and any(kwargs is not None and _layer_cache(kwargs) is not None for kwargs in call.layer_kwargs))
 
 
 def decoding_inputs(block, attention) -> dict:

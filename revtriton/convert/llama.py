@@ -239,6 +239,8 @@ def _llama_convention_base(model: nn.Module):
 
 
 class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
+
     def _attention_module(self):
         return self.block.self_attn
 

@@ -121,6 +121,8 @@ def _convert_neox(model, conversion, found=None):
 
 
 class _HostNeoXAttentionHalf(_HostAttention, _NeoXAttentionHalf):
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
+
     def _attention_module(self):
         return self.block.attention
 

@@ -11,8 +11,9 @@ only activations kept. A half says which of its rows depend on which:
 * ``samples_independent = True``: sample ``b`` (index ``b`` of the leading dim) from sample ``b``
   alone (the attention halves: tokens see each other, samples do not). The stack runs it on as
   many whole samples as fit in ``token_chunk`` rows (at least one), each chunk a
-  ``[samples, ...]`` view; a half that takes the stack's conditioning gets its rows of it from
-  ``cond_samples(cond, start, stop)`` (no such method: run whole).
+  ``[samples, ...]`` view; a half that takes the stack's conditioning gets its samples' part of
+  it from ``cond_samples(cond, start, stop, samples)`` (``samples``: the batch's), which returns
+  None where it cannot split it (no such method, or None: the half runs whole).
 
 The FLOPs are the same; the sequential schedule's backward rebuilds each chunk and runs its
 gradients before the next (``engine.segment``), so no more than one chunk's graph is alive.
@@ -43,10 +44,12 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 class RowChunks:
     """Where a half's rows are split: ``bounds``, ``(start, stop)`` row ranges of the flattened
     ``[rows, dim]`` streams; ``sample_shape``: for chunks of whole samples, a sample's shape (a
-    chunk is then handed over as ``[samples, *sample_shape]``), else None (``[rows, dim]``)."""
+    chunk is then handed over as ``[samples, *sample_shape]``), else None (``[rows, dim]``);
+    ``samples``: the batch's samples (for ``cond_samples``)."""
 
     bounds: list
     sample_shape: tuple | None = None
+    samples: int = 0
 
     def view(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of ``t`` (a stream, or a gradient in its shape) as the half takes them."""
@@ -58,7 +61,7 @@ class RowChunks:
         if cond is None or self.sample_shape is None or not takes_cond(half):
             return cond
         per_sample = _rows_in(self.sample_shape)
-        return half.cond_samples(cond, start // per_sample, stop // per_sample)
+        return half.cond_samples(cond, start // per_sample, stop // per_sample, self.samples)
 
 
 def _rows_in(sample_shape: tuple) -> int:
@@ -86,15 +89,17 @@ def row_chunks(half, stream: torch.Tensor, rows: int | None, cond=None, scale=No
             return None
         return RowChunks([(start, min(start + rows, total)) for start in range(0, total, rows)])
     if getattr(half, "samples_independent", False) and stream.dim() >= 2:
-        if cond is not None and takes_cond(half) and not callable(getattr(half, "cond_samples", None)):
-            return None
         samples = stream.shape[0]
         per_sample = total // samples if samples else 0
         step = max(1, rows // per_sample) if per_sample else samples
         if step >= samples:
             return None
+        if cond is not None and takes_cond(half):
+            split = getattr(half, "cond_samples", None)
+            if not callable(split) or split(cond, 0, step, samples) is None:  # (a view of the first chunk's)
+                return None
         bounds = [(b * per_sample, min(b + step, samples) * per_sample) for b in range(0, samples, step)]
-        return RowChunks(bounds, tuple(stream.shape[1:]))
+        return RowChunks(bounds, tuple(stream.shape[1:]), samples)
     return None
 
 
