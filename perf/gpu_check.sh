@@ -189,8 +189,9 @@ steps=(
     "pareprop|80|$py -m perf.sweep --suite pareprop --batches 8,16,32 --no-max-batch --time-limit \$TL --out \$OUT/pareprop --tag pareprop --no-progress"
     # issue 44: the fused halves' host work per launch, the launches stubbed (first calls compile and autotune)
     "launchers|45|$py -m perf.launchers --repeats 100 --json \$OUT/launchers.json"
-    # issue 36: the fused linear + cross-entropy against the eager head + loss, 8192 tokens, GPT-2 and LLaMA-3 vocabularies
-    "lm-loss|30|$py -m perf.lm_loss --op --repeats 3 --check --json \$OUT/lm-loss.json"
+    # issue 36: the fused linear + cross-entropy against the eager head + loss, 8192 tokens, GPT-2 and LLaMA-3
+    # vocabularies; then the model rows' CUDA peaks at 2 x 2048 tokens, with and without token_chunk
+    "lm-loss|40|$py -m perf.lm_loss --op --repeats 3 --check --json \$OUT/lm-loss.json && $py -m perf.lm_loss --tokens 2048 --json \$OUT/lm-loss-model.json"
     # issue 19: the dispatcher's measured choice per half (fused Triton, cuBLAS + SDPA, and the attention
     # half's two mixes) and every candidate re-timed; fails when a chosen path is < 0.98 x the fastest.
     # Last: it gets what time is left.
