@@ -211,6 +211,22 @@ def test_revified_training_step_matches_stored_activation_twin(family, exact, se
     assert torch.isfinite(loss_of(family, model, batch))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_chunk_keeps_the_gradients_of_the_whole_halves(family, seeded):
+    """``revify(token_chunk=7)`` on 2 x 24 tokens: the halves that declare it (the LLaMA-style, GPT-2 and
+    GPT-NeoX families') run their MLP by 7 rows and their attention a sample at a time (with its mask,
+    window and positions), the others whole. Float streams, eval mode (no draws): the loss and gradients
+    of the unchunked model up to float rounding (float32 GEMMs on other row counts, the weight gradients
+    summed chunk by chunk: the twin bounds)."""
+    whole = revify(BUILDERS[family](seed=seeded), exact=False).eval()
+    chunked = revify(BUILDERS[family](seed=seeded), exact=False, token_chunk=7).eval()
+    batch = make_batch(family)
+    losses = [loss_of(family, model, batch) for model in (whole, chunked)]
+    for loss in losses:
+        loss.backward()
+    check_against_twin(chunked, whole, losses[1], losses[0], False, FLOAT_TWIN_BOUND.get(family, 1e-5))
+
+
 @pytest.mark.parametrize("family", [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2"])
 def test_dropout_path_matches_twin(family, seeded):
     """Attention / projection dropout (the unfused path) replays exactly in the recompute."""

@@ -81,8 +81,9 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     """Convert ``model``'s transformer blocks into a reversible stack, in place; returns ``model``.
 
     ``exact``, ``frac_bits``, ``anchor_every``, ``schedule`` and ``token_chunk`` are
-    :class:`~revtriton.engine.ReversibleStack` options (``token_chunk``: the LLaMA-style, GPT-2 and
-    GPT-NeoX families' MLP halves by chunks of that many token rows, their attention by whole samples);
+    :class:`~revtriton.engine.ReversibleStack` options (``token_chunk``: the LLaMA-style, GPT-2,
+    GPT-NeoX, HF ViT and pre-norm encoder families' MLP halves by chunks of that many token rows, their
+    attention by whole samples);
     ``anchor_every=None`` (the default) is 0, except for a preserving conversion on float streams:
     anchors every ``max(1, 8 // bits)`` blocks, ``bits`` being the scale bits a block's inverse
     amplifies rounding by.

@@ -233,7 +233,7 @@ class _Half:
     """
 
     takes_cond = False  # the attention halves of Hugging Face models and EVA: True (see _pack_host_cond)
-    rows_independent = False  # token-wise halves (the LM families' MLPs): True (revtriton.engine.rows)
+    rows_independent = False  # token-wise halves (the families' MLPs): True (revtriton.engine.rows)
 
     def __init__(self, block: nn.Module):
         self.block = block

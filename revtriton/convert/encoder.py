@@ -78,6 +78,8 @@ class _EncoderAttentionHalf(_Half):
 
 
 class _EncoderMlpHalf(_Half):
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
     def _projections(self):
         return self.block.intermediate.dense, self.block.output.dense
 
@@ -162,6 +164,7 @@ def _convert_prenorm_encoder(model, conversion, base):
 
 
 class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
     def _attention_module(self):
         return self.block.attention.self
 

@@ -35,6 +35,8 @@ class _HFViTAttentionHalf(_Half):
 
 
 class _HFViTMlpHalf(_Half):
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
         return m["fc1"], m["fc2"]
@@ -74,6 +76,7 @@ def _convert_hf_vit(model, conversion, found=None):
 
 
 class _HostViTAttentionHalf(_HostAttention, _HFViTAttentionHalf):
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
     takes_cond = True  # the library's mask (an attention_mask given to ViTModel), no token layout
 
     def _attention_module(self):

@@ -5,9 +5,10 @@ in every pass: the forward, the rebuild and its backward), and an attention half
 ``[tokens, 3 * dim]``: the largest tensors of a long sequence's step once the streams are the
 only activations kept. A half says which of its rows depend on which:
 
-* ``rows_independent = True``: output row ``r`` from input row ``r`` alone (the MLP halves:
-  ``halves.transformer``, the converted LLaMA / GPT-2 / GPT-NeoX MLPs). The stack runs it on at
-  most ``token_chunk`` rows at a time, each chunk a ``[rows, dim]`` view of the streams.
+* ``rows_independent = True``: output row ``r`` from input row ``r`` alone (the MLP halves of
+  ``halves.transformer``; revify's LLaMA-style, GPT-2, GPT-NeoX, HF ViT and pre-norm encoder
+  MLPs). The stack runs it on at most ``token_chunk`` rows at a time, each chunk a
+  ``[rows, dim]`` view of the streams.
 * ``samples_independent = True``: sample ``b`` (index ``b`` of the leading dim) from sample ``b``
   alone (the attention halves: tokens see each other, samples do not). The stack runs it on as
   many whole samples as fit in ``token_chunk`` rows (at least one), each chunk a
