@@ -186,6 +186,24 @@ def test_sequential_peak_falls_with_the_chunk():
     assert chunks <= 0.4 * whole, (whole, chunks)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_each_chunks_input_gradient_goes_straight_into_the_engines_gradient(schedule, monkeypatch):
+    """The sequential step subtracts each chunk's input gradient from the block's other gradient (the
+    engine's own buffer) at once, so no stream-sized gradient is put together; PaReprop, whose gradients
+    run after the whole rebuild, puts them together."""
+    from revtriton.engine import segment
+
+    put = []
+    real = segment._put_rows
+    monkeypatch.setattr(segment, "_put_rows", lambda *args: put.append(args[2]) or real(*args))
+    stack = rows_stack(2, 4, False, schedule)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    assert (len(put) == 0) == (schedule == "sequential"), put
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+
+
 def test_backward_hooks_see_the_gradients_of_a_chunked_block():
     """A block with a full backward pre-hook: G's chunks run their backward after the hook (with its
     gradient), not at their rebuild."""

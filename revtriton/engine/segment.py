@@ -523,17 +523,19 @@ class _SegmentBackward:
         token = (rb.token_leaf,) if with_token and rb.token_leaf is not None else ()
         run_block_phase(rb.layer, work, *token)
 
-    def _rebuild_g(self, rb: _BlockRebuild, g, token=None, grad=None) -> torch.Tensor | None:
+    def _rebuild_g(self, rb: _BlockRebuild, g, token=None, grad=None, into=None) -> torch.Tensor | None:
         """x2 = y2 - G(y1), keeping G's graph; drops y2. Returns G's input (for FSDP2's pre-backward hook).
 
         A G run by chunks of rows (engine.rows) is rebuilt chunk by chunk; with ``grad`` (the gradient of
         y2, the sequential step's) each chunk's backward runs right after its rebuild, so one chunk's
-        graph is alive at a time, and ``rb.input_g`` gets the gradient of y1 itself."""
+        graph is alive at a time, and ``rb.input_g`` gets the gradient of y1 itself, or ``into`` (the
+        negated gradient it is subtracted from, when the engine owns it) has it subtracted, chunk by chunk."""
         run, fmt = self.run, self.run.fmt
         rb.token = token
         chunks = row_chunks(g, rb.y2, run.chunk_rows(rb.layer), self.cond, rb.scale2)
         if chunks is not None:
-            x2, rb.port_g, rb.input_g = self._rebuild_by_rows(rb, g, "G", rb.y2, rb.y1, rb.state_g, chunks, grad)
+            x2, rb.port_g, rb.input_g = self._rebuild_by_rows(rb, g, "G", rb.y2, rb.y1, rb.state_g, chunks, grad,
+                                                              into)
             rb.x2, rb.y2 = x2, None
             return None
         rb.input_g = _HalfInput()
@@ -544,13 +546,14 @@ class _SegmentBackward:
         self._check_captured(rb, "G", rb.port_g, rb.input_g.leaf)
         return y1_value
 
-    def _rebuild_f(self, rb: _BlockRebuild, f, grad=None):
+    def _rebuild_f(self, rb: _BlockRebuild, f, grad=None, into=None):
         """x1 = y1 - F(x2), keeping F's graph (its input joined to FSDP2's post-backward token); drops y1.
         By chunks of rows as :meth:`_rebuild_g` (no FSDP2 token then: engine.rows)."""
         run, fmt = self.run, self.run.fmt
         chunks = row_chunks(f, rb.y1, run.chunk_rows(rb.layer), self.cond, rb.scale1)
         if chunks is not None:
-            x1, rb.port_f, rb.input_f = self._rebuild_by_rows(rb, f, "F", rb.y1, rb.x2, rb.state_f, chunks, grad)
+            x1, rb.port_f, rb.input_f = self._rebuild_by_rows(rb, f, "F", rb.y1, rb.x2, rb.state_f, chunks, grad,
+                                                              into)
             rb.x1, rb.y1 = x1, None
             return
         rb.input_f = _HalfInput()
@@ -563,10 +566,13 @@ class _SegmentBackward:
         # ``token`` here may be FSDP2's view of the token passed in (``token_leaf``), the leaf the graph reaches.
         self._check_captured(rb, "F", rb.port_f, rb.input_f.leaf, *(() if rb.token_leaf is None else (rb.token_leaf,)))
 
-    def _rebuild_by_rows(self, rb: _BlockRebuild, half, name: str, res, other, state, chunks, grad):
+    def _rebuild_by_rows(self, rb: _BlockRebuild, half, name: str, res, other, state, chunks, grad, into=None):
         """``res - H(value of other)`` chunk by chunk of rows: ``(rebuilt stream, port, input)``. With
         ``grad`` each chunk's backward runs at once (port None, the input holding the gradient put
-        together); without, the port is a :class:`_RowChunks` whose backward runs later."""
+        together); without, the port is a :class:`_RowChunks` whose backward runs later. ``into``: a
+        negated gradient of the engine's own that the input's gradient is subtracted from (see
+        _HalfInput.subtract_from): each chunk's goes into its rows at once, where the dtypes allow (the
+        same bits as the whole ``into - grad``), so the whole gradient is never held."""
         fmt = self.run.fmt
         out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
         out_rows = rows_of(out)
@@ -583,7 +589,12 @@ class _SegmentBackward:
                     later.add((start, stop), port, half_input)
                 elif port is not None:
                     self._backward(port, chunks.view(grad, start, stop), [half_input.leaf])
-                    _put_rows(whole, half_input.gradient(), start, stop, other)
+                    chunk_grad = half_input.gradient()
+                    if into is not None and chunk_grad is not None and torch.result_type(
+                            into, chunk_grad) == into.dtype:
+                        rows_of(into)[start:stop].sub_(rows_of(chunk_grad))
+                    else:
+                        _put_rows(whole, chunk_grad, start, stop, other)
         return out, (later if grad is None and later.ports else None), whole
 
     def _half_backward(self, port, grad, half_input: _HalfInput):
@@ -644,8 +655,8 @@ class _SegmentBackward:
         n1, fresh = rb.input_g.subtract_from(n1, owned1)
         owned1 = owned1 or fresh
         rb.input_g = None
-        if rebuild_f is not None:
-            rebuild_f(n1)
+        if rebuild_f is not None:  # (F's input gradient may go straight into n2, G's done with it)
+            rebuild_f(n1, n2 if owned2 and coupling.scale2 == 1.0 and n2 is not n1 else None)
         self._half_backward(rb.port_f, n1, rb.input_f)
         rb.port_f = None
         # y1 = a * x1 + F(x2), y2 = b * x2 + G(y1): the streams' own paths carry a and b.
@@ -705,19 +716,23 @@ class _SegmentBackward:
 
         # A G by chunks of rows runs each chunk's backward at its rebuild: with the gradient of its output
         # stream, known now unless backward hooks are still to see (and may change) it (_block_grads).
+        # Its input's gradient then goes straight into the block's other negated gradient where the engine
+        # owns it (else it is put together first).
         hooks = BlockHooks.of(layer)
-        g_grad = None if hooks is not None and (hooks.backward_pre or hooks.backward) else (
-            dy1 if rb.coupling.swap else dy2)
+        g_grad = g_into = None
+        if hooks is None or not (hooks.backward_pre or hooks.backward):
+            (g_grad, g_into), g_owns = ((dy1, dy2), owned[1]) if rb.coupling.swap else ((dy2, dy1), owned[0])
+            g_into = g_into if g_owns and g_into is not g_grad else None
 
         def g_phase(f, g, token=None):
-            return PhaseResult(None), self._rebuild_g(rb, g, token, g_grad)  # visible: FSDP2's pre-backward hook
+            return PhaseResult(None), self._rebuild_g(rb, g, token, g_grad, g_into)  # visible: FSDP2's pre-backward
 
-        def f_phase(f, g, grad):
-            self._rebuild_f(rb, f, grad)
+        def f_phase(f, g, grad, into):
+            self._rebuild_f(rb, f, grad, into)
             return (PhaseResult(None),)
 
-        def rebuild_f(n1):  # (F by chunks of rows runs each chunk's backward with n1 at its rebuild)
-            self._in_phase(rb, functools.partial(f_phase, grad=n1))
+        def rebuild_f(n1, into):  # (F by chunks of rows runs each chunk's backward with n1 at its rebuild)
+            self._in_phase(rb, functools.partial(f_phase, grad=n1, into=into))
 
         updated = self.run.updated_buffers.get(i)
         with _scratch_buffers(updated) if updated else _NO_SCRATCH:  # BatchNorm & co. update copies
