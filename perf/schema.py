@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import math
 
-from .stacks import HALVES, VARIANT_ALIASES, VARIANTS
+from .stacks import ALL_VARIANTS, HALVES, VARIANT_ALIASES
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "error", "skipped")
@@ -25,6 +25,7 @@ COLUMNS = {
     "family": ("string", "the halves' kind: vit or gpt2 (LayerNorm + attention, GELU MLP; bidirectional or causal), "
                          "llama (RMSNorm + RoPE grouped-query attention, SwiGLU)"),
     "variant": ("string", ("coupled-stored | checkpoint | revtriton-sequential | revtriton-pareprop | prenorm-stored "
+                           "| revtriton-chunked (sequential, token_chunk at the preset's sequence length) "
                            "(older files: vanilla = coupled-stored)")),
     "halves": ("string", "reference (PyTorch eager, SDPA) or fused (revtriton's Triton halves)"),
     "exact": ("boolean", "revtriton streams: int32 fixed point (true) or float (false); baselines: false"),
@@ -86,7 +87,7 @@ ROW_SCHEMA = {
     "additionalProperties": False,
     "properties": {name: {"type": _json_type(types), "description": text} for name, (types, text) in COLUMNS.items()},
 }
-ROW_SCHEMA["properties"]["variant"]["enum"] = list(VARIANTS) + list(VARIANT_ALIASES)  # old files: vanilla
+ROW_SCHEMA["properties"]["variant"]["enum"] = list(ALL_VARIANTS) + list(VARIANT_ALIASES)  # old files: vanilla
 ROW_SCHEMA["properties"]["halves"]["enum"] = list(HALVES)
 ROW_SCHEMA["properties"]["status"]["enum"] = list(STATUSES)
 for _name in ("depth", "batch", "seq_len", "dim", "heads", "kv_heads", "hidden"):

@@ -9,7 +9,12 @@ activations:
   (PyTorch eager, SDPA attention);
 * ``checkpoint``: the same, with ``torch.utils.checkpoint`` around each block;
 * ``revtriton-sequential`` / ``revtriton-pareprop``: :class:`ReversibleStack` with that backward
-  schedule.
+  schedule;
+* ``revtriton-chunked``: the sequential stack with ``token_chunk`` at the preset's sequence length
+  (the MLP halves a sample's worth of rows at a time, the attention a sample at a time): what
+  chunking costs in time and saves in memory beside ``revtriton-sequential``. Opt-in
+  (:data:`OPT_IN_VARIANTS`): the GPU suites run it with fused halves, a CPU sweep when
+  ``--variants`` names it.
 
 ``prenorm-stored`` is the block people train today, for comparison: one stream,
 ``x = x + F(x); x = x + G(x)`` (F = norm + attention, G = norm + MLP: a standard pre-norm
@@ -35,6 +40,8 @@ from revtriton import (LayerNormAttention, LayerNormMLP, ReversibleBlock, Revers
 from revtriton.halves.base import CouplingHalf
 
 VARIANTS = ("coupled-stored", "checkpoint", "revtriton-sequential", "revtriton-pareprop", "prenorm-stored")
+OPT_IN_VARIANTS = ("revtriton-chunked",)  # in the GPU suites (fused halves); on a CPU when --variants names them
+ALL_VARIANTS = VARIANTS + OPT_IN_VARIANTS
 BASELINES = ("coupled-stored", "checkpoint", "prenorm-stored")  # plain autograd, reference halves
 # Old names still accepted on the command line, by build_stack and in result files.
 VARIANT_ALIASES = {"vanilla": "coupled-stored"}
@@ -126,6 +133,15 @@ class ReferenceHalf(CouplingHalf):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x)  # a transformer half's forward is its pure-torch reference
 
+    # ReversibleStack(token_chunk=) splits it as the wrapped half's math allows (revtriton.engine.rows).
+    @property
+    def rows_independent(self) -> bool:
+        return self.inner.rows_independent
+
+    @property
+    def samples_independent(self) -> bool:
+        return self.inner.samples_independent
+
 
 def make_blocks(preset: Preset, depth: int, halves: str = "reference") -> list[ReversibleBlock]:
     """``depth`` fresh blocks of ``preset`` with reference or fused (as-dispatched) halves."""
@@ -188,8 +204,9 @@ def build_stack(preset: Preset, depth: int, variant: str, halves: str = "referen
     """A module mapping ``[batch, tokens, dim] -> [batch, tokens, dim]`` for one benchmark variant
     (or an alias of one: ``vanilla`` is ``coupled-stored``)."""
     variant = canonical_variant(variant)
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS} (or an alias: {sorted(VARIANT_ALIASES)}), got {variant!r}")
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"variant must be one of {ALL_VARIANTS} (or an alias: {sorted(VARIANT_ALIASES)}), "
+                         f"got {variant!r}")
     if halves == "fused" and variant in BASELINES:
         raise ValueError(f"the {variant} baseline runs the reference halves (PyTorch eager, SDPA)")
     blocks = make_blocks(preset, depth, halves)
@@ -199,6 +216,8 @@ def build_stack(preset: Preset, depth: int, variant: str, halves: str = "referen
         return PreNormStack(blocks)
     if variant == "checkpoint":
         return StoredActivationStack(blocks, checkpoint_blocks=True)
+    if variant == "revtriton-chunked":
+        return ReversibleStack(blocks, exact=exact, frac_bits=frac_bits, token_chunk=preset.tokens)
     schedule = variant.split("-", 1)[1]
     return ReversibleStack(blocks, exact=exact, frac_bits=frac_bits, schedule=schedule)
 

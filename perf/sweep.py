@@ -64,8 +64,8 @@ from .report import (_fmt, _label, add_ratios, backend_choices, make_document, m
                      markdown_table, plot_series, print_backend_choices, rank_summary, write_results)
 from .schema import (COLUMNS, CSV_COLUMNS, CSV_META_COLUMNS, RESULTS_SCHEMA, ROW_SCHEMA, SCHEMA_VERSION,  # noqa: F401
                      STATUSES, read_csv, validate_csv, validate_results)
-from .stacks import (BASELINES, HALVES, PRESETS, VARIANT_ALIASES, VARIANTS, Preset, build_stack,  # noqa: F401
-                     canonical_variant, variant_available)
+from .stacks import (ALL_VARIANTS, BASELINES, HALVES, OPT_IN_VARIANTS, PRESETS, VARIANT_ALIASES,  # noqa: F401
+                     VARIANTS, Preset, build_stack, canonical_variant, variant_available)
 
 
 def _default_out() -> Path:
@@ -125,6 +125,8 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     cuda = device.type == "cuda"
     all_variants = [[v, "reference"] for v in VARIANTS] + [[v, "fused"] for v in VARIANTS if v not in BASELINES]
+    if cuda:  # the opt-in ones where their time and memory are worth the sweep's minutes: a GPU, fused halves
+        all_variants += [[v, "fused"] for v in OPT_IN_VARIANTS]
     variants = [pair for pair in all_variants if variant_available(pair[0], pair[1], device)]
     common = dict(suite=suite, presets=list(PRESETS), dim=None, heads=None, seq_lens=[], grid="axes",
                   variants=variants, dtype="bf16" if cuda else "fp32", exact=True, max_batch=cuda,
@@ -155,7 +157,7 @@ def default_config(suite: str, device: torch.device) -> SweepConfig:
         return SweepConfig(**{**common, "presets": ["vit-b", "gpt2"], "max_batch": False}, base_seq=real_seq,
                            depths=[12, 24], batches=[8], base_depth=12, base_batch=8, warmup=2, repeats=5)
     if suite == "pareprop":
-        fused = [pair for pair in variants if pair[1] == "fused"]
+        fused = [pair for pair in variants if pair[1] == "fused" and pair[0] not in OPT_IN_VARIANTS]
         return SweepConfig(**{**common, "presets": ["vit-b", "gpt2"], "grid": "product",
                               "variants": [["coupled-stored", "reference"], ["prenorm-stored", "reference"]] + fused},
                            base_seq=real_seq, depths=[12, 24], batches=[8, 16, 32], base_depth=12, base_batch=8,
@@ -233,7 +235,7 @@ def parse_args(argv=None):
     ap.add_argument("--base-batch", type=int, help="the batch of the depth sweep (default: the suite's)")
     ap.add_argument("--base-depth", type=int, help="the depth of the batch sweep (default: the suite's)")
     ap.add_argument("--seq", type=int, help="base sequence length for every preset / your model")
-    ap.add_argument("--variants", help=f"comma list of {','.join(VARIANTS)} (variant/fused for fused halves; "
+    ap.add_argument("--variants", help=f"comma list of {','.join(ALL_VARIANTS)} (variant/fused for fused halves; "
                                        f"old names: {', '.join(f'{a} = {v}' for a, v in VARIANT_ALIASES.items())})")
     ap.add_argument("--warmup", type=int, help="untimed steps per point (default: the suite's)")
     ap.add_argument("--repeats", type=int, help="timed steps per point (default: the suite's)")
@@ -318,8 +320,8 @@ def config_from_args(args, device, user: UserModel | None = None) -> SweepConfig
         for item in args.variants.split(","):
             variant, _, halves = item.partition("/")
             variant, halves = canonical_variant(variant), halves or "reference"
-            if variant not in VARIANTS or halves not in HALVES:
-                raise SystemExit(f"perf.sweep: unknown variant {item!r}; use {VARIANTS} with an optional /fused")
+            if variant not in ALL_VARIANTS or halves not in HALVES:
+                raise SystemExit(f"perf.sweep: unknown variant {item!r}; use {ALL_VARIANTS} with an optional /fused")
             if not variant_available(variant, halves, device):
                 raise SystemExit(f"perf.sweep: {item} is not available on {device.type} (fused halves need CUDA)")
             if [variant, halves] not in pairs:  # vanilla and coupled-stored are one variant

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import csv
 import io
 import json
@@ -982,6 +983,25 @@ def test_every_perf_option_has_a_description():
                     and not any(k.arg == "help" for k in node.keywords)):
                 missing.append(f"{path.name}:{node.lineno} {ast.unparse(node.args[0])}")
     assert missing == []
+
+
+def test_chunked_variant_runs_the_sequential_stack_by_samples_and_peaks_lower(tmp_path):
+    """revtriton-chunked (issue 36, opt-in on a CPU): the sequential stack with token_chunk at the point's
+    sequence length; at 4 x 256 tokens, width 128, its MLP's [1024, 512] activations and the causal
+    attention's per-sample work go a sample at a time: the step's peak falls well below the unchunked
+    one's (11.3 -> 6.1 MiB when written)."""
+    assert "revtriton-chunked" not in VARIANTS and "revtriton-chunked" in sweep.ALL_VARIANTS
+    stack = build_stack(dataclasses.replace(PRESETS["gpt2"], tokens=96), 2, "revtriton-chunked")
+    assert stack.token_chunk == 96 and stack.schedule == "sequential"
+    argv = ["--quick", "--presets", "gpt2", "--dim", "128", "--heads", "4", "--seq", "256", "--depths", "2",
+            "--batches", "4", "--variants", "revtriton-sequential,revtriton-chunked", "--no-plots", "--no-progress",
+            "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]}
+    assert rows["revtriton-chunked"]["status"] == "ok"
+    assert rows["revtriton-chunked"]["peak_mem_bytes"] <= 0.7 * rows["revtriton-sequential"]["peak_mem_bytes"]
+    assert not any(v == "revtriton-chunked" for v, _ in sweep.default_config("full", torch.device("cpu")).variants)
+    assert ["revtriton-chunked", "fused"] in sweep.default_config("full", torch.device("cuda")).variants
 
 
 def test_cuda_graphs_sweep_times_replays_of_every_variant(tmp_path, capsys, monkeypatch):
