@@ -204,6 +204,23 @@ def test_each_chunks_input_gradient_goes_straight_into_the_engines_gradient(sche
     assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_a_parameters_gradient_hooks_fire_once_with_the_whole_gradient(schedule):
+    """Each chunk adds to a parameter's gradient; its accumulation hooks (DDP's reducer,
+    ``register_post_accumulate_grad_hook``: an optimizer step in backward) fire once a backward, with
+    the gradient of every chunk in (tests/test_distributed.py runs DDP itself)."""
+    stack = rows_stack(2, 4, False, schedule)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    seen = {}
+    for p in stack.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(p, []).append(p.grad.clone()))
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    assert len(seen) == len(list(stack.parameters())) and all(len(g) == 1 for g in seen.values())
+    assert all(torch.equal(seen[p][0], p.grad) for p in stack.parameters())
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error(got[1], want[1]) <= 1e-10
+
+
 def test_backward_hooks_see_the_gradients_of_a_chunked_block():
     """A block with a full backward pre-hook: G's chunks run their backward after the hook (with its
     gradient), not at their rebuild."""

@@ -417,6 +417,25 @@ class _HalfInput:
         return n - g, True
 
 
+def _graph_leaves(output) -> list:
+    """The leaves requiring grad that ``output``'s autograd graph reaches (their accumulators' variables)."""
+    leaves, todo = [], [output.grad_fn]
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, _ACCUMULATE_GRAD):
+            leaves.append(node.variable)
+            continue
+        for fn, _ in node.next_functions:
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo.append(fn)
+    return leaves
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+
 class _RowChunks:
     """A half rebuilt chunk by chunk of rows (engine.rows) whose gradients run later (PaReprop's
     recover, or a block with backward hooks): each chunk's port and input, until :meth:`backward`
@@ -436,8 +455,9 @@ class _RowChunks:
 
     def backward(self, segment, grad: torch.Tensor, into: _HalfInput):
         """Every chunk's backward with its rows of ``grad``; their input gradients go into ``into``."""
-        for (start, stop), port, half_input in zip(self.bounds, self.ports, self.inputs):
-            segment._backward(port, self.chunks.view(grad, start, stop), [half_input.leaf])
+        last, params = len(self.ports) - 1, None
+        for k, ((start, stop), port, half_input) in enumerate(zip(self.bounds, self.ports, self.inputs)):
+            params = segment._chunk_backward(port, self.chunks.view(grad, start, stop), half_input, k == last, params)
             _put_rows(into, half_input.gradient(), start, stop, grad)
         self.ports = self.inputs = ()
 
@@ -576,7 +596,7 @@ class _SegmentBackward:
         fmt = self.run.fmt
         out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
         out_rows = rows_of(out)
-        whole, later = _HalfInput(), _RowChunks(chunks)
+        whole, later, params = _HalfInput(), _RowChunks(chunks), None
         with HalfRandomness.replayed(state):
             for start, stop in chunks.bounds:
                 half_input = _HalfInput()
@@ -588,7 +608,8 @@ class _SegmentBackward:
                 if grad is None:
                     later.add((start, stop), port, half_input)
                 elif port is not None:
-                    self._backward(port, chunks.view(grad, start, stop), [half_input.leaf])
+                    last = stop == chunks.bounds[-1][1]
+                    params = self._chunk_backward(port, chunks.view(grad, start, stop), half_input, last, params)
                     chunk_grad = half_input.gradient()
                     if into is not None and chunk_grad is not None and torch.result_type(
                             into, chunk_grad) == into.dtype:
@@ -596,6 +617,33 @@ class _SegmentBackward:
                     else:
                         _put_rows(whole, chunk_grad, start, stop, other)
         return out, (later if grad is None and later.ports else None), whole
+
+    def _chunk_backward(self, port, grad, half_input: _HalfInput, last: bool, params=None):
+        """One chunk's backward; returns the half's parameters (``params`` the next chunk may pass back).
+
+        The parameters' gradients of every chunk but the last are added into their ``.grad`` here, the
+        last one's through autograd's accumulation: so a parameter's gradient hooks (DDP's reducer,
+        ``register_post_accumulate_grad_hook``) fire once a backward, as for a half run whole, with the
+        whole gradient. The parameters are the leaves the first chunk's graph reaches (every chunk's
+        graph is the same ops; the captured-tensor check admits only the segment's own leaves)."""
+        leaf = half_input.leaf
+        if last or not self.accumulate:
+            self._backward(port, grad, [leaf])
+            return params
+        if params is None:
+            own = {id(leaf), *(id(c) for c in self.cond_leaves)}
+            params = [p for p in _graph_leaves(port) if id(p) not in own]
+        inputs = (leaf, *self.grad_leaves, *params)
+        grads = _engine.run_backward((port,), (grad,), False, False, inputs, True, False)
+        with torch.no_grad():
+            for t, g in zip(inputs, grads):
+                if g is None:
+                    continue
+                if t.grad is None:  # (a copy: autograd's result may be a view of a buffer it shares)
+                    t.grad = g.clone(memory_format=torch.contiguous_format)
+                else:
+                    t.grad.add_(g)
+        return params
 
     def _half_backward(self, port, grad, half_input: _HalfInput):
         """A rebuilt half's backward with the gradient of its output stream (none left to run: None)."""
