@@ -204,6 +204,23 @@ def test_each_chunks_input_gradient_goes_straight_into_the_engines_gradient(sche
     assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
 
 
+def test_gradients_of_another_layout_are_not_written_through_a_copy():
+    """The streams' gradients as autograd hands them may have any strides (here transposed): a chunk's
+    input gradient is subtracted in place only from a contiguous one (a reshape of another is a copy)."""
+    from revtriton.models.common import stored_float_streams
+
+    stack = rows_stack(2, 4, False)
+    x1, x2 = (torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g1, g2 = (torch.randn(5, 3, DIM, dtype=torch.float64).transpose(0, 1) for _ in range(2))
+    torch.autograd.backward(stack.forward_streams(x1, x2), (g1, g2))
+    got = [x1.grad, x2.grad] + [p.grad for p in stack.parameters()]
+    x1.grad = x2.grad = None
+    stack.zero_grad(set_to_none=True)
+    torch.autograd.backward(stored_float_streams(list(stack), x1, x2), (g1, g2))
+    want = [x1.grad, x2.grad] + [p.grad for p in stack.parameters()]
+    assert max_rel_error(got, want) <= 1e-10
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
 def test_a_parameters_gradient_hooks_fire_once_with_the_whole_gradient(schedule):
     """Each chunk adds to a parameter's gradient; its accumulation hooks (DDP's reducer,

@@ -596,6 +596,8 @@ class _SegmentBackward:
         fmt = self.run.fmt
         out = torch.empty(res.shape, dtype=res.dtype, device=res.device)
         out_rows = rows_of(out)
+        if into is not None and not into.is_contiguous():  # its rows would be a copy's, not views of it
+            into = None
         whole, later, params = _HalfInput(), _RowChunks(chunks), None
         with HalfRandomness.replayed(state):
             for start, stop in chunks.bounds:
