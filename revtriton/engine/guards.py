@@ -157,22 +157,26 @@ def reaches_foreign_leaf(output, is_own) -> bool:
     behind a captured non-leaf's graph) belongs to a tensor the half took from outside the stack.
     Only the half's own graph is walked unless such a leaf is there (then the walk stops at it).
     """
+    return any(not is_own(leaf) for leaf in graph_leaves(output))
+
+
+def graph_leaves(output):
+    """The leaves requiring grad that ``output``'s autograd graph reaches (each accumulator's variable),
+    one at a time, as the walk meets them (none for an output without a graph)."""
     if output is None or output.grad_fn is None:
-        return False
+        return
     todo = [output.grad_fn]
     seen = set(todo)
     accumulate_grad = _ACCUMULATE_GRAD
     while todo:
         node = todo.pop()
         if isinstance(node, accumulate_grad):  # a leaf
-            if not is_own(node.variable):
-                return True
+            yield node.variable
             continue
         for fn, _ in node.next_functions:
             if fn is not None and fn not in seen:
                 seen.add(fn)
                 todo.append(fn)
-    return False
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad

@@ -18,7 +18,7 @@ from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_sched
 from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
 from .checks import StepChecks
 from .guards import (CAPTURED_TENSOR_HINT, FIND_UNUSED_HINT, ForwardGuards, StreamFormat, _checksum,
-                     captured_tensor_message, reaches_foreign_leaf)
+                     captured_tensor_message, graph_leaves, reaches_foreign_leaf)
 from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .plan import SegmentPlan
@@ -417,25 +417,6 @@ class _HalfInput:
         return n - g, True
 
 
-def _graph_leaves(output) -> list:
-    """The leaves requiring grad that ``output``'s autograd graph reaches (their accumulators' variables)."""
-    leaves, todo = [], [output.grad_fn]
-    seen = set(todo)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, _ACCUMULATE_GRAD):
-            leaves.append(node.variable)
-            continue
-        for fn, _ in node.next_functions:
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                todo.append(fn)
-    return leaves
-
-
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
-
-
 class _RowChunks:
     """A half rebuilt chunk by chunk of rows (engine.rows) whose gradients run later (PaReprop's
     recover, or a block with backward hooks): each chunk's port and input, until :meth:`backward`
@@ -634,7 +615,7 @@ class _SegmentBackward:
             return params
         if params is None:
             own = {id(leaf), *(id(c) for c in self.cond_leaves)}
-            params = [p for p in _graph_leaves(port) if id(p) not in own]
+            params = [p for p in graph_leaves(port) if id(p) not in own]
         inputs = (leaf, *self.grad_leaves, *params)
         grads = _engine.run_backward((port,), (grad,), False, False, inputs, True, False)
         with torch.no_grad():
