@@ -827,8 +827,8 @@ MUTANTS = [
            "a layer that is not LLaMA's (Granite's residual multiplier) converts, silently computing another function"),
     # ---- pre-norm encoders with BERT's layer parts (issue 15)
     Mutant("encoder-attention-causal", "revtriton/convert/encoder.py",
-           "                            causal=False, norm=\"layer\", eps=norm.eps, segments=segments)",
-           "                            causal=True, norm=\"layer\", eps=norm.eps, segments=segments)",
+           "dict(heads=s.num_attention_heads, causal=False, norm=\"layer\"",
+           "dict(heads=s.num_attention_heads, causal=True, norm=\"layer\"",
            ("tests/test_encoders.py", "-k", "heads_and_the_base"),
            "the encoder's fused attention masks future keys (the probe then keeps the library's modules: never fused)"),
     Mutant("encoder-padding-keys-seen", "revtriton/convert/encoder.py",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, block_phase
-from ..halves.base import parameter
+from ..halves.base import OpHalf, parameter
 from ..ops.dispatch import run_bound
 from ..ops.reference import rope_inv_freq
 from ..ops.streams import couple_output
@@ -221,7 +221,7 @@ def _swap_class(module: nn.Module, mixin: type):
     module.__class__ = _swapped[(cls, mixin)]
 
 
-class _Half:
+class _Half(OpHalf):
     """A coupling half over a block's own weights (not an nn.Module: the block keeps them).
 
     Two paths with the same math: ``_fused`` hands the raw weights to the ops layer (fused
@@ -258,8 +258,19 @@ class _Half:
     def _beyond_fused(self, x) -> bool:  # a feature of the block the fused kernels do not have
         return False
 
-    def _fused(self, res, x, sign, frac_bits):
+    # The fused path: ``couple_op`` (ops.mlp / ops.attention) over ``operands``, as halves.transformer's
+    # halves compute theirs (halves.base.OpHalf); a family with another path overrides ``_fused``.
+    couple_op = None
+
+    def operands(self, x, layout=None) -> tuple:
+        """(positional weights, keyword options) of ``couple_op`` for input ``x``, read from the block's
+        own modules; ``layout``: the token layout (attention halves that take one)."""
         raise NotImplementedError
+
+    def _fused(self, res, x, sign, frac_bits, layout=None):
+        weights, options = self.operands(x, layout)
+        x = self._input(x, weights[0])  # the norm's weight: the block's dtype
+        return bound_couple(type(self).couple_op, res, x, sign, frac_bits, *weights, **options)
 
     def _modules(self, x):  # H(x) through the block's submodules
         raise NotImplementedError

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _concatenated_qkv, _Half, _host_block_mixins, _p,
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _concatenated_qkv, _Half, _host_block_mixins, _p,
                    _residual_dropout, _scores_scaled_plainly)
 from .host import (_first, _convert_hosted_layers, _HostAttention, _HostDecoderModel, _pack_host_cond,
                    _require_hosted_layer_loop)
@@ -56,15 +56,15 @@ class _EncoderAttentionHalf(_Half):
     def _beyond_fused(self, x):
         return not self._spec().fused_attention
 
-    def _fused(self, res, x, sign, frac_bits, layout=None):
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):
         a, norm = self.block.attention, _attention_norm(self.block)
         s = a.self
-        x = self._input(x, norm.weight)
         w_qkv, b_qkv = _concatenated_qkv(s.query, s.key, s.value)
         segments = None if layout is None else layout[1]  # absolute positions entered with the embeddings
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm.weight, norm.bias, w_qkv, b_qkv,
-                            a.output.dense.weight, a.output.dense.bias, heads=s.num_attention_heads,
-                            causal=False, norm="layer", eps=norm.eps, segments=segments)
+        return ((norm.weight, norm.bias, w_qkv, b_qkv, a.output.dense.weight, a.output.dense.bias),
+                dict(heads=s.num_attention_heads, causal=False, norm="layer", eps=norm.eps, segments=segments))
 
     def _branch(self, x, mask=None, extra=None):
         """The layer's own modules: dropout(dense(self-attention(norm(x), mask))), without the residual."""
@@ -89,13 +89,13 @@ class _EncoderMlpHalf(_Half):
     def _beyond_fused(self, x):
         return not self._spec().fused_mlp
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
         b, (norm, _) = self.block, _mlp_norm(self.block)
-        x = self._input(x, norm.weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
-                            norm.weight, norm.bias, b.intermediate.dense.weight,
-                            b.intermediate.dense.bias, b.output.dense.weight, b.output.dense.bias, norm="layer",
-                            activation=self._spec().activation, eps=norm.eps)
+        return ((norm.weight, norm.bias, b.intermediate.dense.weight, b.intermediate.dense.bias,
+                 b.output.dense.weight, b.output.dense.bias),
+                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b, (norm, inside) = self.block, _mlp_norm(self.block)

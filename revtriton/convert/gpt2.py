@@ -8,7 +8,7 @@ from torch import nn
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from ..halves.base import parameter
-from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _parts,
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _parts,
                    _pickled_host_classes)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
@@ -27,18 +27,17 @@ class _GPT2AttentionHalf(_Half):
     def _dropouts(self):
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
-    def _fused(self, res, x, sign, frac_bits, layout=None):
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):
         b = _parts(self.block)
         norm, a = b["ln_1"], b["attn"]
         qkv, out = _parts(a)["c_attn"], _parts(a)["c_proj"]
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
         segments = None if layout is None else layout[1]  # positions entered with the position embeddings
         # Conv1D keeps weights as [in, out]: transpose to nn.Linear's [out, in].
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
-                            parameter(qkv, "weight").t(), parameter(qkv, "bias"), parameter(out, "weight").t(),
-                            parameter(out, "bias"), heads=a.num_heads, causal=True, norm="layer", eps=norm.eps,
-                            segments=segments)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(qkv, "weight").t(),
+                 parameter(qkv, "bias"), parameter(out, "weight").t(), parameter(out, "bias")),
+                dict(heads=a.num_heads, causal=True, norm="layer", eps=norm.eps, segments=segments))
 
     def _modules(self, x):  # one sequence per row (a half called alone; an empty batch)
         b, a = self.block, self.block.attn
@@ -68,15 +67,15 @@ class _GPT2MlpHalf(_Half):
     def _dropouts(self):
         return (_p(self.block.mlp.dropout),)
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
         b = _parts(self.block)
         norm, m = b["ln_2"], _parts(b["mlp"])
         inner, out = m["c_fc"], m["c_proj"]
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
-                            _out_in(inner), parameter(inner, "bias"), _out_in(out), parameter(out, "bias"),
-                            norm="layer", activation=self._spec().activation, eps=norm.eps)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), _out_in(inner), parameter(inner, "bias"),
+                 _out_in(out), parameter(out, "bias")), dict(norm="layer", activation=self._spec().activation,
+                                                             eps=norm.eps))
 
     def _modules(self, x):
         b = self.block

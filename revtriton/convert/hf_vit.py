@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from ..halves.base import parameter
-from .core import (bound_couple, Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _parts,
+from .core import (Family, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _p, _parts,
                    _pickled_host_classes)
 from .host import _first, _convert_hosted_layers, _HostAttention, _HostDecoderModel
 
@@ -18,16 +18,15 @@ class _HFViTAttentionHalf(_Half):
     def _dropouts(self):
         return float(self.block.attention.attention_dropout or 0.0), _p(self.block.dropout)
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):  # (ViT's rows carry no token layout)
         b = _parts(self.block)
         norm, a = b["layernorm_before"], b["attention"]
         q, k, v, out = self._projections()
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
         w_qkv, b_qkv = _concatenated_qkv(q, k, v)
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"), w_qkv,
-                            b_qkv, parameter(out, "weight"), parameter(out, "bias"), heads=a.num_attention_heads,
-                            causal=False, norm="layer", eps=norm.eps)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), w_qkv, b_qkv, parameter(out, "weight"),
+                 parameter(out, "bias")), dict(heads=a.num_attention_heads, causal=False, norm="layer", eps=norm.eps))
 
     def _modules(self, x):
         b = self.block
@@ -47,16 +46,15 @@ class _HFViTMlpHalf(_Half):
     def _beyond_fused(self, x):
         return _HF_ACTIVATIONS.get(self.block.mlp.config.hidden_act) is None
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
         b = _parts(self.block)
         norm, mlp = b["layernorm_after"], b["mlp"]
         inner, out = self._projections()
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
-                            parameter(inner, "weight"), parameter(inner, "bias"), parameter(out, "weight"),
-                            parameter(out, "bias"), norm="layer", activation=_HF_ACTIVATIONS[mlp.config.hidden_act],
-                            eps=norm.eps)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
+                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
+                dict(norm="layer", activation=_HF_ACTIVATIONS[mlp.config.hidden_act], eps=norm.eps))
 
     def _modules(self, x):
         b = self.block

@@ -10,7 +10,7 @@ from torch import nn
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import swiglu_mlp_couple
 from ..halves.base import parameter
-from .core import (bound_couple, Family, LayerSpec, _branch_p, _concatenated_qkv, _Half, _host_block_mixins,
+from .core import (Family, LayerSpec, _branch_p, _concatenated_qkv, _Half, _host_block_mixins,
                    _layout_options, _norm_eps, _parts, _pickled_host_classes, _residual_dropout, _rope_spec,
                    _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
@@ -92,16 +92,15 @@ class _LlamaAttentionHalf(_LlamaHalf):
         return dict(rope_theta=spec.rope_theta, rope_inv_freq=rotary.inv_freq,
                     rope_scale=float(rotary.attention_scaling))
 
-    def _fused(self, res, x, sign, frac_bits, layout=None):
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):
         b, spec = _parts(self.block), self._spec()
         norm, out = b["input_layernorm"], _parts(b["self_attn"])["o_proj"]
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
         w_qkv, b_qkv = self._qkv_weights()
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, None, w_qkv, b_qkv,
-                            parameter(out, "weight"), parameter(out, "bias"), heads=spec.heads, kv_heads=spec.kv_heads,
-                            causal=True, rope_theta=spec.rope_theta, norm="rms", eps=_norm_eps(norm),
-                            **_layout_options(layout))
+        return ((parameter(norm, "weight"), None, w_qkv, b_qkv, parameter(out, "weight"), parameter(out, "bias")),
+                dict(heads=spec.heads, kv_heads=spec.kv_heads, causal=True, rope_theta=spec.rope_theta, norm="rms",
+                     eps=_norm_eps(norm), **_layout_options(layout)))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.self_attn, self._spec()
@@ -143,17 +142,16 @@ class _LlamaMlpHalf(_LlamaHalf):
         spec = self._spec()
         return not (spec.fused_mlp and spec.fused_norm)
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = swiglu_mlp_couple
+
+    def operands(self, x, layout=None):
         b = _parts(self.block)
         m, norm = _parts(b["mlp"]), b["post_attention_layernorm"]
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
         if "gate_up_proj" in m:
             w_gate, w_up = parameter(m["gate_up_proj"], "weight").chunk(2, dim=0)
         else:
             w_gate, w_up = parameter(m["gate_proj"], "weight"), parameter(m["up_proj"], "weight")
-        return bound_couple(swiglu_mlp_couple, res, x, sign, frac_bits, norm_weight, w_gate, w_up,
-                            parameter(m["down_proj"], "weight"), eps=_norm_eps(norm))
+        return (parameter(norm, "weight"), w_gate, w_up, parameter(m["down_proj"], "weight")), dict(eps=_norm_eps(norm))
 
     def _modules(self, x):
         b = self.block

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
 from ..halves.base import parameter
-from .core import (bound_couple, Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
                    _parts, _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec,
                    _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
@@ -37,16 +37,17 @@ class _NeoXAttentionHalf(_Half):
         heads = self._spec().heads
         return t.reshape(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-    def _fused(self, res, x, sign, frac_bits, layout=None):
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):
         spec, norm = self._spec(), _parts(self.block)["input_layernorm"]
         qkv, out = self._projections()
-        norm_weight, qkv_bias = parameter(norm, "weight"), parameter(qkv, "bias")
-        x = self._input(x, norm_weight)
+        qkv_bias = parameter(qkv, "bias")
         b_qkv = None if qkv_bias is None else self._grouped_rows(qkv_bias)
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
-                            self._grouped_rows(parameter(qkv, "weight")), b_qkv, parameter(out, "weight"),
-                            parameter(out, "bias"), heads=spec.heads, causal=True, rope_theta=spec.rope_theta,
-                            norm="layer", eps=norm.eps, **_layout_options(layout))
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), self._grouped_rows(parameter(qkv, "weight")),
+                 b_qkv, parameter(out, "weight"), parameter(out, "bias")),
+                dict(heads=spec.heads, causal=True, rope_theta=spec.rope_theta, norm="layer", eps=norm.eps,
+                     **_layout_options(layout)))
 
     def _modules(self, x):  # one sequence per row at positions 0..T-1 (a half called alone; an empty batch)
         b, a, spec = self.block, self.block.attention, self._spec()
@@ -76,14 +77,14 @@ class _NeoXMlpHalf(_Half):
     def _beyond_fused(self, x):
         return self._spec().activation is None
 
-    def _fused(self, res, x, sign, frac_bits):
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
         norm = _parts(self.block)["post_attention_layernorm"]
         inner, out = self._projections()
-        norm_weight = parameter(norm, "weight")
-        x = self._input(x, norm_weight)
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits, norm_weight, parameter(norm, "bias"),
-                            parameter(inner, "weight"), parameter(inner, "bias"), parameter(out, "weight"),
-                            parameter(out, "bias"), norm="layer", activation=self._spec().activation, eps=norm.eps)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
+                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
+                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b = self.block

@@ -109,6 +109,19 @@ def transition_output(layer, x: torch.Tensor, cond=None) -> torch.Tensor:
     return layer(x, cond=cond) if cond is not None and transition_takes_cond(layer) else layer(x)
 
 
+class OpHalf:
+    """A half computed by one couple op of ``revtriton.ops``: ``couple_op`` (a class attribute, the
+    function, called as ``couple_op(res, x, sign, frac_bits, *weights, **options)``) over
+    ``operands(x)``, its (positional weights, keyword options) for input ``x``. The transformer
+    halves (halves.transformer: modules owning their weights) and revify's halves over a block's
+    own weights (revtriton.convert.core) are both."""
+
+    couple_op = None
+
+    def operands(self, x) -> tuple:
+        raise NotImplementedError
+
+
 class CouplingHalf(nn.Module):
     """Base class of halves: ``forward(x)`` (or ``forward(x, cond)``) is H(x); ``couple`` adds or subtracts it."""
 

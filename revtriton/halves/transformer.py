@@ -21,7 +21,7 @@ from ..ops import dispatch
 from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
-from .base import CouplingHalf, parameter
+from .base import CouplingHalf, OpHalf, parameter
 from .randomness import half_generator
 
 
@@ -47,7 +47,7 @@ def layer_scaled(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.T
     return weight * gamma[:, None], (None if bias is None else bias * gamma)
 
 
-class _TransformerHalf(CouplingHalf):
+class _TransformerHalf(OpHalf, CouplingHalf):
     def __init__(self, dim: int, drop_path: float, layer_scale: float | None):
         super().__init__()
         if not isinstance(dim, int) or dim <= 0:
@@ -68,8 +68,9 @@ class _TransformerHalf(CouplingHalf):
         if x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__}: input last dim {x.shape[-1]} != dim {self.dim}")
 
-    # Subclasses give the op pair (dispatching couple, pure-torch reference), their weights and options.
-    couple_op = reference_op = None
+    # Subclasses give the op pair (couple_op, OpHalf's dispatching couple, and its pure-torch reference),
+    # their weights and options.
+    reference_op = None
     token_wise = False  # the MLPs: each output row is computed from its input row alone
 
     @property
