@@ -288,18 +288,11 @@ def test_halves_by_samples_match_plain_autograd(exact, schedule, conditioned):
     assert [block.f.samples_seen for block in stack] == [[2, 2, 1] * 2] * 3  # forward, rebuild
     if cond is not None:
         cond.grad = None
-    want = grads_of(stack, x, lambda: loss_of(twin_forward(stack, x, cond, exact)))
+    twin = (lambda: rounded_forward(stack, x, 16, cond)) if exact else (lambda: plain_forward(stack, x, cond))
+    want = grads_of(stack, x, lambda: loss_of(twin()))
     assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
     if cond is not None:
         assert max_rel_error([got_cond], [cond.grad]) <= 1e-10
-
-
-def twin_forward(stack, x, cond, exact):
-    from revtriton.models.common import stored_exact_streams, stored_float_streams
-
-    layers = list(stack)
-    y1, y2 = (stored_exact_streams(layers, x, x, 16, cond) if exact else stored_float_streams(layers, x, x, cond))
-    return (y1 + y2) * 0.5
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])

@@ -32,15 +32,15 @@ class DropPath(nn.Module):
         return out * keep / (1 - self.p)
 
 
-def plain_forward(stack, x):
-    """Stored-activation forward of a stack's layers (float streams)."""
-    y1, y2 = stored_float_streams(list(stack), x, x)
+def plain_forward(stack, x, cond=None):
+    """Stored-activation forward of a stack's layers (float streams), ``cond`` to the halves that take it."""
+    y1, y2 = stored_float_streams(list(stack), x, x, cond)
     return (y1 + y2) * 0.5
 
 
-def rounded_forward(stack, x, frac_bits):
+def rounded_forward(stack, x, frac_bits, cond=None):
     """Stored-activation forward of the *rounded* model that exact streams compute."""
-    y1, y2 = stored_exact_streams(list(stack), x, x, frac_bits)
+    y1, y2 = stored_exact_streams(list(stack), x, x, frac_bits, cond)
     return (y1 + y2) * 0.5
 
 

@@ -28,6 +28,7 @@ a conditioned half without ``cond_samples``, a token-wise half whose draw is per
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,15 +62,8 @@ class RowChunks:
         """The conditioning for rows ``start:stop``: its samples' rows for a chunk of samples."""
         if cond is None or self.sample_shape is None or not takes_cond(half):
             return cond
-        per_sample = _rows_in(self.sample_shape)
+        per_sample = math.prod(self.sample_shape[:-1])  # a sample's rows
         return half.cond_samples(cond, start // per_sample, stop // per_sample, self.samples)
-
-
-def _rows_in(sample_shape: tuple) -> int:
-    rows = 1
-    for size in sample_shape[:-1]:
-        rows *= size
-    return rows
 
 
 def layer_rows(layer, rows: int | None) -> int | None:
