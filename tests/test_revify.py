@@ -476,6 +476,35 @@ def test_timm_qk_norm_runs_the_blocks_own_modules(seeded):
     check_against_twin(model, twin, loss, twin_loss, exact=True)
 
 
+@pytest.mark.timm
+def test_timm_fused_halves_apply_drop_path_and_layer_scale_as_the_blocks_modules(seeded):
+    """In training, a fused timm half scales its rows by the stochastic-depth draw and folds LayerScale
+    into its output projection: with the same draws of the halves' generators, the loss and every
+    gradient equal those of the same blocks run through their own modules (float64: only the order of
+    the sums differs). A fused path that dropped no rows, or forgot LayerScale, differs by its factor
+    (1 / keep, gamma) whatever was drawn."""
+    model = revify(timm_vit(seeded, drop_path_rate=0.5, init_values=0.5), exact=False).double().train()
+    assert all(b.drop_path2.drop_prob > 0 for b in model.blocks[1:])  # timm: 0 at block 0, then rising
+    inputs, labels = make_batch("timm_vit")
+    inputs = inputs.double()
+
+    def step(fused):
+        for block in model.blocks:
+            block._revtriton_fused = (fused, fused)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seeded)  # the halves' generators fork from it: the same draws each time
+        loss = F.cross_entropy(model(inputs), labels)
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step(fused=True)
+    module_loss, module_grads = step(fused=False)
+    assert torch.allclose(loss, module_loss, rtol=1e-10, atol=0)
+    assert grads.keys() == module_grads.keys() and len(grads) > 0.8 * len(list(model.parameters()))
+    for name, grad in grads.items():
+        assert torch.allclose(grad, module_grads[name], rtol=1e-9, atol=1e-12 * module_grads[name].abs().max()), name
+
+
 def _pruned_features(model, k, x):
     """forward_features of the model pruned to blocks 0..k, without the final norm and prefix tokens (the
     pruned stack is a slice: the same blocks, so gradients reach the model's own parameters)."""

@@ -259,7 +259,7 @@ class _Half(OpHalf):
         return False
 
     # The fused path: ``couple_op`` (ops.mlp / ops.attention) over ``operands``, as halves.transformer's
-    # halves compute theirs (halves.base.OpHalf); a family with another path overrides ``_fused``.
+    # halves compute theirs (halves.base.OpHalf): every family's fused path.
     couple_op = None
 
     def operands(self, x, layout=None) -> tuple:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..halves.base import parameter
 from ..halves.transformer import drop_path_scale, layer_scaled
 from ..ops.attention import norm_attention_couple
 from ..ops.mlp import norm_mlp_couple
-from .core import (bound_couple, Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _RevifiedBlock, _swap_class,
+from .core import (Family, _convert_blocks, _Half, _OrdinaryBlock, _p, _parts, _RevifiedBlock, _swap_class,
                    CHECKPOINTING_MESSAGE)
 from .host import _BlockSteps
 
@@ -50,14 +51,16 @@ class _TimmAttentionHalf(_Half):
     def _row(self, x):
         return drop_path_scale(x, float(getattr(self.block.drop_path1, "drop_prob", 0.0)), self.block.training)
 
-    def _fused(self, res, x, sign, frac_bits):
-        b, a = self.block, self.block.attn
-        x = self._input(x, a.qkv.weight)
-        w_proj, b_proj = layer_scaled(a.proj.weight, a.proj.bias, getattr(b.ls1, "gamma", None))
-        return bound_couple(norm_attention_couple, res, x, sign, frac_bits,
-                            b.norm1.weight, b.norm1.bias, a.qkv.weight, a.qkv.bias,
-                            w_proj, b_proj, heads=a.num_heads, causal=False, norm="layer", eps=b.norm1.eps,
-                            row_scale=self._row(x))
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):  # (a ViT's rows carry no token layout)
+        b = _parts(self.block)
+        norm, a = b["norm1"], b["attn"]
+        qkv, proj = _parts(a)["qkv"], _parts(a)["proj"]
+        w_proj, b_proj = layer_scaled(parameter(proj, "weight"), parameter(proj, "bias"), parameter(b["ls1"], "gamma"))
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(qkv, "weight"), parameter(qkv, "bias"),
+                 w_proj, b_proj), dict(heads=a.num_heads, causal=False, norm="layer", eps=norm.eps,
+                                       row_scale=self._row(x)))
 
     def _modules(self, x):
         b = self.block
@@ -90,14 +93,16 @@ class _TimmMlpHalf(_Half):
     def _row(self, x):
         return drop_path_scale(x, float(getattr(self.block.drop_path2, "drop_prob", 0.0)), self.block.training)
 
-    def _fused(self, res, x, sign, frac_bits):
-        b, m = self.block, self.block.mlp
-        x = self._input(x, m.fc1.weight)
-        w2, b2 = layer_scaled(m.fc2.weight, m.fc2.bias, getattr(b.ls2, "gamma", None))
-        return bound_couple(norm_mlp_couple, res, x, sign, frac_bits,
-                            b.norm2.weight, b.norm2.bias, m.fc1.weight, m.fc1.bias, w2,
-                            b2, norm="layer", activation=_timm_activation(m.act), eps=b.norm2.eps,
-                            row_scale=self._row(x))
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
+        b = _parts(self.block)
+        norm, m = b["norm2"], b["mlp"]
+        fc1, fc2 = _parts(m)["fc1"], _parts(m)["fc2"]
+        w2, b2 = layer_scaled(parameter(fc2, "weight"), parameter(fc2, "bias"), parameter(b["ls2"], "gamma"))
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(fc1, "weight"), parameter(fc1, "bias"),
+                 w2, b2), dict(norm="layer", activation=_timm_activation(_parts(m)["act"]), eps=norm.eps,
+                               row_scale=self._row(x)))
 
     def _modules(self, x):
         b = self.block
