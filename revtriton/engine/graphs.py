@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..ops.arguments import checked_int
 from . import checks
 
 HOST_SYNC_HINT = ("a host sync inside the step (.item(), bool(tensor), print(tensor), a data-dependent shape such "
@@ -85,8 +86,7 @@ class CapturedStep:
     def __init__(self, train_step, *, warmup: int = 3, pool=None, _backend=None):
         if not callable(train_step):
             raise TypeError(f"CapturedStep takes a callable train_step, got {type(train_step).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int >= 1 (the autotuners run before the capture), got {warmup!r}")
+        checked_int("warmup", warmup, 1, note=" (the autotuners run before the capture)")
         if _backend is None and not torch.cuda.is_available():
             raise RuntimeError("CapturedStep needs CUDA (a CUDA graph); this torch has no CUDA device")
         self.train_step, self.warmup, self.pool = train_step, warmup, pool
