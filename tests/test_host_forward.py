@@ -199,6 +199,40 @@ def test_decoders_with_llamas_layer_conventions_compute_the_librarys_function(fa
     assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids))
 
 
+# Decoders whose MLP is a mixture of experts (LLaMA's layer parts otherwise): the experts run on the
+# layer's own modules, each layer as its parts say (DeepSeek-V3's first layer has a gated MLP).
+MOE_FAMILIES = {
+    "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48),
+    "DeepseekV3": dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       n_group=1, topk_group=1, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, head_dim=8,
+                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),  # head_dim: the rotary part's
+}
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_mixture_of_experts_decoders_compute_the_librarys_function(family, seeded):
+    """A preserving conversion of a mixture-of-experts decoder keeps its logits and cached greedy
+    generation; a layer with a gated MLP (DeepSeek-V3's dense first layers) runs it fused, the experts'
+    layers their own modules (the spec is each layer's: it was layer 0's for every layer, and
+    DeepSeek-V3 raised KeyError 'gate_proj')."""
+    original = _decoder(family, seeded, **MOE_FAMILIES[family])
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    ids = torch.randint(1, 128, (2, 10))
+    assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids))
+    dense = MOE_FAMILIES[family].get("first_k_dense_replace", 0)
+    assert [layer._revtriton_spec.fused_mlp for layer in model.model.layers] == [i < dense for i in range(DEPTH)]
+
+
+def test_deepseek_v3_trains_saves_and_pickles(seeded, tmp_path):
+    """DeepSeek-V3 (a dense first layer, then experts; multi-head latent attention on its own module):
+    an exact training step bitwise equals its stored-activation twin, and it saves, loads and pickles."""
+    model = revify(_decoder("DeepseekV3", seeded, **MOE_FAMILIES["DeepseekV3"]), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path)
+
+
 def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp_path):
     """Granite: an exact training step bitwise equals its stored-activation twin; save_pretrained ->
     revtriton.from_pretrained converts it again (equal logits); the swapped classes pickle, and a

@@ -133,7 +133,7 @@ class _LlamaMlpHalf(_LlamaHalf):
         m = _parts(_parts(self.block)["mlp"])
         if "gate_up_proj" in m:  # Phi-3: one gate/up projection, rows [gate, up]
             return m["gate_up_proj"], m["down_proj"]
-        return m["gate_proj"], m["up_proj"], m["down_proj"]
+        return tuple(m[name] for name in ("gate_proj", "up_proj", "down_proj") if name in m)  # (none: experts)
 
     def _dropouts(self):
         return (_branch_p(self.block, _mlp_branch_dropout_name(self.block)),)
@@ -173,6 +173,18 @@ def _sliding_windows(config, depth) -> list:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
+def _fused_parts(block, plain_attention: bool, silu_mlp: bool) -> dict:
+    """What the fused kernels compute of one layer, from its own parts: layers of a model may differ
+    (DeepSeek's first layers have a gated MLP, the rest a mixture of experts that runs on its own
+    modules)."""
+    attention, mlp = _parts(block)["self_attn"], _parts(block)["mlp"]
+    gated = hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj"))
+    projections = hasattr(attention, "o_proj") and (
+        hasattr(attention, "qkv_proj") or all(hasattr(attention, part) for part in ("q_proj", "k_proj", "v_proj")))
+    return dict(fused_norm=_layer_norms_are_plain(block), fused_attention=projections and plain_attention,
+                fused_mlp=silu_mlp and gated)
+
+
 def _convert_llama(model, conversion, found=None):
     """LLaMA and the decoders that share its layer conventions (pre-norm RMSNorm, q/k/v/o projections
     with RoPE and GQA, gated MLP): Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (qk-norm), Gemma
@@ -196,20 +208,11 @@ def _convert_llama(model, conversion, found=None):
                        and _scores_scaled_plainly(attention, head_dim))
     _require_hosted_layer_loop(name)
     qk_norm = attention is not None and hasattr(attention, "q_norm")
-    layer = base.layers[0]
-    mlp = layer.mlp
-    gated = hasattr(mlp, "gate_up_proj") or all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj"))
-    projections = hasattr(attention, "o_proj") and (
-        hasattr(attention, "qkv_proj") or all(hasattr(attention, part) for part in ("q_proj", "k_proj", "v_proj")))
-    silu = getattr(config, "hidden_act", None) == "silu"
+    silu_mlp = getattr(config, "hidden_act", None) == "silu" and not getattr(config, "mlp_bias", False)
     spec = LayerSpec(heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm,
-                     fused_heads=head_dim * heads == config.hidden_size,
-                     fused_norm=_layer_norms_are_plain(layer),
-                     fused_attention=projections and plain_attention,
-                     fused_mlp=silu and gated and not getattr(config, "mlp_bias", False),
-                     **_rope_spec(config, name, base, head_dim))
+                     fused_heads=head_dim * heads == config.hidden_size, **_rope_spec(config, name, base, head_dim))
     for block, window in zip(base.layers, _sliding_windows(config, len(base.layers))):
-        block._revtriton_spec = replace(spec, window=window)
+        block._revtriton_spec = replace(spec, window=window, **_fused_parts(block, plain_attention, silu_mlp))
     if probe:
         _probe_layers(base, name, base.layers, (_HostLlamaAttentionHalf, _LlamaMlpHalf), _rotary_layer_inputs(base),
                       "LLaMA's pre-norm layer x + attention(norm(x)), then + mlp(norm(h))")
@@ -269,7 +272,8 @@ def _pickled_by_class() -> dict:
 FAMILY = Family(
     "llama", ("transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
               "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
-              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...)"),
+              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...; "
+              "mixture-of-experts MLPs too: Mixtral, Qwen2-MoE, DeepSeek-V3)"),
     _convert_llama, classes=tuple(("transformers", f"{prefix}{kind}") for prefix in _BY_CLASS.values()
                                   for kind in ("ForCausalLM", "Model")),
     detect=_llama_convention_base, pickled=_pickled_by_class(),
