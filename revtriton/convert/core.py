@@ -450,6 +450,7 @@ class LayerSpec:
     norm: str = ""  # parallel layers: the names of the norm and attention submodules
     attention: str = ""
     mlp_norm: str = ""  # parallel layers whose MLP has a norm of its own (Falcon's ln_mlp): its name
+    library_causal: bool = False  # the library's loop passes is_causal=True to the attention (CLIP's text)
 
 
 LayerSpec.__module__ = SWAPPED_MODULE  # pickled with the blocks by the package's name, wherever it lives

@@ -388,7 +388,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
     seen = [False, False]
     for i in layers:
         kwargs = call.layer_kwargs[i]
-        if kwargs.get("is_causal"):
+        if kwargs.get("is_causal") and not _spec_of(stack[i]).library_causal:  # (CLIP's text halves pass it on)
             raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
         for key in ("position_ids", *LAYER_TENSORS):
             if kwargs.get(key) is not first.get(key):

@@ -1,0 +1,163 @@
+"""CLIP and SigLIP encoders under revify (revtriton/convert/clip.py): each text or vision tower a
+reversible stack run through the library's own forward (its embeddings, masks and pooling), both
+towers of CLIPModel / SiglipModel, the heads around them."""
+import copy
+
+import pytest
+import torch
+
+from revtriton import ReversibleStack
+from revtriton.convert import revify
+from revtriton.models import to_stored_activations
+
+from fresh_process import run_python
+from test_models import check_against_twin
+
+transformers = pytest.importorskip("transformers")
+
+DEPTH = 3
+KINDS = ("CLIP", "Siglip")
+
+
+def _configs(kind):
+    text = getattr(transformers, f"{kind}TextConfig")(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+        max_position_embeddings=32, pad_token_id=1, **(dict(bos_token_id=0, eos_token_id=2) if kind == "CLIP" else {}))
+    vision = getattr(transformers, f"{kind}VisionConfig")(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8)
+    return text, vision
+
+
+def _model(kind, tower, seed):
+    """A tiny random-init model: ``tower`` "text" / "vision" (the tower model), or "both" (CLIPModel /
+    SiglipModel). Weights off their small init, so that every branch shows in the outputs."""
+    torch.manual_seed(seed)
+    text, vision = _configs(kind)
+    if tower == "both":
+        config = getattr(transformers, f"{kind}Config")(text_config=text.to_dict(), vision_config=vision.to_dict())
+        model = getattr(transformers, f"{kind}Model")(config)
+    else:
+        model = getattr(transformers, f"{kind}{tower.title()}Model")(text if tower == "text" else vision)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3) if p.dim() > 1 else p.normal_(1.0 if p.dim() == 1 else 0.0, 0.1)
+    return model.eval()
+
+
+def _inputs(tower):
+    """Images; or token ids with the end-of-text id (CLIP pools at it) and a right-padded second row."""
+    if tower == "vision":
+        return dict(pixel_values=torch.randn(2, 3, 32, 32))
+    ids = torch.randint(3, 100, (2, 9))
+    ids[0, -1], ids[1, 5] = 2, 2
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _outputs(out):
+    """The tensors a caller reads of a tower's or a two-tower model's output."""
+    if hasattr(out, "logits_per_image"):
+        return [out.logits_per_image, out.text_embeds, out.image_embeds]
+    return [out.last_hidden_state, out.pooler_output, *out.hidden_states]
+
+
+def _stacks(model):
+    return [m for m in model.modules() if isinstance(m, ReversibleStack)]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("tower", ["text", "vision", "both"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_preserving_conversion_keeps_the_librarys_function(kind, tower, seeded):
+    """meft3 keeps what the pretrained model computes: the last and every hidden state and the pooled
+    output of a tower (the text one causal in CLIP, with padding), the image-text logits of both;
+    each tower is a stack of its own."""
+    original = _model(kind, tower, seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert len(_stacks(model)) == (2 if tower == "both" else 1)
+    if tower == "both":
+        inputs = {**_inputs("text"), **_inputs("vision")}
+        options = {}
+    else:
+        inputs, options = _inputs(tower), dict(output_hidden_states=True)
+    with torch.no_grad():
+        theirs, ours = _outputs(original(**inputs, **options)), _outputs(model(**inputs, **options))
+    assert len(ours) == len(theirs)
+    for got, expected in zip(ours, theirs):
+        # meft3's scaled couplings round each branch at 2**-16 of its scale: far below the weights' size.
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+
+
+def test_clip_text_attention_stays_causal(seeded):
+    """A CLIP text tower's first tokens do not see the later ones (its layers get is_causal=True and,
+    without padding, no mask: the halves pass it on), so changing the last token leaves the others."""
+    model = revify(_model("CLIP", "text", seeded), exact=True).eval()
+    ids = _inputs("text")["input_ids"]
+    other = ids.clone()
+    other[:, -1] = (ids[:, -1] + 1) % 100
+    with torch.no_grad():
+        a, b = model(input_ids=ids).last_hidden_state, model(input_ids=other).last_hidden_state
+    assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])
+    with pytest.raises(RuntimeError, match="needs its model's mask"):
+        model.encoder.layers[0].coupling_halves()[0](torch.randn(1, 4, 32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_path):
+    """The contrastive loss of CLIPModel / SiglipModel (both towers reversible, padding in the text):
+    an exact training step's loss and every gradient bitwise equal the stored-activation twin's; then
+    save_pretrained -> revtriton.from_pretrained, a pickle, and a fresh process's unpickling give its
+    logits."""
+    import pickle
+
+    from revtriton import from_pretrained
+
+    model = revify(_model(kind, "both", seeded), exact=True).train()
+    inputs = {**_inputs("text"), **_inputs("vision"), "return_loss": True}
+    twin = to_stored_activations(copy.deepcopy(model))
+    loss = model(**inputs).loss
+    loss.backward()
+    twin_loss = twin(**inputs).loss
+    twin_loss.backward()
+    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    assert all(p.grad is not None for name, p in model.named_parameters() if ".layers." in name)
+
+    model.eval()
+    del inputs["return_loss"]
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = model(**inputs).logits_per_image
+        loaded = from_pretrained(tmp_path).eval()
+        assert len(_stacks(loaded)) == 2 and torch.equal(loaded(**inputs).logits_per_image, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits_per_image, expected)
+    torch.save({"model": model, "inputs": inputs, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
+             "out = saved['model'](**saved['inputs']).logits_per_image; "
+             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), check=True)
+
+
+def test_the_heads_around_a_tower_convert_it():
+    """A tower with its projection, or a classifier over the vision tower, converts that tower."""
+    text, vision = _configs("CLIP")
+    for model in (transformers.CLIPTextModelWithProjection(text), transformers.CLIPVisionModelWithProjection(vision),
+                  transformers.CLIPForImageClassification(transformers.CLIPConfig(
+                      text_config=text.to_dict(), vision_config=vision.to_dict(), num_labels=3))):
+        revify(model)
+        assert len(_stacks(model)) == 1, type(model).__name__
+    model = transformers.CLIPForImageClassification(transformers.CLIPConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), num_labels=3))
+    revify(model, exact=True).train()
+    model(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2])).loss.backward()
+    assert model.vision_model.encoder.layers[0].layer_norm1.weight.grad is not None
+
+
+def test_a_layer_with_other_parts_is_refused_naming_them():
+    model = _model("Siglip", "vision", 0)
+    model.encoder.layers[1].adapter = torch.nn.Identity()  # an extra part the halves would not run
+    with pytest.raises(NotImplementedError, match=r"SiglipEncoderLayer has parts \['adapter', 'layer_norm1'"):
+        revify(model)
+    assert not _stacks(model)  # nothing changed
