@@ -90,6 +90,50 @@ def test_a_preserving_conversion_keeps_the_librarys_function(kind, tower, seeded
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("tower", ["text", "vision"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded):
+    """A training step runs no attention module of the library (the fused attention computes it, the
+    text towers' padding by its token layout) and no MLP module of SigLIP (tanh GELU); CLIP's quick-GELU
+    MLP runs the layer's own. The step's gradients match the unconverted layers' function: the
+    stored-activation twin of the same halves is checked elsewhere; here, against the library's
+    modules forced on every half (float streams: equal to float rounding)."""
+    model = revify(_model(kind, tower, seeded), exact=False).train()
+    calls = {"self_attn": 0, "mlp": 0}
+
+    def counter(name):
+        def count(*_):
+            calls[name] += 1
+        return count
+
+    for layer in model.encoder.layers:
+        for name in calls:
+            getattr(layer, name).register_forward_pre_hook(counter(name))
+    inputs = _inputs(tower)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        loss = out.last_hidden_state.square().mean() + out.pooler_output.square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step()
+    assert calls["self_attn"] == 0
+    assert calls["mlp"] == (0 if kind == "Siglip" else 2 * DEPTH)  # forward and the rebuild
+    for layer in model.encoder.layers:
+        layer._revtriton_spec.fused_attention, layer._revtriton_spec.activation = False, None
+    module_loss, module_grads = step()
+    assert calls["self_attn"] == 2 * DEPTH
+    torch.testing.assert_close(loss, module_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == module_grads.keys()
+    # Relative to the largest gradient of the step: the key projection's bias has none (softmax does
+    # not see a shift of all keys), only rounding of the other terms' size.
+    scale = max(g.abs().max().item() for g in module_grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, module_grads[name], rtol=0, atol=1e-5 * scale, msg=name)
+
+
 def test_clip_text_attention_stays_causal(seeded):
     """A CLIP text tower's first tokens do not see the later ones (its layers get is_causal=True and,
     without padding, no mask: the halves pass it on), so changing the last token leaves the others."""
@@ -97,11 +141,22 @@ def test_clip_text_attention_stays_causal(seeded):
     ids = _inputs("text")["input_ids"]
     other = ids.clone()
     other[:, -1] = (ids[:, -1] + 1) % 100
+    for fused in (True, False):  # the fused kernels; the layer's own attention module (the library's call)
+        for layer in model.encoder.layers:
+            layer._revtriton_spec.fused_attention = fused
+        with torch.no_grad():
+            a, b = model(input_ids=ids).last_hidden_state, model(input_ids=other).last_hidden_state
+        assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1]), fused
+        for layer in model.encoder.layers:
+            layer._revtriton_spec.fused_attention = True
+    attention = model.encoder.layers[0].coupling_halves()[0]  # alone (no mask from the model): causal too
+    x = torch.randn(2, 5, 32)
+    y = x.clone()
+    y[:, -1] += 1.0
     with torch.no_grad():
-        a, b = model(input_ids=ids).last_hidden_state, model(input_ids=other).last_hidden_state
-    assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])
-    with pytest.raises(RuntimeError, match="needs its model's mask"):
-        model.encoder.layers[0].coupling_halves()[0](torch.randn(1, 4, 32))
+        assert torch.equal(attention(x)[:, :-1], attention(y)[:, :-1])
+        model.encoder.layers[0]._revtriton_spec.fused_attention = False  # the layer's own module, alone
+        assert torch.equal(attention(x)[:, :-1], attention(y)[:, :-1])
 
 
 @pytest.mark.parametrize("kind", KINDS)

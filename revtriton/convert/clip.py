@@ -1,14 +1,20 @@
 """Hugging Face CLIP and SigLIP encoders: a text or vision tower alone, with its projection or a
 classifier, or both towers of ``CLIPModel`` / ``SiglipModel``. Their layers are pre-norm,
 ``x + attention(layer_norm1(x))`` then ``h + mlp(layer_norm2(h))``, run through the library's own
-forward; each tower is a stack of its own. Both halves run the layer's own modules: its attention
-with the library's mask (causal in CLIP's text tower), its MLP (CLIP's quick GELU, SigLIP's tanh
-GELU)."""
+forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
+text tower, padded rows by their token layout) and SigLIP's tanh-GELU MLP; CLIP's quick-GELU MLP,
+dropout in training and other custom masks run the layer's own modules."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _parts, _RevifiedLM, _spec_of
+import torch
+
+from ..halves.base import parameter
+from ..ops.attention import norm_attention_couple
+from ..ops.mlp import norm_mlp_couple
+from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options,
+                   _parts, _RevifiedLM, _spec_of)
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
@@ -27,8 +33,9 @@ def _causal(block) -> dict:
     return {"is_causal": True} if _spec_of(block).library_causal else {}
 
 
-class _ClipAttentionHalf(_HostAttention, _LibraryHalf):
-    takes_cond = True  # the library's mask (padding, causal), no token layout
+class _ClipAttentionHalf(_HostAttention, _Half):
+    takes_cond = True  # the library's mask (padding, causal) and the token layout of padded rows
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
 
     def _attention_module(self):
         return _parts(self.block)["self_attn"]
@@ -36,27 +43,63 @@ class _ClipAttentionHalf(_HostAttention, _LibraryHalf):
     def _attention_norm(self):
         return _parts(self.block)["layer_norm1"]
 
+    def _projections(self):
+        a = _parts(self._attention_module())
+        return a["q_proj"], a["k_proj"], a["v_proj"], a["out_proj"]
+
+    def _dropouts(self):
+        return (float(self._attention_module().dropout or 0.0),)
+
+    def _beyond_fused(self, x):
+        return not self._spec().fused_attention
+
+    couple_op = norm_attention_couple
+
+    def operands(self, x, layout=None):
+        norm, a = self._attention_norm(), self._attention_module()
+        q, k, v, out = self._projections()
+        w_qkv, b_qkv = _concatenated_qkv(q, k, v)
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), w_qkv, b_qkv, parameter(out, "weight"),
+                 parameter(out, "bias")), dict(heads=a.num_heads, causal=self._spec().library_causal, norm="layer",
+                                               eps=norm.eps, **_layout_options(layout)))
+
     def _library_call(self, x, host, extra):
         b = self.block
         x = self._input(x, b.layer_norm1.weight)
         return _first(b.self_attn(hidden_states=b.layer_norm1(x), attention_mask=host.mask_for(b), **_causal(b),
                                   **extra))
 
-    def _standalone(self, cond) -> bool:
-        """Alone (no conditioning: no mask), a vision tower's half runs its modules; a causal one
-        needs the model's mask (the library's eager attention reads causality from it only)."""
-        if cond is None and _causal(self.block):
-            raise RuntimeError("revtriton: a causal CLIP text layer's attention half needs its model's mask: call the "
-                               "model, not the half or the stack alone")
+    def _standalone(self, cond) -> bool:  # no mask alone: one unpadded sequence per row (_modules)
         return cond is None
 
     def _modules(self, x):
         b = self.block
-        return _first(b.self_attn(hidden_states=b.layer_norm1(self._input(x, b.layer_norm1.weight)), **_causal(b)))
+        x = self._input(x, b.layer_norm1.weight)
+        mask = None
+        if self._spec().library_causal:  # as a mask: the library's eager attention reads causality from it only
+            tokens = x.shape[-2]
+            mask = torch.full((tokens, tokens), float("-inf"), dtype=x.dtype, device=x.device).triu(1)[None, None]
+        return _first(b.self_attn(hidden_states=b.layer_norm1(x), attention_mask=mask))
 
 
-class _ClipMlpHalf(_LibraryHalf):
+class _ClipMlpHalf(_Half):
     rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+
+    def _projections(self):
+        m = _parts(_parts(self.block)["mlp"])
+        return m["fc1"], m["fc2"]
+
+    def _beyond_fused(self, x):  # CLIP's quick GELU: not one of the fused MLP's activations
+        return self._spec().activation is None
+
+    couple_op = norm_mlp_couple
+
+    def operands(self, x, layout=None):
+        norm = _parts(self.block)["layer_norm2"]
+        inner, out = self._projections()
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
+                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
+                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b = self.block
@@ -101,8 +144,12 @@ def _convert_clip(model, conversion, found=None):
                 raise NotImplementedError(f"revify: {type(layer).__name__} has parts {sorted(parts)} (layer {i}), not "
                                           f"CLIP's {sorted(_LAYER_PARTS)}: not supported")
     for tower in towers:
-        causal = _TOWERS[type(tower).__name__][1]
-        spec = LayerSpec(fused_attention=False, fused_mlp=False, library_causal=causal)
+        config, causal = tower.config, _TOWERS[type(tower).__name__][1]
+        attention = tower.encoder.layers[0].self_attn
+        head_dim = attention.head_dim
+        spec = LayerSpec(fused_attention=(head_dim * attention.num_heads == config.hidden_size
+                                          and abs(float(attention.scale) - head_dim**-0.5) <= 1e-12),
+                         activation=_HF_ACTIVATIONS.get(config.hidden_act), library_causal=causal)
         for layer in tower.encoder.layers:
             layer._revtriton_spec = replace(spec)
         tokens = _TOWERS[type(tower).__name__][2]
@@ -130,6 +177,6 @@ def _pickled() -> dict:
 FAMILY = Family("clip", ("transformers CLIP and SigLIP text and vision towers (CLIPTextModel, CLIPVisionModel, "
                          "SiglipTextModel, SiglipVisionModel), with their projection or classifier, and both "
                          "towers of CLIPModel / SiglipModel",),
-                _convert_clip, halves="library",
+                _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *_WRAPPERS["clip"], *_WRAPPERS["siglip"])),
                 pickled=_pickled())
