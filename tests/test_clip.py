@@ -12,6 +12,7 @@ from revtriton.models import to_stored_activations
 
 from fresh_process import run_python
 from test_models import check_against_twin
+from test_revify import FLOAT_TWIN_BOUND
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,8 +98,8 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
     text towers' padding by its token layout) and no MLP module of SigLIP (tanh GELU); CLIP's quick-GELU
     MLP runs the layer's own. The step's gradients match the unconverted layers' function: the
     stored-activation twin of the same halves is checked elsewhere; here, against the library's
-    modules forced on every half (float streams: equal to float rounding)."""
-    model = revify(_model(kind, tower, seeded), exact=False).train()
+    modules forced on every half (float streams in float64: equal to its rounding)."""
+    model = revify(_model(kind, tower, seeded), exact=False).double().train()
     calls = {"self_attn": 0, "mlp": 0}
 
     def counter(name):
@@ -109,7 +110,7 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
     for layer in model.encoder.layers:
         for name in calls:
             getattr(layer, name).register_forward_pre_hook(counter(name))
-    inputs = _inputs(tower)
+    inputs = {name: t.double() if t.is_floating_point() else t for name, t in _inputs(tower).items()}
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -125,13 +126,29 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
         layer._revtriton_spec.fused_attention, layer._revtriton_spec.activation = False, None
     module_loss, module_grads = step()
     assert calls["self_attn"] == 2 * DEPTH
-    torch.testing.assert_close(loss, module_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, module_loss, rtol=1e-12, atol=0)
     assert grads.keys() == module_grads.keys()
     # Relative to the largest gradient of the step: the key projection's bias has none (softmax does
     # not see a shift of all keys), only rounding of the other terms' size.
     scale = max(g.abs().max().item() for g in module_grads.values())
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, module_grads[name], rtol=0, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(grad, module_grads[name], rtol=0, atol=1e-10 * scale, msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_chunk_keeps_the_gradients_of_the_whole_towers(kind, seeded):
+    """``revify(token_chunk=7)``: both towers' MLPs by 7 rows, their attention a sample at a time (the
+    text's padded rows with their mask). Float streams, eval mode, float64 (these random weights make
+    sharp attention, which magnifies fp32 rounding to 1e-4 of the key bias's null gradient): the
+    contrastive loss and gradients of the unchunked model up to float64 rounding."""
+    whole = revify(_model(kind, "both", seeded), exact=False).double().eval()
+    chunked = revify(_model(kind, "both", seeded), exact=False, token_chunk=7).double().eval()
+    inputs = {**_inputs("text"), **_inputs("vision"), "return_loss": True}
+    inputs["pixel_values"] = inputs["pixel_values"].double()
+    losses = [model(**inputs).loss for model in (whole, chunked)]
+    for loss in losses:
+        loss.backward()
+    check_against_twin(chunked, whole, losses[1], losses[0], False, 1e-9)
 
 
 def test_clip_text_attention_stays_causal(seeded):
