@@ -17,16 +17,17 @@ from test_revify import FLOAT_TWIN_BOUND
 transformers = pytest.importorskip("transformers")
 
 DEPTH = 3
-KINDS = ("CLIP", "Siglip")
+KINDS = ("CLIP", "Siglip", "Siglip2")
 
 
 def _configs(kind):
     text = getattr(transformers, f"{kind}TextConfig")(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
         max_position_embeddings=32, pad_token_id=1, **(dict(bos_token_id=0, eos_token_id=2) if kind == "CLIP" else {}))
+    # SigLIP 2 takes patches as they come (up to 16 of 4 x 4 pixels a sample, a mask of the padded ones).
+    size = dict(num_patches=16, patch_size=4) if kind == "Siglip2" else dict(image_size=32, patch_size=8)
     vision = getattr(transformers, f"{kind}VisionConfig")(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
-        patch_size=8)
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, **size)
     return text, vision
 
 
@@ -46,8 +47,14 @@ def _model(kind, tower, seed):
     return model.eval()
 
 
-def _inputs(tower):
-    """Images; or token ids with the end-of-text id (CLIP pools at it) and a right-padded second row."""
+def _inputs(tower, kind="CLIP"):
+    """Images (SigLIP 2: 16 patches a sample, the second sample's last 4 padding); or token ids with the
+    end-of-text id (CLIP pools at it) and a right-padded second row."""
+    if tower == "vision" and kind == "Siglip2":
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 12:] = 0
+        return dict(pixel_values=torch.randn(2, 16, 3 * 4 * 4), pixel_attention_mask=mask,
+                    spatial_shapes=torch.tensor([[4, 4], [3, 4]]))
     if tower == "vision":
         return dict(pixel_values=torch.randn(2, 3, 32, 32))
     ids = torch.randint(3, 100, (2, 9))
@@ -79,10 +86,10 @@ def test_a_preserving_conversion_keeps_the_librarys_function(kind, tower, seeded
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert len(_stacks(model)) == (2 if tower == "both" else 1)
     if tower == "both":
-        inputs = {**_inputs("text"), **_inputs("vision")}
+        inputs = {**_inputs("text"), **_inputs("vision", kind)}
         options = {}
     else:
-        inputs, options = _inputs(tower), dict(output_hidden_states=True)
+        inputs, options = _inputs(tower, kind), dict(output_hidden_states=True)
     with torch.no_grad():
         theirs, ours = _outputs(original(**inputs, **options)), _outputs(model(**inputs, **options))
     assert len(ours) == len(theirs)
@@ -95,10 +102,10 @@ def test_a_preserving_conversion_keeps_the_librarys_function(kind, tower, seeded
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded):
     """A training step runs no attention module of the library (the fused attention computes it, the
-    text towers' padding by its token layout) and no MLP module of SigLIP (tanh GELU); CLIP's quick-GELU
-    MLP runs the layer's own. The step's gradients match the unconverted layers' function: the
-    stored-activation twin of the same halves is checked elsewhere; here, against the library's
-    modules forced on every half (float streams in float64: equal to its rounding)."""
+    text towers' padding by its token layout; not SigLIP 2's patch mask) and no MLP module of SigLIP
+    (tanh GELU); CLIP's quick-GELU MLP runs the layer's own. The step's gradients match the unconverted
+    layers' function: the stored-activation twin of the same halves is checked elsewhere; here, against
+    the library's modules forced on every half (float streams in float64: equal to its rounding)."""
     model = revify(_model(kind, tower, seeded), exact=False).double().train()
     calls = {"self_attn": 0, "mlp": 0}
 
@@ -110,7 +117,7 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
     for layer in model.encoder.layers:
         for name in calls:
             getattr(layer, name).register_forward_pre_hook(counter(name))
-    inputs = {name: t.double() if t.is_floating_point() else t for name, t in _inputs(tower).items()}
+    inputs = {name: t.double() if t.is_floating_point() else t for name, t in _inputs(tower, kind).items()}
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -120,10 +127,13 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     loss, grads = step()
-    assert calls["self_attn"] == 0
-    assert calls["mlp"] == (0 if kind == "Siglip" else 2 * DEPTH)  # forward and the rebuild
+    # Each count: the forward and the rebuild. SigLIP 2's padded patches: a mask only the library's
+    # attention sees (the fused attention takes token layouts, the text towers' padding).
+    assert calls["self_attn"] == (2 * DEPTH if (kind, tower) == ("Siglip2", "vision") else 0)
+    assert calls["mlp"] == (2 * DEPTH if kind == "CLIP" else 0)
     for layer in model.encoder.layers:
         layer._revtriton_spec.fused_attention, layer._revtriton_spec.activation = False, None
+    calls["self_attn"] = 0
     module_loss, module_grads = step()
     assert calls["self_attn"] == 2 * DEPTH
     torch.testing.assert_close(loss, module_loss, rtol=1e-12, atol=0)
@@ -143,7 +153,7 @@ def test_token_chunk_keeps_the_gradients_of_the_whole_towers(kind, seeded):
     contrastive loss and gradients of the unchunked model up to float64 rounding."""
     whole = revify(_model(kind, "both", seeded), exact=False).double().eval()
     chunked = revify(_model(kind, "both", seeded), exact=False, token_chunk=7).double().eval()
-    inputs = {**_inputs("text"), **_inputs("vision"), "return_loss": True}
+    inputs = {**_inputs("text"), **_inputs("vision", kind), "return_loss": True}
     inputs["pixel_values"] = inputs["pixel_values"].double()
     losses = [model(**inputs).loss for model in (whole, chunked)]
     for loss in losses:
@@ -187,7 +197,7 @@ def test_both_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_
     from revtriton import from_pretrained
 
     model = revify(_model(kind, "both", seeded), exact=True).train()
-    inputs = {**_inputs("text"), **_inputs("vision"), "return_loss": True}
+    inputs = {**_inputs("text"), **_inputs("vision", kind), "return_loss": True}
     twin = to_stored_activations(copy.deepcopy(model))
     loss = model(**inputs).loss
     loss.backward()

@@ -1,7 +1,7 @@
-"""Hugging Face CLIP and SigLIP encoders: a text or vision tower alone, with its projection or a
-classifier, or both towers of ``CLIPModel`` / ``SiglipModel``. Their layers are pre-norm,
-``x + attention(layer_norm1(x))`` then ``h + mlp(layer_norm2(h))``, run through the library's own
-forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
+"""Hugging Face CLIP, SigLIP and SigLIP 2 encoders: a text or vision tower alone, with its projection or
+a classifier, or both towers of ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model``. Their layers are
+pre-norm, ``x + attention(layer_norm1(x))`` then ``h + mlp(layer_norm2(h))``, run through the library's
+own forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
 text tower, padded rows by their token layout) and SigLIP's tanh-GELU MLP; CLIP's quick-GELU MLP,
 dropout in training and other custom masks run the layer's own modules."""
 from __future__ import annotations
@@ -20,11 +20,14 @@ from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderMo
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 # The towers, by class: (the library's module, whether its attention is causal, whether it takes tokens).
 _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", False, False),
-           "SiglipTextModel": ("siglip", False, True), "SiglipVisionModel": ("siglip", False, False)}
+           "SiglipTextModel": ("siglip", False, True), "SiglipVisionModel": ("siglip", False, False),
+           "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False)}
 # The models around the towers (their class taken by revify; their towers are found inside them).
 _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
                       "CLIPForImageClassification"),
-             "siglip": ("SiglipModel", "SiglipForImageClassification")}
+             "siglip": ("SiglipModel", "SiglipForImageClassification"),
+             "siglip2": ("Siglip2Model", "Siglip2ForImageClassification")}
+_LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -62,6 +65,12 @@ class _ClipAttentionHalf(_HostAttention, _Half):
         return ((parameter(norm, "weight"), parameter(norm, "bias"), w_qkv, b_qkv, parameter(out, "weight"),
                  parameter(out, "bias")), dict(heads=a.num_heads, causal=self._spec().library_causal, norm="layer",
                                                eps=norm.eps, **_layout_options(layout)))
+
+    def _fuses(self, x, host) -> bool:
+        """Where no mask reaches the layers that the token layout does not describe: SigLIP 2's vision
+        tower masks its padded patches (the model's ``pixel_attention_mask``), which only the library's
+        attention sees."""
+        return super()._fuses(x, host) and (host.layout is not None or host.mask_for(self.block) is None)
 
     def _library_call(self, x, host, extra):
         b = self.block
@@ -163,7 +172,7 @@ def _pickled() -> dict:
     names = {}
     for tower, (kind, _, tokens) in _TOWERS.items():
         module = f"transformers.models.{kind}.modeling_{kind}"
-        layer = "CLIPEncoderLayer" if kind == "clip" else "SiglipEncoderLayer"
+        layer = _LAYERS[kind]
         names.update({f"{_HostClipBlock._class_prefix}{layer}": (module, layer, _HostClipBlock),
                       f"{_HostClipOrdinaryBlock._class_prefix}{layer}": (module, layer, _HostClipOrdinaryBlock)})
         mixin = _HostClipTextModel if tokens else _HostClipVisionModel
@@ -174,9 +183,10 @@ def _pickled() -> dict:
     return names
 
 
-FAMILY = Family("clip", ("transformers CLIP and SigLIP text and vision towers (CLIPTextModel, CLIPVisionModel, "
-                         "SiglipTextModel, SiglipVisionModel), with their projection or classifier, and both "
-                         "towers of CLIPModel / SiglipModel",),
+FAMILY = Family("clip", ("transformers CLIP, SigLIP and SigLIP 2 text and vision towers (CLIPTextModel, "
+                         "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel), "
+                         "with their projection or classifier, and both towers of CLIPModel / SiglipModel / "
+                         "Siglip2Model",),
                 _convert_clip,
-                classes=tuple(("transformers", name) for name in (*_TOWERS, *_WRAPPERS["clip"], *_WRAPPERS["siglip"])),
+                classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())
