@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from revtriton import ReversibleStack
 from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
@@ -808,6 +809,50 @@ def test_dinov2_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
     assert [name for name, p in model.named_parameters() if p.grad is None] == ["dinov2.embeddings.mask_token"]
     assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
+
+
+def _vit_like(kind, seed):
+    """DeiT with its distillation token and teacher head, or ViT-MAE's pretraining model (a masking
+    encoder of ViT's layers, a small decoder): tiny, weights off their small init."""
+    torch.manual_seed(seed)
+    config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+                  patch_size=8, initializer_range=0.3)
+    if kind == "DeiT":
+        return transformers.DeiTForImageClassificationWithTeacher(transformers.DeiTConfig(**config, num_labels=3))
+    return transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(
+        **config, mask_ratio=0.5, decoder_num_hidden_layers=1, decoder_hidden_size=32, decoder_intermediate_size=48,
+        decoder_num_attention_heads=4))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", ["DeiT", "ViTMAE"])
+def test_models_with_vits_layers_convert_as_vit(kind, seeded, tmp_path):
+    """DeiT and ViT-MAE (its encoder; the decoder's layers stay ordinary) have ViT's layers: a preserving
+    conversion keeps their logits (MAE: the same masking noise); an exact training step's loss and
+    gradients are bitwise the stored-activation twin's; DeiT saves, loads and pickles."""
+    original = _vit_like(kind, seeded).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    inputs = dict(pixel_values=pixels) if kind == "DeiT" else dict(pixel_values=pixels, noise=torch.rand(2, 16))
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+    model = revify(copy.deepcopy(original), exact=True).train()
+    encoder = model.deit if kind == "DeiT" else model.vit
+    assert isinstance(encoder.layers, ReversibleStack)
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        out = m(**inputs)
+        losses.append(out.logits.square().mean() if kind == "DeiT" else out.loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):  # (MAE: its pooler takes no part)
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert all(p.grad is not None for name, p in encoder.named_parameters() if ".layers." in name)
+    if kind == "DeiT":
+        assert_saves_and_pickles(model, pixels, tmp_path, input_name="pixel_values")
 
 
 def test_hf_vit_takes_the_librarys_patch_mask(seeded, monkeypatch):
