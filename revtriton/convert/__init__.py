@@ -136,8 +136,12 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     if preserve is not None and peft_model:
         _check_peft_saves_modules(model)
     family, found = _family_of(target)
-    if family is not None:
-        family.convert(target, conversion, found)
+    components = [] if family is not None else _components(target)
+    if family is not None or components:
+        if family is not None:
+            family.convert(target, conversion, found)
+        for component, component_family in components:  # (a vision-language model's towers)
+            component_family.convert(component, conversion, None)
         _finish_conversion(target, recorded)
         if preserve is not None and peft_model:
             _peft_trains_adapters(model, target)
@@ -173,15 +177,38 @@ def _unmatched_layers(model: nn.Module) -> str:
             f"revtriton.ReversibleBlock(F, G) in a ReversibleStack")
 
 
+def _family_by_class(model: nn.Module):
+    """The first family one of whose classes ``model``'s class is or derives from, or None."""
+    mro = type(model).__mro__
+    return next((family for family in FAMILIES if any(cls.__name__ == name and cls.__module__.startswith(prefix)
+                                                       for prefix, name in family.classes for cls in mro)), None)
+
+
+def _components(model: nn.Module) -> list:
+    """``[(sub-model, family)]``: the sub-models of a model no family takes whole that families take
+    by their class, the outermost ones (a vision-language model's vision tower and language model:
+    LLaVA's CLIP and LLaMA, PaliGemma's SigLIP and Gemma), in module order."""
+    found = []
+
+    def walk(module):
+        for child in module.children():
+            family = _family_by_class(child)
+            if family is not None:
+                found.append((child, family))
+            else:
+                walk(child)
+
+    walk(model)
+    return found
+
+
 def _family_of(model: nn.Module) -> tuple:
     """``(family, found)``: the first family one of whose classes ``model``'s class is or derives from
     (found None), else the first that detects it by its layer conventions (found: what it detected);
     ``(None, None)`` when none does. A detector raises NotImplementedError for a near miss."""
-    mro = type(model).__mro__
-    for family in FAMILIES:
-        if any(cls.__name__ == name and cls.__module__.startswith(prefix)
-               for prefix, name in family.classes for cls in mro):
-            return family, None
+    family = _family_by_class(model)
+    if family is not None:
+        return family, None
     for family in FAMILIES:
         found = None if family.detect is None else family.detect(model)
         if found is not None:
@@ -244,7 +271,7 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
     finally:
         logger.removeFilter(_only_errors)
     revify(model, **options)
-    state = _checkpoint_state(path)
+    state = _under_model_names(model, _checkpoint_state(path))
     missing = set(model.state_dict()) - set(state) - _tied_keys(model)
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]} (of {len(missing)})")
@@ -263,6 +290,22 @@ def _tied_keys(model) -> set:
     for name, tensor in model.state_dict(keep_vars=True).items():
         names.setdefault(id(tensor), []).append(name)
     return {name for group in names.values() for name in group[1:]}
+
+
+def _under_model_names(model, state: dict) -> dict:
+    """The checkpoint's tensors under the model's state-dict names. Transformers 5 saves some models
+    under other names than their modules' (LLaVA's ``model.language_model.*`` as the older
+    ``language_model.model.*``): the library's own renaming on save, run on a marker per name, says
+    which saved name is which (renamed tensors only; older transformers rename none)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    names = list(model.state_dict())
+    saved = revert_weight_conversion(model, {name: torch.tensor(i) for i, name in enumerate(names)})
+    renamed = {key: names[int(marker)] for key, marker in saved.items()
+               if isinstance(marker, torch.Tensor) and marker.dim() == 0 and names[int(marker)] != key}
+    return {renamed.get(key, key): tensor for key, tensor in state.items()}
 
 
 def _checkpoint_state(path) -> dict:

@@ -1,0 +1,138 @@
+"""Vision-language models under revify: no family takes LLaVA or PaliGemma whole, but their vision
+tower (CLIP, SigLIP) and language model (LLaMA, Gemma) are each converted by theirs, each a
+reversible stack of its own, and the model's own forward (image features spliced into the token
+embeddings, PaliGemma's prefix mask) and generate run over them."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+from revtriton import from_pretrained, ReversibleStack
+from revtriton.convert import revify
+from revtriton.models import to_stored_activations
+
+from fresh_process import run_python
+
+transformers = pytest.importorskip("transformers")
+
+DEPTH = 3
+IMAGE_TOKENS = 16  # 32 x 32 pixels in 8 x 8 patches
+IMAGE_ID = 127
+
+
+def _model(kind, seed):
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, eos_token_id=None, initializer_range=0.3)
+    if kind == "llava":
+        config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**vision).to_dict(),
+                                          text_config=transformers.LlamaConfig(**text).to_dict(),
+                                          image_token_index=IMAGE_ID)
+        return transformers.LlavaForConditionalGeneration(config).eval()
+    config = transformers.PaliGemmaConfig(vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
+                                          text_config=transformers.GemmaConfig(**text, head_dim=8).to_dict(),
+                                          image_token_index=IMAGE_ID, projection_dim=32)
+    return transformers.PaliGemmaForConditionalGeneration(config).eval()
+
+
+def _inputs(kind):
+    """Two samples of the image's tokens then text (PaliGemma: a 2-token prompt seen both ways, then
+    the suffix causally)."""
+    ids = torch.randint(1, 120, (2, IMAGE_TOKENS + 6))
+    ids[:, :IMAGE_TOKENS] = IMAGE_ID
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), attention_mask=torch.ones_like(ids))
+    if kind == "paligemma":
+        inputs["token_type_ids"] = (torch.arange(ids.shape[1]) >= IMAGE_TOKENS + 2).long().expand(2, -1)
+    return inputs
+
+
+def _stacks(model):
+    return [m for m in model.modules() if isinstance(m, ReversibleStack)]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind, seeded):
+    """meft3 converts the vision tower and the language model, each a stack, and keeps the logits."""
+    original = _model(kind, seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    towers = (model.model.vision_tower.encoder.layers, model.model.language_model.layers)
+    assert _stacks(model) == list(towers)
+    inputs = _inputs(kind)
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+def test_vision_language_models_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_path):
+    """The library's loss on the text (labels): an exact training step's loss and gradients are bitwise
+    the stored-activation twin's, both towers' layers included; then save_pretrained ->
+    revtriton.from_pretrained (both towers converted again), a pickle and a fresh process give the
+    logits."""
+    model = revify(_model(kind, seeded), exact=True).train()
+    inputs = _inputs(kind)
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == IMAGE_ID, -100)
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        losses.append(m(**inputs, labels=labels).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    # Every layer trains but the vision tower's last in LLaVA, whose features are the one before it.
+    unused = f"vision_tower.encoder.layers.{DEPTH - 1}." if kind == "llava" else None
+    layers = {name: p for name, p in model.named_parameters() if ".layers." in name}
+    assert layers and all((p.grad is None) == (unused is not None and unused in name) for name, p in layers.items())
+
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        loaded = from_pretrained(tmp_path).eval()
+        assert len(_stacks(loaded)) == 2 and torch.equal(loaded(**inputs).logits, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits, expected)
+    torch.save({"model": model, "inputs": inputs, "logits": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
+             "out = saved['model'](**saved['inputs']).logits; "
+             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
+    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), check=True)
+
+
+def test_llava_generates_as_the_library(seeded):
+    """Greedy generation with the cache (the language model decoding under no_grad) gives the
+    library's tokens after a preserving conversion."""
+    original = _model("llava", seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    inputs = _inputs("llava")
+    ours = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours, original.generate(**inputs, max_new_tokens=5, do_sample=False))
+
+
+def test_a_model_with_no_convertible_part_still_raises_naming_its_layers():
+    """No family takes the model nor any of its sub-models: the error names its layers, as before."""
+    with pytest.raises(TypeError, match=r"its layers \(1: 3 x Linear"):
+        revify(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList(
+            [torch.nn.Linear(2, 2) for _ in range(3)])))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_a_preserving_conversions_adapters_load_under_the_names_the_library_saves(seeded, tmp_path):
+    """Transformers saves LLaVA's weights under its older names (``language_model.model.*``), the
+    preserving adapters inside them too: revtriton.from_pretrained finds every one (trained, not zero)."""
+    model = revify(_model("llava", seeded), preserve="meft3", exact=True)
+    adapters = [p for name, p in model.named_parameters() if "revtriton_adapters" in name]
+    assert adapters
+    with torch.no_grad():
+        for p in adapters:
+            p.normal_(0.0, 0.1)
+    model.eval().save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path).eval()
+    inputs = _inputs("llava")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, model(**inputs).logits)
