@@ -1,6 +1,6 @@
-"""Vision-language models under revify: no family takes LLaVA or PaliGemma whole, but their vision
-tower (CLIP, SigLIP) and language model (LLaMA, Gemma) are each converted by theirs, each a
-reversible stack of its own, and the model's own forward (image features spliced into the token
+"""Vision-language models under revify: no family takes LLaVA, PaliGemma or Gemma 3 whole, but their
+vision tower (CLIP, SigLIP) and language model (LLaMA, Gemma by their class; Gemma 3's by its layers)
+are each converted by theirs, each a reversible stack of its own, and the model's own forward (image features spliced into the token
 embeddings, PaliGemma's prefix mask) and generate run over them."""
 import copy
 import pickle
@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 DEPTH = 3
 IMAGE_TOKENS = 16  # 32 x 32 pixels in 8 x 8 patches
 IMAGE_ID = 127
+KINDS = ("llava", "paligemma", "gemma3")
 
 
 def _model(kind, seed):
@@ -32,6 +33,12 @@ def _model(kind, seed):
                                           text_config=transformers.LlamaConfig(**text).to_dict(),
                                           image_token_index=IMAGE_ID)
         return transformers.LlavaForConditionalGeneration(config).eval()
+    if kind == "gemma3":  # its text model: Gemma 3's sandwich-norm layers, found by their conventions
+        config = transformers.Gemma3Config(vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
+                                           text_config=transformers.Gemma3TextConfig(**text, head_dim=8).to_dict(),
+                                           mm_tokens_per_image=4, image_token_index=IMAGE_ID, boi_token_index=125,
+                                           eoi_token_index=126)
+        return transformers.Gemma3ForConditionalGeneration(config).eval()
     config = transformers.PaliGemmaConfig(vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
                                           text_config=transformers.GemmaConfig(**text, head_dim=8).to_dict(),
                                           image_token_index=IMAGE_ID, projection_dim=32)
@@ -41,11 +48,13 @@ def _model(kind, seed):
 def _inputs(kind):
     """Two samples of the image's tokens then text (PaliGemma: a 2-token prompt seen both ways, then
     the suffix causally)."""
-    ids = torch.randint(1, 120, (2, IMAGE_TOKENS + 6))
-    ids[:, :IMAGE_TOKENS] = IMAGE_ID
+    image = 4 if kind == "gemma3" else IMAGE_TOKENS  # Gemma 3 pools the 16 patches to 4 tokens
+    ids = torch.randint(1, 120, (2, image + 6))
+    ids[:, :image] = IMAGE_ID
     inputs = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), attention_mask=torch.ones_like(ids))
-    if kind == "paligemma":
-        inputs["token_type_ids"] = (torch.arange(ids.shape[1]) >= IMAGE_TOKENS + 2).long().expand(2, -1)
+    if kind in ("paligemma", "gemma3"):  # (Gemma 3: the image's tokens see each other both ways)
+        inputs["token_type_ids"] = (ids == IMAGE_ID).long() if kind == "gemma3" else (
+            torch.arange(ids.shape[1]) >= IMAGE_TOKENS + 2).long().expand(2, -1)
     return inputs
 
 
@@ -54,7 +63,7 @@ def _stacks(model):
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind, seeded):
     """meft3 converts the vision tower and the language model, each a stack, and keeps the logits."""
     original = _model(kind, seeded)
@@ -67,7 +76,7 @@ def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind,
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["llava", "paligemma"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_vision_language_models_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_path):
     """The library's loss on the text (labels): an exact training step's loss and gradients are bitwise
     the stored-activation twin's, both towers' layers included; then save_pretrained ->

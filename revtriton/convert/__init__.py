@@ -140,8 +140,8 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     if family is not None or components:
         if family is not None:
             family.convert(target, conversion, found)
-        for component, component_family in components:  # (a vision-language model's towers)
-            component_family.convert(component, conversion, None)
+        for component, component_family, component_found in components:  # (a vision-language model's towers)
+            component_family.convert(component, conversion, component_found)
         _finish_conversion(target, recorded)
         if preserve is not None and peft_model:
             _peft_trains_adapters(model, target)
@@ -185,16 +185,18 @@ def _family_by_class(model: nn.Module):
 
 
 def _components(model: nn.Module) -> list:
-    """``[(sub-model, family)]``: the sub-models of a model no family takes whole that families take
-    by their class, the outermost ones (a vision-language model's vision tower and language model:
-    LLaVA's CLIP and LLaMA, PaliGemma's SigLIP and Gemma), in module order."""
+    """``[(sub-model, family, found)]``: the sub-models of a model no family takes whole that families
+    take, the outermost ones, in module order: a vision-language model's vision tower and language
+    model (LLaVA's CLIP and LLaMA, PaliGemma's SigLIP and Gemma by their class; Gemma 3's text model
+    by its layers' conventions: a library model, ``found`` what the family detected)."""
     found = []
 
     def walk(module):
         for child in module.children():
-            family = _family_by_class(child)
+            library_model = type(child).__module__.startswith("transformers.") and hasattr(child, "config")
+            family, detected = _family_of(child) if library_model else (_family_by_class(child), None)
             if family is not None:
-                found.append((child, family))
+                found.append((child, family, detected))
             else:
                 walk(child)
 

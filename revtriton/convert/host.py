@@ -634,8 +634,10 @@ class _HostDecoderModel(_NoCheckpointing):
         decoding = (self._caches and not torch.is_grad_enabled()
                     and (cache is not None or bool(use_cache)))  # the library's path
         mask = kwargs.get("attention_mask")
-        # A custom 4-D mask (or any mask of an image encoder) goes to the library's modules.
-        fusable = not decoding and (mask is None or (mask.dim() == 2 and self._tokens_input))
+        # A custom 4-D mask, masks by attention kind (a dict: Gemma 3's vision-language model builds its
+        # layers' masks itself) or any mask of an image encoder go to the library's modules.
+        fusable = not decoding and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2
+                                                     and self._tokens_input))
         layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
         call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
@@ -662,13 +664,13 @@ class _HostDecoderModel(_NoCheckpointing):
 
 
 def _check_layer_inputs(name, tokens, kwargs, cache):
-    """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask
-    goes to the library's attention as it is)."""
+    """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask,
+    or a dict of them by attention kind, goes to the library's attention as it is)."""
     _position_ids(name, kwargs, tokens)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         _check_varlen(name, kwargs)
     mask = kwargs.get("attention_mask")
-    if mask is None or mask.dim() == 4:
+    if mask is None or isinstance(mask, dict) or mask.dim() == 4:  # (a dict: the layers' masks by attention kind)
         return
     batch, count = tokens.shape[:2]
     past = cache.get_seq_length() if cache is not None else 0
