@@ -1,7 +1,8 @@
-"""Vision-language models under revify: no family takes LLaVA, PaliGemma or Gemma 3 whole, but their
-vision tower (CLIP, SigLIP) and language model (LLaMA, Gemma by their class; Gemma 3's by its layers)
-are each converted by theirs, each a reversible stack of its own, and the model's own forward (image features spliced into the token
-embeddings, PaliGemma's prefix mask) and generate run over them."""
+"""Vision-language models under revify: no family takes LLaVA, PaliGemma, Gemma 3, Idefics 3 or SmolVLM
+whole, but their vision tower (CLIP, SigLIP) and language model (LLaMA, Gemma by their class; Gemma
+3's by its layers) are each converted by theirs, each a reversible stack of its own, and the model's
+own forward (image features spliced into the token embeddings, PaliGemma's prefix mask) and generate
+run over them."""
 import copy
 import pickle
 
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 DEPTH = 3
 IMAGE_TOKENS = 16  # 32 x 32 pixels in 8 x 8 patches
 IMAGE_ID = 127
-KINDS = ("llava", "paligemma", "gemma3")
+KINDS = ("llava", "paligemma", "gemma3", "idefics3", "smolvlm")
 
 
 def _model(kind, seed):
@@ -33,6 +34,12 @@ def _model(kind, seed):
                                           text_config=transformers.LlamaConfig(**text).to_dict(),
                                           image_token_index=IMAGE_ID)
         return transformers.LlavaForConditionalGeneration(config).eval()
+    if kind in ("idefics3", "smolvlm"):  # a SigLIP tower of their own, 16 patches pooled to 4 tokens
+        prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[kind]
+        config = getattr(transformers, f"{prefix}Config")(
+            vision_config=getattr(transformers, f"{prefix}VisionConfig")(**vision).to_dict(),
+            text_config=transformers.LlamaConfig(**text).to_dict(), image_token_id=IMAGE_ID, scale_factor=2)
+        return getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     if kind == "gemma3":  # its text model: Gemma 3's sandwich-norm layers, found by their conventions
         config = transformers.Gemma3Config(vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
                                            text_config=transformers.Gemma3TextConfig(**text, head_dim=8).to_dict(),
@@ -48,10 +55,12 @@ def _model(kind, seed):
 def _inputs(kind):
     """Two samples of the image's tokens then text (PaliGemma: a 2-token prompt seen both ways, then
     the suffix causally)."""
-    image = 4 if kind == "gemma3" else IMAGE_TOKENS  # Gemma 3 pools the 16 patches to 4 tokens
+    pooled = kind in ("gemma3", "idefics3", "smolvlm")  # the 16 patches pooled to 4 tokens
+    image = 4 if pooled else IMAGE_TOKENS
     ids = torch.randint(1, 120, (2, image + 6))
     ids[:, :image] = IMAGE_ID
-    inputs = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), attention_mask=torch.ones_like(ids))
+    pixels = torch.randn(2, 1, 3, 32, 32) if kind in ("idefics3", "smolvlm") else torch.randn(2, 3, 32, 32)
+    inputs = dict(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids))
     if kind in ("paligemma", "gemma3"):  # (Gemma 3: the image's tokens see each other both ways)
         inputs["token_type_ids"] = (ids == IMAGE_ID).long() if kind == "gemma3" else (
             torch.arange(ids.shape[1]) >= IMAGE_TOKENS + 2).long().expand(2, -1)
@@ -68,7 +77,9 @@ def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind,
     """meft3 converts the vision tower and the language model, each a stack, and keeps the logits."""
     original = _model(kind, seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    towers = (model.model.vision_tower.encoder.layers, model.model.language_model.layers)
+    inner = model.model
+    towers = ((inner.vision_model.encoder.layers, inner.text_model.layers) if hasattr(inner, "vision_model") else
+              (inner.vision_tower.encoder.layers, inner.language_model.layers))
     assert _stacks(model) == list(towers)
     inputs = _inputs(kind)
     with torch.no_grad():

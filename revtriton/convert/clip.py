@@ -21,13 +21,17 @@ _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 # The towers, by class: (the library's module, whether its attention is causal, whether it takes tokens).
 _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", False, False),
            "SiglipTextModel": ("siglip", False, True), "SiglipVisionModel": ("siglip", False, False),
-           "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False)}
+           "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False),
+           # The SigLIP towers of Idefics 3 and SmolVLM (found inside their vision-language models)
+           "Idefics3VisionTransformer": ("idefics3", False, False),
+           "SmolVLMVisionTransformer": ("smolvlm", False, False)}
 # The models around the towers (their class taken by revify; their towers are found inside them).
 _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
                       "CLIPForImageClassification"),
              "siglip": ("SiglipModel", "SiglipForImageClassification"),
              "siglip2": ("Siglip2Model", "Siglip2ForImageClassification")}
-_LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer"}
+_LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
+           "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -186,7 +190,7 @@ def _pickled() -> dict:
 FAMILY = Family("clip", ("transformers CLIP, SigLIP and SigLIP 2 text and vision towers (CLIPTextModel, "
                          "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel), "
                          "with their projection or classifier, and both towers of CLIPModel / SiglipModel / "
-                         "Siglip2Model",),
+                         "Siglip2Model; the SigLIP vision towers of Idefics 3 and SmolVLM",),
                 _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())
