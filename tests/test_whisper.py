@@ -1,0 +1,131 @@
+"""Whisper under revify (revtriton/convert/whisper.py): its audio encoder a reversible stack run
+through the library's own forward, the decoder (cross-attention, its cache) as it is."""
+import copy
+import pickle
+
+import pytest
+import torch
+
+from revtriton import from_pretrained, ReversibleStack
+from revtriton.convert import revify
+from revtriton.models import to_stored_activations
+
+transformers = pytest.importorskip("transformers")
+
+DEPTH = 3
+FRAMES = 32  # mel frames: 16 encoder positions after the stride-2 convolution
+
+
+def _whisper(seed, head="ForConditionalGeneration", **overrides):
+    torch.manual_seed(seed)
+    config = dict(vocab_size=100, d_model=32, encoder_layers=DEPTH, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=1, bos_token_id=0,
+                  eos_token_id=2, decoder_start_token_id=0, max_source_positions=FRAMES // 2, max_target_positions=32,
+                  num_mel_bins=8, suppress_tokens=None, begin_suppress_tokens=None, num_labels=3)
+    model = getattr(transformers, f"Whisper{head}")(transformers.WhisperConfig(**{**config, **overrides}))
+    with torch.no_grad():  # weights off their small init: every branch shows in the outputs
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _inputs(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return dict(input_features=torch.randn(2, 8, FRAMES, generator=generator),
+                decoder_input_ids=torch.randint(3, 100, (2, 5), generator=generator))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_a_preserving_conversion_keeps_whispers_function(seeded):
+    """meft3 converts the encoder only (a stack) and keeps the logits and every encoder hidden state
+    (the last one after the final layer norm, as the library's); greedy generation is the library's."""
+    original = _whisper(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == [model.model.encoder.layers]
+    inputs = _inputs(seeded)
+    with torch.no_grad():
+        theirs = original(**inputs, output_hidden_states=True)
+        ours = model(**inputs, output_hidden_states=True)
+    for got, expected in zip([ours.logits, *ours.encoder_hidden_states], [theirs.logits, *theirs.encoder_hidden_states]):
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+    assert len(ours.encoder_hidden_states) == DEPTH + 1
+    features = inputs["input_features"]
+    assert torch.equal(model.generate(features, max_new_tokens=4), original.generate(features, max_new_tokens=4))
+
+
+def test_whisper_trains_bitwise_its_twin_saves_and_pickles(seeded, tmp_path):
+    """The library's loss on the transcript: an exact training step's loss and every gradient bitwise
+    the stored-activation twin's (the encoder's layers included); save_pretrained ->
+    revtriton.from_pretrained and a pickle give the logits."""
+    model = revify(_whisper(seeded), exact=True).train()
+    inputs = _inputs(seeded)
+    labels = inputs.pop("decoder_input_ids")
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        losses.append(m(**inputs, labels=labels).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
+
+    model.eval()
+    model.save_pretrained(tmp_path)
+    inputs = _inputs(seeded)
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        assert torch.equal(from_pretrained(tmp_path).eval()(**inputs).logits, expected)
+        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits, expected)
+
+
+def test_the_fused_kernels_run_the_encoders_halves(seeded):
+    """Without dropout, a training step runs neither the library's attention module nor its MLP
+    layers in the encoder (the attention's key projection has no bias: a zero one), and its gradients
+    are those of the layers' own modules (float64: up to its rounding)."""
+    model = revify(_whisper(seeded, dropout=0.0, attention_dropout=0.0), exact=False).double().train()
+    calls = {"self_attn": 0, "fc1": 0}
+
+    def counter(name):
+        def count(*_):
+            calls[name] += 1
+        return count
+
+    for layer in model.model.encoder.layers:
+        for name in calls:
+            getattr(layer, name).register_forward_pre_hook(counter(name))
+    inputs = _inputs(seeded)
+    inputs["input_features"] = inputs["input_features"].double()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model.model.encoder(inputs["input_features"]).last_hidden_state.square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step()
+    assert calls == {"self_attn": 0, "fc1": 0}
+    for layer in model.model.encoder.layers:
+        layer._revtriton_spec.fused_attention, layer._revtriton_spec.activation = False, None
+    module_loss, module_grads = step()
+    assert calls == {"self_attn": 2 * DEPTH, "fc1": 2 * DEPTH}  # the forward and the rebuild
+    torch.testing.assert_close(loss, module_loss, rtol=1e-12, atol=0)
+    assert grads.keys() == module_grads.keys()
+    scale = max(g.abs().max().item() for g in module_grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, module_grads[name], rtol=0, atol=1e-10 * scale, msg=name)
+
+
+def test_encoder_layerdrop_is_refused_naming_it():
+    model = _whisper(0, encoder_layerdrop=0.1)
+    with pytest.raises(NotImplementedError, match="encoder_layerdrop=0.1"):
+        revify(model)
+    assert not [m for m in model.modules() if isinstance(m, ReversibleStack)]
+
+
+def test_the_audio_classifier_converts_its_encoder(seeded):
+    model = revify(_whisper(seeded, head="ForAudioClassification"), exact=True).train()
+    assert isinstance(model.encoder.layers, ReversibleStack)
+    model(input_features=_inputs(seeded)["input_features"], labels=torch.tensor([0, 2])).loss.backward()
+    assert model.encoder.layers[0].fc1.weight.grad is not None
