@@ -186,3 +186,23 @@ def test_a_training_steps_memory_stays_flat_in_both_towers_depth(seeded):
 
     assert step_peak(8, True) <= 1.25 * step_peak(4, True)
     assert step_peak(8, False) >= 1.5 * step_peak(4, False)  # what the reversible stacks remove
+
+
+def test_lora_on_both_towers_in_either_order(seeded):
+    """PEFT's LoRA on the attention projections of both towers, before or after revify: the same loss,
+    and every LoRA weight trains but those of LLaVA's last vision layer (its features are the one
+    before it)."""
+    peft = pytest.importorskip("peft")
+    inputs = _inputs("llava")
+    labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == IMAGE_ID, -100)
+    losses = []
+    for peft_first in (True, False):
+        model, config = _model("llava", seeded), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        model = revify(peft.get_peft_model(model, config)) if peft_first else peft.get_peft_model(revify(model), config)
+        assert len(_stacks(model)) == 2
+        losses.append(model.train()(**inputs, labels=labels).loss)
+        losses[-1].backward()
+        lora = {name: p for name, p in model.named_parameters() if "lora_" in name}
+        unused = f"vision_tower.encoder.layers.{DEPTH - 1}."
+        assert lora and all((p.grad is None) == (unused in name) for name, p in lora.items())
+    assert torch.equal(*losses)
