@@ -206,3 +206,55 @@ def test_lora_on_both_towers_in_either_order(seeded):
         unused = f"vision_tower.encoder.layers.{DEPTH - 1}."
         assert lora and all((p.grad is None) == (unused in name) for name, p in lora.items())
     assert torch.equal(*losses)
+
+
+def _qwen2_vl(seed):
+    """Qwen2-VL: its own vision transformer (no family's: it stays as it is) and a text model with
+    LLaMA's layer parts and multimodal RoPE (a temporal, height and width position per token)."""
+    torch.manual_seed(seed)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, head_dim=8,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_ID, vision_start_token_id=125,
+        vision_end_token_id=126))
+    with torch.no_grad():  # weights off their small init: the image's positions show in the logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _qwen2_vl_inputs():
+    """One image of 8 x 8 patches (16 tokens once merged) inside 24 tokens."""
+    ids = torch.randint(1, 120, (1, 24))
+    ids[0, 2], ids[0, 3:19], ids[0, 19] = 125, IMAGE_ID, 126
+    return dict(input_ids=ids, pixel_values=torch.randn(64, 3 * 2 * 4 * 4), image_grid_thw=torch.tensor([[1, 8, 8]]),
+                attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == IMAGE_ID).long())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(seeded):
+    """Qwen2-VL's text model (its loop: ``for i, layer in enumerate(self.layers)``) converts; its
+    multimodal RoPE (the image's tokens at 2-D positions) runs on the model's rotary embedding, so a
+    preserving conversion keeps the logits, and an exact training step is bitwise its twin's."""
+    original = _qwen2_vl(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.model.language_model.layers]
+    assert all(layer._revtriton_spec.library_rope for layer in model.model.language_model.layers)
+    inputs = _qwen2_vl_inputs()
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+    model = revify(copy.deepcopy(original), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        losses.append(m(**inputs, labels=inputs["input_ids"]).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name

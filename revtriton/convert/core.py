@@ -370,12 +370,15 @@ def _rope_spec(config, name, base, head_dim) -> dict:
     """``rope_theta`` and ``rope_module``: None for default RoPE (the fused kernels compute it from
     theta), else the model's rotary embedding, whose scaled frequencies the library path reads;
     ``library_rope``: RoPE only the model's own rotary embedding and attention compute (dynamic /
-    longrope scaling, partial rotary), on the library path."""
+    longrope scaling, partial rotary, multimodal RoPE), on the library path."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     rotary = getattr(base, "rotary_emb", None)
-    if rotary is not None and (rope_type not in STATIC_ROPE_TYPES or getattr(
+    # Multimodal RoPE (Qwen2-VL's: frequency bands rotated by a temporal, height and width position
+    # each) is plain RoPE only while the three positions agree: the model's own rotary embedding.
+    multimodal = bool(params.get("mrope_section") or scaling.get("mrope_section"))
+    if rotary is not None and (multimodal or rope_type not in STATIC_ROPE_TYPES or getattr(
             rotary, "inv_freq", None) is None or rotary.inv_freq.numel() * 2 != head_dim):
         return dict(rope_theta=float(params.get("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0),
                     rope_module=rotary, library_rope=True)

@@ -94,11 +94,15 @@ def _check_hf_inputs(model_name, kwargs):
 
 
 def _position_ids(name, kwargs, hidden):
-    """The call's ``position_ids`` as int64 [B, T] (T: this call's tokens), checked; None when absent."""
+    """The call's ``position_ids`` as int64 [B, T] (T: this call's tokens), checked; None when absent,
+    or when they are a multimodal RoPE's, a position per axis ([axes, B, T]: Qwen2-VL's, which only
+    the model's rotary embedding reads; its layers keep the library's path)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         return None
     batch, tokens = hidden.shape[:2]
+    if position_ids.dim() == 3 and position_ids.shape[-1] == tokens and position_ids.shape[1] in (1, batch):
+        return None
     if position_ids.dim() != 2 or position_ids.shape[-1] != tokens or position_ids.shape[0] not in (1, batch):
         raise ValueError(f"revified {name}: position_ids must be [batch or 1, tokens] = [{batch}, {tokens}], "
                          f"got {tuple(position_ids.shape)}")

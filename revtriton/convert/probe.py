@@ -85,8 +85,9 @@ def _causal_layer_inputs(base):
 
 def _check_layer_slice(base):
     """The base model's forward must run its ``layers`` as one slice (``self.layers[: n]``) or iterate
-    over them (``for layer in self.layers``, StableLM's): the stack's ``layers_view`` answers both."""
-    _require_layer_loop(base, r"self\.layers\[|\bin self\.layers\b",
+    over them (``for layer in self.layers``, StableLM's; ``for i, layer in enumerate(self.layers)``, Qwen2-VL's):
+    the stack's ``layers_view`` answers both."""
+    _require_layer_loop(base, r"self\.layers\[|\bin (?:enumerate\()?self\.layers\b",
                         "run its layers as one slice (self.layers[...]) or a loop over them (for ... in self.layers)")
 
 
