@@ -208,18 +208,23 @@ def test_lora_on_both_towers_in_either_order(seeded):
     assert torch.equal(*losses)
 
 
-def _qwen2_vl(seed):
-    """Qwen2-VL: its own vision transformer (no family's: it stays as it is) and a text model with
-    LLaMA's layer parts and multimodal RoPE (a temporal, height and width position per token)."""
+def _qwen2_vl(seed, version="2"):
+    """Qwen2-VL / Qwen2.5-VL: its own vision transformer (no family's: it stays as it is) and a text
+    model with LLaMA's layer parts and multimodal RoPE (a temporal, height and width position a token)."""
     torch.manual_seed(seed)
     text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
                 num_key_value_heads=2, pad_token_id=0, head_dim=8,
                 rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3)
-    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
-        vision_config=vision, text_config=text, image_token_id=IMAGE_ID, vision_start_token_id=125,
-        vision_end_token_id=126))
+    vision = dict(depth=2, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  in_channels=3)
+    if version == "2":
+        vision.update(embed_dim=32)
+        classes = transformers.Qwen2VLForConditionalGeneration, transformers.Qwen2VLConfig
+    else:  # Qwen2.5-VL: windowed attention in its vision transformer
+        vision.update(out_hidden_size=32, intermediate_size=64, fullatt_block_indexes=[1], window_size=16)
+        classes = transformers.Qwen2_5_VLForConditionalGeneration, transformers.Qwen2_5_VLConfig
+    model = classes[0](classes[1](vision_config=vision, text_config=text, image_token_id=IMAGE_ID,
+                                  vision_start_token_id=125, vision_end_token_id=126))
     with torch.no_grad():  # weights off their small init: the image's positions show in the logits
         for p in model.parameters():
             if p.dim() > 1:
@@ -236,11 +241,12 @@ def _qwen2_vl_inputs():
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(seeded):
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seeded):
     """Qwen2-VL's text model (its loop: ``for i, layer in enumerate(self.layers)``) converts; its
     multimodal RoPE (the image's tokens at 2-D positions) runs on the model's rotary embedding, so a
     preserving conversion keeps the logits, and an exact training step is bitwise its twin's."""
-    original = _qwen2_vl(seeded)
+    original = _qwen2_vl(seeded, version)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert _stacks(model) == [model.model.language_model.layers]
     assert all(layer._revtriton_spec.library_rope for layer in model.model.language_model.layers)
