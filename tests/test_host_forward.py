@@ -770,20 +770,24 @@ def test_modernbert_with_its_dropouts_trains_saves_and_pickles(seeded, tmp_path)
         model.model.layers[1].coupling_halves()[0](torch.randn(1, 4, 64))
 
 
-def _dinov2(seed, **overrides):
+def _dinov2(seed, registers=False, **overrides):
     torch.manual_seed(seed)
-    config = transformers.Dinov2Config(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, mlp_ratio=2,
-                                       image_size=32, patch_size=8, num_labels=3, layerscale_value=0.5, **overrides)
-    return transformers.Dinov2ForImageClassification(config).eval()
+    prefix = "Dinov2WithRegisters" if registers else "Dinov2"
+    extra = dict(num_register_tokens=2) if registers else {}
+    config = getattr(transformers, f"{prefix}Config")(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                                                      mlp_ratio=2, image_size=32, patch_size=8, num_labels=3,
+                                                      layerscale_value=0.5, **extra, **overrides)
+    return getattr(transformers, f"{prefix}ForImageClassification")(config).eval()
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("registers", [False, True], ids=["plain", "registers"])
 @pytest.mark.parametrize("swiglu", [False, True], ids=["mlp", "swiglu"])
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
-def test_dinov2_keeps_the_librarys_function(preserve, swiglu, seeded):
-    """DINOv2 (issue 48): ``x + drop_path(layer_scale(attention(norm1(x))))``, then the MLP's (or its
-    SwiGLU MLP's): a preserving conversion computes the library's logits."""
-    original = _dinov2(seeded, use_swiglu_ffn=swiglu)
+def test_dinov2_keeps_the_librarys_function(preserve, swiglu, registers, seeded):
+    """DINOv2 (issue 48), with registers too: ``x + drop_path(layer_scale(attention(norm1(x))))``, then
+    the MLP's (or its SwiGLU MLP's): a preserving conversion computes the library's logits."""
+    original = _dinov2(seeded, registers, use_swiglu_ffn=swiglu)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -791,12 +795,13 @@ def test_dinov2_keeps_the_librarys_function(preserve, swiglu, seeded):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
 
-def test_dinov2_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
+@pytest.mark.parametrize("registers", [False, True], ids=["plain", "registers"])
+def test_dinov2_with_drop_path_trains_saves_and_pickles(registers, seeded, tmp_path):
     """An exact training step with drop-path bitwise equals its stored-activation twin (the same draws,
     replayed in the rebuild); the one parameter without a gradient is the library's own (the mask
     token, used only with bool_masked_pos); save / load, a pickle and a fresh process's unpickling
     give the converted model back."""
-    model = revify(_dinov2(seeded, drop_path_rate=0.2), exact=True).train()
+    model = revify(_dinov2(seeded, registers, drop_path_rate=0.2), exact=True).train()
     twin = to_stored_activations(copy.deepcopy(model))
     x, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
     losses = []
@@ -807,7 +812,8 @@ def test_dinov2_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
     assert torch.equal(*losses)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
-    assert [name for name, p in model.named_parameters() if p.grad is None] == ["dinov2.embeddings.mask_token"]
+    base = "dinov2_with_registers" if registers else "dinov2"
+    assert [name for name, p in model.named_parameters() if p.grad is None] == [f"{base}.embeddings.mask_token"]
     assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
 
 

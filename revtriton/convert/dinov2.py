@@ -1,5 +1,5 @@
-"""Hugging Face DINOv2 (``Dinov2Model``, ``Dinov2ForImageClassification``): a pre-norm ViT encoder
-whose branches end in a layer scale and drop-path, ``x + drop_path(layer_scale1(attention(norm1(x))))``
+"""Hugging Face DINOv2 (``Dinov2Model``, ``Dinov2ForImageClassification``; with registers too): a
+pre-norm ViT encoder whose branches end in a layer scale and drop-path, ``x + drop_path(layer_scale1(attention(norm1(x))))``
 then ``h + drop_path(layer_scale2(mlp(norm2(h))))``, run through the library's own forward. Both
 halves run the layer's own modules (its attention with the library's mask, its MLP or SwiGLU MLP);
 drop-path draws are replayed in the rebuild as any half's random draws are."""
@@ -48,7 +48,7 @@ class _HostDinov2Model(_HostDecoderModel):
 
 
 def _convert_dinov2(model, conversion, found=None):
-    base = model.dinov2 if hasattr(model, "dinov2") else model
+    base = next((getattr(model, name) for name in ("dinov2", "dinov2_with_registers") if hasattr(model, name)), model)
     layers = base.encoder.layer
     if not len(layers):
         raise ValueError(f"revify: {type(model).__name__} has no layers")
@@ -60,9 +60,16 @@ def _convert_dinov2(model, conversion, found=None):
                            _HostDinov2Model)
 
 
-FAMILY = Family("dinov2", ("transformers Dinov2Model / Dinov2ForImageClassification",), _convert_dinov2,
+# DINOv2, and DINOv2 with registers (the same layers, register tokens in its embeddings): (module, prefix).
+_KINDS = (("dinov2", "Dinov2"), ("dinov2_with_registers", "Dinov2WithRegisters"))
+
+FAMILY = Family("dinov2", ("transformers Dinov2Model / Dinov2ForImageClassification, and DINOv2 with registers "
+                           "(Dinov2WithRegistersModel / Dinov2WithRegistersForImageClassification)",), _convert_dinov2,
                 halves="library",
-                classes=(("transformers", "Dinov2ForImageClassification"), ("transformers", "Dinov2Model")),
-                pickled=_pickled_host_classes("transformers.models.dinov2.modeling_dinov2", "Dinov2Layer",
-                                              (_HostDinov2Block, _HostDinov2OrdinaryBlock), "Dinov2Model",
-                                              _HostDinov2Model))
+                classes=tuple(("transformers", f"{prefix}{kind}") for _, prefix in _KINDS
+                              for kind in ("ForImageClassification", "Model")),
+                pickled={name: entry for module, prefix in _KINDS
+                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                  f"{prefix}Layer",
+                                                                  (_HostDinov2Block, _HostDinov2OrdinaryBlock),
+                                                                  f"{prefix}Model", _HostDinov2Model).items()})
