@@ -264,3 +264,56 @@ def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seed
     assert torch.equal(*losses)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+
+
+def _image_captioner(seed):
+    """A ViT encoder and a GPT-2 decoder that cross-attends to it (VisionEncoderDecoderModel)."""
+    torch.manual_seed(seed)
+    encoder = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH,
+                                     num_attention_heads=4, image_size=32, patch_size=8)
+    decoder = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, add_cross_attention=True,
+                                      is_decoder=True, initializer_range=0.3)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id = config.pad_token_id = 0
+    return transformers.VisionEncoderDecoderModel(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_a_part_its_family_refuses_stays_as_it_is_with_a_warning(seeded):
+    """An image captioner: the ViT encoder converts; the GPT-2 decoder's cross-attention is not a
+    reversible block's, so the decoder stays as it is and revify warns naming it and why. The
+    preserving conversion keeps the logits; an exact step is bitwise its twin's."""
+    original = _image_captioner(seeded)
+    with pytest.warns(UserWarning, match=r"left VisionEncoderDecoderModel\.decoder as it is \(.*add_cross_attention"):
+        model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.encoder.layers]
+    inputs = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.randint(1, 100, (2, 6)))
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    with pytest.warns(UserWarning, match="left VisionEncoderDecoderModel.decoder"):
+        model = revify(copy.deepcopy(original), exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        torch.manual_seed(seeded)  # the decoder's dropout: the same draws
+        losses.append(m(**inputs).loss)
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):  # (the ViT pooler takes no part)
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
+
+
+def test_when_every_part_is_refused_the_refusal_is_raised():
+    """BERT's post-norm layers under revify(model) (no preserving mode), as both halves of an
+    encoder-decoder: nothing converts, and the first refusal is raised as it would be alone."""
+    encoder = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, vocab_size=100)
+    decoder = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, vocab_size=100, is_decoder=True, add_cross_attention=True)
+    model = transformers.EncoderDecoderModel(
+        transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+    with pytest.raises(NotImplementedError, match="post-norm"):
+        revify(model)
+    assert not _stacks(model)

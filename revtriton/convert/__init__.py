@@ -140,8 +140,8 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
     if family is not None or components:
         if family is not None:
             family.convert(target, conversion, found)
-        for component, component_family, component_found in components:  # (a vision-language model's towers)
-            component_family.convert(component, conversion, component_found)
+        else:
+            _convert_components(target, components, conversion)
         _finish_conversion(target, recorded)
         if preserve is not None and peft_model:
             _peft_trains_adapters(model, target)
@@ -202,6 +202,26 @@ def _components(model: nn.Module) -> list:
 
     walk(model)
     return found
+
+
+def _convert_components(model: nn.Module, components: list, conversion):
+    """Convert each part (:func:`_components`); a part its family refuses (NotImplementedError: a
+    feature its halves do not reproduce) stays as it is, with a warning naming it and why, so long as
+    another part converts (else the refusal is raised: nothing converted)."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    refused = []
+    for component, family, found in components:
+        try:
+            family.convert(component, conversion, found)
+        except NotImplementedError as error:
+            refused.append((paths[id(component)], error))
+    if len(refused) == len(components):
+        raise refused[0][1]
+    for path, error in refused:
+        import warnings
+
+        warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is ({error}); its other parts are "
+                      f"reversible stacks", stacklevel=3)
 
 
 def _family_of(model: nn.Module) -> tuple:
