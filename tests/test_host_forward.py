@@ -204,6 +204,9 @@ def test_decoders_with_llamas_layer_conventions_compute_the_librarys_function(fa
 # layer's own modules, each layer as its parts say (DeepSeek-V3's first layer has a gated MLP).
 MOE_FAMILIES = {
     "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # GPT-OSS: its experts return the router's scores too (the layer drops them); attention sinks and
+    # YaRN RoPE on the layer's own attention module
+    "GptOss": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      shared_expert_intermediate_size=48),
     "DeepseekV3": dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -225,6 +228,19 @@ def test_mixture_of_experts_decoders_compute_the_librarys_function(family, seede
     assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids))
     dense = MOE_FAMILIES[family].get("first_k_dense_replace", 0)
     assert [layer._revtriton_spec.fused_mlp for layer in model.model.layers] == [i < dense for i in range(DEPTH)]
+
+
+def test_a_layer_that_needs_more_than_its_conventions_inputs_is_refused_naming_why(seeded):
+    """Gemma 4 (unified) layers share key / value states through their loop: on the probe (the
+    inputs its layers' conventions give) the layer's own forward fails, and revify says so."""
+    if not hasattr(transformers, "Gemma4UnifiedForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 4 (unified)")
+    config_class = transformers.Gemma4UnifiedForCausalLM.config_class
+    model = transformers.Gemma4UnifiedForCausalLM(config_class(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0))
+    with pytest.raises(NotImplementedError, match=r"layer 0 \(Gemma4UnifiedTextDecoderLayer\) fails on a probe"):
+        revify(model)
 
 
 def test_deepseek_v3_trains_saves_and_pickles(seeded, tmp_path):

@@ -13,7 +13,7 @@ from ..halves.base import parameter
 from .core import (Family, LayerSpec, _branch_p, _concatenated_qkv, _Half, _host_block_mixins,
                    _layout_options, _norm_eps, _parts, _pickled_host_classes, _residual_dropout, _rope_spec,
                    _scores_scaled_plainly)
-from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
 
 
@@ -155,7 +155,9 @@ class _LlamaMlpHalf(_LlamaHalf):
 
     def _modules(self, x):
         b = self.block
-        h = b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight", None))))
+        # (a mixture of experts may return its router's scores too: GPT-OSS's, which the layer drops)
+        h = _first(b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight",
+                                                                                None)))))
         return _mlp_branch_dropout(b)(h)
 
 
@@ -273,7 +275,7 @@ FAMILY = Family(
     "llama", ("transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
               "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
               "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...; "
-              "mixture-of-experts MLPs too: Mixtral, Qwen2-MoE, DeepSeek-V3)"),
+              "mixture-of-experts MLPs too: Mixtral, Qwen2-MoE, DeepSeek-V3, GPT-OSS)"),
     _convert_llama, classes=tuple(("transformers", f"{prefix}{kind}") for prefix in _BY_CLASS.values()
                                   for kind in ("ForCausalLM", "Model")),
     detect=_llama_convention_base, pickled=_pickled_by_class(),

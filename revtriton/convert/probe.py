@@ -130,7 +130,13 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
         with torch.no_grad():
             for i, block in enumerate(layers):
                 kwargs, cond = layer_inputs(x, block)
-                out = type(block).forward(block, x, **kwargs)
+                try:
+                    out = type(block).forward(block, x, **kwargs)
+                except Exception as error:  # it needs what its model's loop gives it beside them (shared KV)
+                    raise NotImplementedError(
+                        f"revify: {name} layer {i} ({type(block).__name__}) fails on a probe with the inputs of "
+                        f"{layer_kind} ({type(error).__name__}: {error}): its model's loop gives it something more: "
+                        f"not supported") from error
                 out = out[0] if isinstance(out, tuple) else out
                 spec = _spec_of(block)
                 fused = spec.fused_attention, spec.fused_mlp
