@@ -8,11 +8,9 @@ import torch
 
 from revtriton import ReversibleStack
 from revtriton.convert import revify
-from revtriton.models import to_stored_activations
 
-from fresh_process import run_python
+from revified import assert_exact_step_equals_twin, assert_round_trips
 from test_models import check_against_twin
-from test_revify import FLOAT_TWIN_BOUND
 
 transformers = pytest.importorskip("transformers")
 
@@ -192,34 +190,12 @@ def test_both_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_
     an exact training step's loss and every gradient bitwise equal the stored-activation twin's; then
     save_pretrained -> revtriton.from_pretrained, a pickle, and a fresh process's unpickling give its
     logits."""
-    import pickle
-
-    from revtriton import from_pretrained
-
     model = revify(_model(kind, "both", seeded), exact=True).train()
-    inputs = {**_inputs("text"), **_inputs("vision", kind), "return_loss": True}
-    twin = to_stored_activations(copy.deepcopy(model))
-    loss = model(**inputs).loss
-    loss.backward()
-    twin_loss = twin(**inputs).loss
-    twin_loss.backward()
-    check_against_twin(model, twin, loss, twin_loss, exact=True)
+    inputs = {**_inputs("text"), **_inputs("vision", kind)}
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, return_loss=True).loss)
     assert all(p.grad is not None for name, p in model.named_parameters() if ".layers." in name)
-
-    model.eval()
-    del inputs["return_loss"]
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        expected = model(**inputs).logits_per_image
-        loaded = from_pretrained(tmp_path).eval()
-        assert len(_stacks(loaded)) == 2 and torch.equal(loaded(**inputs).logits_per_image, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits_per_image, expected)
-    torch.save({"model": model, "inputs": inputs, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
-             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
-             "out = saved['model'](**saved['inputs']).logits_per_image; "
-             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), check=True)
+    loaded = assert_round_trips(model, inputs, tmp_path, output="logits_per_image")
+    assert len(_stacks(loaded)) == 2
 
 
 def test_the_heads_around_a_tower_convert_it():

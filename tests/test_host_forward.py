@@ -17,6 +17,7 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
 from fresh_process import run_python
+from revified import assert_exact_step_equals_twin, assert_loads_in_a_fresh_process, assert_round_trips
 from test_models import check_against_twin
 from test_revify import DEPTH, hf_bigcode, hf_gptj, hf_llama, hf_qwen2, hf_vit
 
@@ -41,31 +42,7 @@ def assert_trains_saves_and_pickles(model, ids, tmp_path, seed=0):
 def assert_saves_and_pickles(model, inputs, tmp_path, input_name="input_ids"):
     """In eval mode: save_pretrained -> revtriton.from_pretrained, a pickle and a fresh process's
     unpickling give the model's logits on ``inputs`` (its ``input_name`` argument)."""
-    import pickle
-
-    from revtriton import from_pretrained
-
-    model.eval()
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        expected = model(**{input_name: inputs}).logits
-        assert torch.equal(from_pretrained(tmp_path).eval()(**{input_name: inputs}).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(**{input_name: inputs}).logits, expected)
-    assert_loads_in_a_fresh_process(model, inputs, expected, tmp_path, input_name)
-
-
-def assert_loads_in_a_fresh_process(model, ids, expected, tmp_path, input_name="input_ids"):
-    """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
-    by name, and gives the same logits (tests/fresh_process: a child of a server that imported torch and
-    transformers' base, nothing else). ``expected`` comes from under torch.no_grad(): so does the fresh
-    process's (with grad a decoder runs the fused halves, without it and a cache the library's modules:
-    equal up to float rounding, not bitwise), on as many threads (a GEMM's sums split by thread)."""
-    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
-             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
-             "out = saved['model'](**{sys.argv[3]: saved['ids']}).logits; "
-             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), input_name, check=True)
+    assert_round_trips(model, {input_name: inputs}, tmp_path)
 
 
 def _count_calls(module, counts, key, pre=True):
@@ -594,7 +571,7 @@ def test_head_classes_warn_on_checkpointing_and_unpickle_in_a_fresh_process(head
     ids = torch.randint(1, 128, (2, 8))
     with torch.no_grad():
         expected = model(input_ids=ids).logits  # the classifier's, the double heads' LM logits
-    assert_loads_in_a_fresh_process(model, ids, expected, tmp_path)
+    assert_loads_in_a_fresh_process(model, {"input_ids": ids}, expected, tmp_path)
 
 
 def test_an_unpickled_gpt2_runs_the_fused_halves_in_a_fresh_process(seeded, tmp_path):
@@ -818,16 +795,8 @@ def test_dinov2_with_drop_path_trains_saves_and_pickles(registers, seeded, tmp_p
     token, used only with bool_masked_pos); save / load, a pickle and a fresh process's unpickling
     give the converted model back."""
     model = revify(_dinov2(seeded, registers, drop_path_rate=0.2), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
     x, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
-    losses = []
-    for m in (model, twin):
-        torch.manual_seed(seeded)
-        losses.append(m(pixel_values=x, labels=labels).loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert_exact_step_equals_twin(model, lambda m: m(pixel_values=x, labels=labels).loss, seed=seeded)
     base = "dinov2_with_registers" if registers else "dinov2"
     assert [name for name, p in model.named_parameters() if p.grad is None] == [f"{base}.embeddings.mask_token"]
     assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
@@ -863,15 +832,9 @@ def test_models_with_vits_layers_convert_as_vit(kind, seeded, tmp_path):
     model = revify(copy.deepcopy(original), exact=True).train()
     encoder = model.deit if kind == "DeiT" else model.vit
     assert isinstance(encoder.layers, ReversibleStack)
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        out = m(**inputs)
-        losses.append(out.logits.square().mean() if kind == "DeiT" else out.loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):  # (MAE: its pooler takes no part)
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    # (a DeiT with its teacher head returns no loss; MAE's pooler takes no part)
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs).logits.square().mean() if kind == "DeiT" else
+                                  m(**inputs).loss)
     assert all(p.grad is not None for name, p in encoder.named_parameters() if ".layers." in name)
     if kind == "DeiT":
         assert_saves_and_pickles(model, pixels, tmp_path, input_name="pixel_values")

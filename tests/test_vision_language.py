@@ -4,16 +4,14 @@ whole, but their vision tower (CLIP, SigLIP) and language model (LLaMA, Gemma by
 own forward (image features spliced into the token embeddings, PaliGemma's prefix mask) and generate
 run over them."""
 import copy
-import pickle
 
 import pytest
 import torch
 
 from revtriton import from_pretrained, ReversibleStack
 from revtriton.convert import revify
-from revtriton.models import to_stored_activations
 
-from fresh_process import run_python
+from revified import assert_exact_step_equals_twin, assert_round_trips
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,32 +94,12 @@ def test_vision_language_models_train_bitwise_their_twin_save_and_pickle(kind, s
     model = revify(_model(kind, seeded), exact=True).train()
     inputs = _inputs(kind)
     labels = inputs["input_ids"].masked_fill(inputs["input_ids"] == IMAGE_ID, -100)
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        losses.append(m(**inputs, labels=labels).loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=labels).loss)
     # Every layer trains but the vision tower's last in LLaVA, whose features are the one before it.
     unused = f"vision_tower.encoder.layers.{DEPTH - 1}." if kind == "llava" else None
     layers = {name: p for name, p in model.named_parameters() if ".layers." in name}
     assert layers and all((p.grad is None) == (unused is not None and unused in name) for name, p in layers.items())
-
-    model.eval()
-    model.save_pretrained(tmp_path)
-    with torch.no_grad():
-        expected = model(**inputs).logits
-        loaded = from_pretrained(tmp_path).eval()
-        assert len(_stacks(loaded)) == 2 and torch.equal(loaded(**inputs).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits, expected)
-    torch.save({"model": model, "inputs": inputs, "logits": expected}, tmp_path / "whole.pt")
-    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
-             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
-             "out = saved['model'](**saved['inputs']).logits; "
-             "sys.exit(0 if torch.equal(out, saved['logits']) else 1)")
-    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), check=True)
+    assert len(_stacks(assert_round_trips(model, inputs, tmp_path))) == 2
 
 
 def test_llava_generates_as_the_library(seeded):
@@ -256,14 +234,7 @@ def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seed
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
     model = revify(copy.deepcopy(original), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        losses.append(m(**inputs, labels=inputs["input_ids"]).loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=inputs["input_ids"]).loss)
 
 
 def _image_captioner(seed):
@@ -293,15 +264,7 @@ def test_a_part_its_family_refuses_stays_as_it_is_with_a_warning(seeded):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
     with pytest.warns(UserWarning, match="left VisionEncoderDecoderModel.decoder"):
         model = revify(copy.deepcopy(original), exact=True).train()
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        torch.manual_seed(seeded)  # the decoder's dropout: the same draws
-        losses.append(m(**inputs).loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):  # (the ViT pooler takes no part)
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs).loss, seed=seeded)  # (the decoder's dropout)
     assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
 
 

@@ -1,14 +1,14 @@
 """Whisper under revify (revtriton/convert/whisper.py): its audio encoder a reversible stack run
 through the library's own forward, the decoder (cross-attention, its cache) as it is."""
 import copy
-import pickle
 
 import pytest
 import torch
 
-from revtriton import from_pretrained, ReversibleStack
+from revtriton import ReversibleStack
 from revtriton.convert import revify
-from revtriton.models import to_stored_activations
+
+from revified import assert_exact_step_equals_twin, assert_round_trips
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,27 +57,13 @@ def test_a_preserving_conversion_keeps_whispers_function(seeded):
 def test_whisper_trains_bitwise_its_twin_saves_and_pickles(seeded, tmp_path):
     """The library's loss on the transcript: an exact training step's loss and every gradient bitwise
     the stored-activation twin's (the encoder's layers included); save_pretrained ->
-    revtriton.from_pretrained and a pickle give the logits."""
+    revtriton.from_pretrained, a pickle and a fresh process give the logits."""
     model = revify(_whisper(seeded), exact=True).train()
     inputs = _inputs(seeded)
     labels = inputs.pop("decoder_input_ids")
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        losses.append(m(**inputs, labels=labels).loss)
-        losses[-1].backward()
-    assert torch.equal(*losses)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=labels).loss)
     assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
-
-    model.eval()
-    model.save_pretrained(tmp_path)
-    inputs = _inputs(seeded)
-    with torch.no_grad():
-        expected = model(**inputs).logits
-        assert torch.equal(from_pretrained(tmp_path).eval()(**inputs).logits, expected)
-        assert torch.equal(pickle.loads(pickle.dumps(model))(**inputs).logits, expected)
+    assert_round_trips(model, _inputs(seeded), tmp_path)
 
 
 def test_the_fused_kernels_run_the_encoders_halves(seeded):

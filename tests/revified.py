@@ -1,0 +1,59 @@
+"""Checks every revified family's tests make: an exact training step against the stored-activation
+twin, and the save / load / pickle round trips."""
+import copy
+import pickle
+
+import torch
+
+from revtriton import from_pretrained
+from revtriton.models import to_stored_activations
+
+from fresh_process import run_python
+
+
+def assert_exact_step_equals_twin(model, loss_of, seed=None):
+    """An exact training step (``loss_of(model)``, then backward) of a revified model: the loss and
+    every gradient bitwise those of its stored-activation twin; a parameter without a gradient (a
+    part the loss does not reach) has none in either. ``seed``: set before each step (the same
+    dropout draws in both). Returns the twin."""
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        if seed is not None:
+            torch.manual_seed(seed)
+        losses.append(loss_of(m))
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+    return twin
+
+
+def assert_round_trips(model, inputs: dict, tmp_path, output="logits"):
+    """In eval mode, the model's ``output`` on ``inputs`` (keyword inputs), bitwise, from:
+    save_pretrained -> revtriton.from_pretrained, a pickle, and a fresh process's unpickling (it must
+    find the swapped classes by name). Returns the model from_pretrained loaded."""
+    model.eval()
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = getattr(model(**inputs), output)
+        loaded = from_pretrained(tmp_path).eval()
+        assert torch.equal(getattr(loaded(**inputs), output), expected)
+        assert torch.equal(getattr(pickle.loads(pickle.dumps(model))(**inputs), output), expected)
+    assert_loads_in_a_fresh_process(model, inputs, expected, tmp_path, output)
+    return loaded
+
+
+def assert_loads_in_a_fresh_process(model, inputs: dict, expected, tmp_path, output="logits"):
+    """A whole-model pickle (torch.save) loads in a new interpreter, which must find the swapped classes
+    by name, and gives ``expected`` as its ``output`` on ``inputs`` (tests/fresh_process: a child of a
+    server that imported torch and transformers' base, nothing else). ``expected`` comes from under
+    torch.no_grad(): so does the fresh process's (with grad a decoder runs the fused halves, without it
+    and a cache the library's modules: equal up to float rounding, not bitwise), on as many threads (a
+    GEMM's sums split by thread)."""
+    torch.save({"model": model, "inputs": inputs, "expected": expected}, tmp_path / "whole.pt")
+    fresh = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+             "saved = torch.load(sys.argv[1], weights_only=False); torch.set_grad_enabled(False); "
+             "out = getattr(saved['model'](**saved['inputs']), sys.argv[3]); "
+             "sys.exit(0 if torch.equal(out, saved['expected']) else 1)")
+    run_python(fresh, tmp_path / "whole.pt", torch.get_num_threads(), output, check=True)
