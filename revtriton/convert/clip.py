@@ -12,10 +12,9 @@ import torch
 
 from ..halves.base import parameter
 from ..ops.attention import norm_attention_couple
-from ..ops.mlp import norm_mlp_couple
-from .core import (Family, LayerSpec, _concatenated_qkv, _Half, _HF_ACTIVATIONS, _host_block_mixins, _layout_options,
-                   _parts, _RevifiedLM, _spec_of)
-from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
+from .core import (Family, LayerSpec, _concatenated_qkv, _HF_ACTIVATIONS, _host_block_mixins, _layout_options,
+                   _NormMlpHalf, _parts, _RevifiedLM, _spec_of)
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedAttentionHalf
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 # The towers, by class: (the library's module, whether its attention is causal, whether it takes tokens).
@@ -40,25 +39,12 @@ def _causal(block) -> dict:
     return {"is_causal": True} if _spec_of(block).library_causal else {}
 
 
-class _ClipAttentionHalf(_HostAttention, _Half):
-    takes_cond = True  # the library's mask (padding, causal) and the token layout of padded rows
-    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
-
-    def _attention_module(self):
-        return _parts(self.block)["self_attn"]
-
-    def _attention_norm(self):
-        return _parts(self.block)["layer_norm1"]
-
-    def _projections(self):
-        a = _parts(self._attention_module())
-        return a["q_proj"], a["k_proj"], a["v_proj"], a["out_proj"]
+class _ClipAttentionHalf(_ProjectedAttentionHalf):
+    # (the library's mask: padding, causal; the token layout of padded rows)
+    _norm_name, _attention_name = "layer_norm1", "self_attn"
 
     def _dropouts(self):
         return (float(self._attention_module().dropout or 0.0),)
-
-    def _beyond_fused(self, x):
-        return not self._spec().fused_attention
 
     couple_op = norm_attention_couple
 
@@ -82,9 +68,6 @@ class _ClipAttentionHalf(_HostAttention, _Half):
         return _first(b.self_attn(hidden_states=b.layer_norm1(x), attention_mask=host.mask_for(b), **_causal(b),
                                   **extra))
 
-    def _standalone(self, cond) -> bool:  # no mask alone: one unpadded sequence per row (_modules)
-        return cond is None
-
     def _modules(self, x):
         b = self.block
         x = self._input(x, b.layer_norm1.weight)
@@ -95,24 +78,13 @@ class _ClipAttentionHalf(_HostAttention, _Half):
         return _first(b.self_attn(hidden_states=b.layer_norm1(x), attention_mask=mask))
 
 
-class _ClipMlpHalf(_Half):
-    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+class _ClipMlpHalf(_NormMlpHalf):
+    def _mlp_norm(self):
+        return _parts(self.block)["layer_norm2"]
 
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
         return m["fc1"], m["fc2"]
-
-    def _beyond_fused(self, x):  # CLIP's quick GELU: not one of the fused MLP's activations
-        return self._spec().activation is None
-
-    couple_op = norm_mlp_couple
-
-    def operands(self, x, layout=None):
-        norm = _parts(self.block)["layer_norm2"]
-        inner, out = self._projections()
-        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
-                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
-                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b = self.block

@@ -15,6 +15,7 @@ from torch import nn
 from ..engine import ReversibleStack, block_phase
 from ..halves.base import OpHalf, parameter
 from ..ops.dispatch import run_bound
+from ..ops.mlp import norm_mlp_couple
 from ..ops.reference import rope_inv_freq
 from ..ops.streams import couple_output
 from .preserve import (_add_adapters, _Conversion, _SublayerWithAdapter, _WholeLayer, active_adapter,
@@ -321,6 +322,29 @@ def _norm_eps(norm) -> float:
     eps = getattr(norm, "variance_epsilon", None)  # (no eager default: an absent attribute costs a raise)
     return float(getattr(norm, "eps", 1e-6) if eps is None else eps)
 
+
+
+class _NormMlpHalf(_Half):
+    """A token-wise half ``out(act(inner(norm(x))))`` over a LayerNorm and two projections: the fused
+    MLP couple where the kernels have the activation (the layer's spec: ``activation``, None where
+    they have not), else the layer's own modules. A family names the norm (``_mlp_norm``) and the
+    projections (``_projections``: inner, out)."""
+
+    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+    couple_op = norm_mlp_couple
+
+    def _mlp_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _beyond_fused(self, x):
+        return self._spec().activation is None
+
+    def operands(self, x, layout=None):
+        norm = self._mlp_norm()
+        inner, out = self._projections()
+        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
+                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
+                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
 
 class _LibraryHalf(_Half):

@@ -1,6 +1,7 @@
 """Hugging Face DINOv2 (``Dinov2Model``, ``Dinov2ForImageClassification``; with registers too): a
-pre-norm ViT encoder whose branches end in a layer scale and drop-path, ``x + drop_path(layer_scale1(attention(norm1(x))))``
-then ``h + drop_path(layer_scale2(mlp(norm2(h))))``, run through the library's own forward. Both
+pre-norm ViT encoder whose branches end in a layer scale and drop-path,
+``x + drop_path(layer_scale1(attention(norm1(x))))`` then ``h + drop_path(layer_scale2(mlp(norm2(h))))``,
+run through the library's own forward. Both
 halves run the layer's own modules (its attention with the library's mask, its MLP or SwiGLU MLP);
 drop-path draws are replayed in the rebuild as any half's random draws are."""
 from __future__ import annotations

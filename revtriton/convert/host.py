@@ -15,7 +15,8 @@ from torch import nn
 from ..engine import ReversibleStack, is_reversible_block
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
-from .core import SWAPPED_MODULE, _convert_blocks, _LibraryHalf, _NoCheckpointing, _RevifiedLM, _spec_of, _swap_class
+from .core import (SWAPPED_MODULE, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _RevifiedLM, _spec_of,
+                   _swap_class)
 
 
 class _BlockSteps(nn.Module):
@@ -547,6 +548,33 @@ class _HostAttention:
         if self._fuses(x, host):
             return self._fused_with(torch.zeros_like(x), x, +1, None, host)[0]
         return self._library_attention(x, host)
+
+
+class _ProjectedAttentionHalf(_HostAttention, _Half):
+    """The attention half of an encoder layer whose norm (``_norm_name``) and attention module
+    (``_attention_name``, with q / k / v / out_proj linears) the fused attention computes where the
+    layer's spec says so, else through the module with the library's mask (CLIP's, Whisper's).
+    Alone (no conditioning), it runs as its model runs it without a mask."""
+
+    takes_cond = True
+    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
+    _norm_name = _attention_name = ""
+
+    def _attention_module(self):
+        return self.block._modules[self._attention_name]
+
+    def _attention_norm(self):
+        return self.block._modules[self._norm_name]
+
+    def _projections(self):
+        a = self._attention_module()._modules
+        return a["q_proj"], a["k_proj"], a["v_proj"], a["out_proj"]
+
+    def _beyond_fused(self, x):
+        return not self._spec().fused_attention
+
+    def _standalone(self, cond) -> bool:
+        return cond is None
 
 
 def _decoding() -> bool:

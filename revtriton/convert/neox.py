@@ -6,9 +6,8 @@ from dataclasses import replace
 
 
 from ..ops.attention import multi_head_attention_reference, norm_attention_couple
-from ..ops.mlp import norm_mlp_couple
 from ..halves.base import parameter
-from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _p,
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _layout_options, _NormMlpHalf, _p,
                    _parts, _pickled_host_classes, _refuse_meft3_with_parallel_layers, _rope_spec,
                    _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
@@ -64,8 +63,9 @@ class _NeoXAttentionHalf(_Half):
         return b.post_attention_dropout(a.dense(o))
 
 
-class _NeoXMlpHalf(_Half):
-    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+class _NeoXMlpHalf(_NormMlpHalf):
+    def _mlp_norm(self):
+        return _parts(self.block)["post_attention_layernorm"]
 
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
@@ -73,18 +73,6 @@ class _NeoXMlpHalf(_Half):
 
     def _dropouts(self):
         return (_p(self.block.post_mlp_dropout),)
-
-    def _beyond_fused(self, x):
-        return self._spec().activation is None
-
-    couple_op = norm_mlp_couple
-
-    def operands(self, x, layout=None):
-        norm = _parts(self.block)["post_attention_layernorm"]
-        inner, out = self._projections()
-        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
-                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
-                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b = self.block

@@ -12,9 +12,9 @@ from torch import nn
 
 from ..halves.base import parameter
 from ..ops.attention import norm_attention_couple
-from ..ops.mlp import norm_mlp_couple
-from .core import (Family, LayerSpec, _Half, _HF_ACTIVATIONS, _host_block_mixins, _parts, _pickled_host_classes)
-from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
+from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _host_block_mixins, _NormMlpHalf, _parts,
+                   _pickled_host_classes)
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedAttentionHalf
 
 _LAYER_PARTS = {"self_attn", "self_attn_layer_norm", "fc1", "activation_fn", "fc2", "final_layer_norm"}
 
@@ -23,25 +23,12 @@ def _dropout(x, p, training):
     return nn.functional.dropout(x, p=p, training=training) if training and p > 0 else x
 
 
-class _WhisperAttentionHalf(_HostAttention, _Half):
-    takes_cond = True  # the library's mask (None: Whisper's encoder masks nothing)
-    _splits_samples = True  # ReversibleStack token_chunk: a few samples at a time (engine.rows)
-
-    def _attention_module(self):
-        return _parts(self.block)["self_attn"]
-
-    def _attention_norm(self):
-        return _parts(self.block)["self_attn_layer_norm"]
-
-    def _projections(self):
-        a = _parts(self._attention_module())
-        return a["q_proj"], a["k_proj"], a["v_proj"], a["out_proj"]
+class _WhisperAttentionHalf(_ProjectedAttentionHalf):
+    # (the library's mask: None, Whisper's encoder masks nothing)
+    _norm_name, _attention_name = "self_attn_layer_norm", "self_attn"
 
     def _dropouts(self):
         return float(self._attention_module().dropout or 0.0), float(self.block.dropout or 0.0)
-
-    def _beyond_fused(self, x):
-        return not self._spec().fused_attention
 
     couple_op = norm_attention_couple
 
@@ -60,17 +47,15 @@ class _WhisperAttentionHalf(_HostAttention, _Half):
         out = _first(b.self_attn(hidden_states=b.self_attn_layer_norm(x), attention_mask=host.mask_for(b), **extra))
         return _dropout(out, b.dropout, b.training)
 
-    def _standalone(self, cond) -> bool:  # alone: no mask, as in the model
-        return cond is None
-
     def _modules(self, x):
         b = self.block
         out = _first(b.self_attn(hidden_states=b.self_attn_layer_norm(self._input(x, b.self_attn_layer_norm.weight))))
         return _dropout(out, b.dropout, b.training)
 
 
-class _WhisperMlpHalf(_Half):
-    rows_independent = True  # each token's MLP output from its own row (ReversibleStack token_chunk)
+class _WhisperMlpHalf(_NormMlpHalf):
+    def _mlp_norm(self):
+        return _parts(self.block)["final_layer_norm"]
 
     def _projections(self):
         b = _parts(self.block)
@@ -78,18 +63,6 @@ class _WhisperMlpHalf(_Half):
 
     def _dropouts(self):
         return float(self.block.activation_dropout or 0.0), float(self.block.dropout or 0.0)
-
-    def _beyond_fused(self, x):
-        return self._spec().activation is None
-
-    couple_op = norm_mlp_couple
-
-    def operands(self, x, layout=None):
-        norm = _parts(self.block)["final_layer_norm"]
-        inner, out = self._projections()
-        return ((parameter(norm, "weight"), parameter(norm, "bias"), parameter(inner, "weight"),
-                 parameter(inner, "bias"), parameter(out, "weight"), parameter(out, "bias")),
-                dict(norm="layer", activation=self._spec().activation, eps=norm.eps))
 
     def _modules(self, x):
         b = self.block
