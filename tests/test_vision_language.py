@@ -220,10 +220,11 @@ def _qwen2_vl_inputs():
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("version", ["2", "2.5"])
-def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seeded):
+def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seeded, tmp_path):
     """Qwen2-VL's text model (its loop: ``for i, layer in enumerate(self.layers)``) converts; its
     multimodal RoPE (the image's tokens at 2-D positions) runs on the model's rotary embedding, so a
-    preserving conversion keeps the logits, and an exact training step is bitwise its twin's."""
+    preserving conversion keeps the logits, an exact training step is bitwise its twin's, and it saves,
+    loads and pickles (its swapped classes found by name in a fresh process)."""
     original = _qwen2_vl(seeded, version)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert _stacks(model) == [model.model.language_model.layers]
@@ -235,6 +236,7 @@ def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seed
 
     model = revify(copy.deepcopy(original), exact=True).train()
     assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=inputs["input_ids"]).loss)
+    assert_round_trips(model, inputs, tmp_path)
 
 
 def _image_captioner(seed):
