@@ -282,3 +282,24 @@ def test_when_every_part_is_refused_the_refusal_is_raised():
     with pytest.raises(NotImplementedError, match="post-norm"):
         revify(model)
     assert not _stacks(model)
+
+
+def test_a_causal_lm_inside_a_model_of_ones_own_converts_with_its_fused_loss(seeded):
+    """A user's module around a Hugging Face causal LM (and a head of its own): revify converts the
+    LM, and the LM trained with labels computes its loss through the fused head (no logits), as it
+    would converted alone."""
+    torch.manual_seed(seeded)
+
+    class Scorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4,
+                                                                           vocab_size=100))
+            self.score = torch.nn.Linear(32, 1)
+
+    model = revify(Scorer(), exact=True).train()
+    assert _stacks(model) == [model.lm.transformer.h]
+    ids = torch.randint(0, 100, (2, 8))
+    out = model.lm(input_ids=ids, labels=ids)
+    assert out.logits is None and torch.isfinite(out.loss)
+    out.loss.backward()

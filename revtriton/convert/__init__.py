@@ -141,7 +141,8 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
         if family is not None:
             family.convert(target, conversion, found)
         else:
-            _convert_components(target, components, conversion)
+            for component in _convert_components(target, components, conversion):
+                prepare_causal_lm(component, fused_loss)  # a causal LM inside another model: its fused loss too
         _finish_conversion(target, recorded)
         if preserve is not None and peft_model:
             _peft_trains_adapters(model, target)
@@ -204,15 +205,16 @@ def _components(model: nn.Module) -> list:
     return found
 
 
-def _convert_components(model: nn.Module, components: list, conversion):
+def _convert_components(model: nn.Module, components: list, conversion) -> list:
     """Convert each part (:func:`_components`); a part its family refuses (NotImplementedError: a
     feature its halves do not reproduce) stays as it is, with a warning naming it and why, so long as
-    another part converts (else the refusal is raised: nothing converted)."""
+    another part converts (else the refusal is raised: nothing converted). Returns the converted."""
     paths = {id(module): name for name, module in model.named_modules()}
-    refused = []
+    refused, converted = [], []
     for component, family, found in components:
         try:
             family.convert(component, conversion, found)
+            converted.append(component)
         except NotImplementedError as error:
             refused.append((paths[id(component)], error))
     if len(refused) == len(components):
@@ -222,6 +224,7 @@ def _convert_components(model: nn.Module, components: list, conversion):
 
         warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is ({error}); its other parts are "
                       f"reversible stacks", stacklevel=3)
+    return converted
 
 
 def _family_of(model: nn.Module) -> tuple:
