@@ -1,0 +1,44 @@
+"""tools/conformance.py tells a converted model from a refused one, and flags what it must: a crash
+(an error that is not revify's refusal) and a converted model off the library's logits."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "conformance.py")
+if not os.path.exists(TOOL):  # a copy of the package and tests only (gpu_check's clean tree)
+    pytest.skip("tools/conformance.py is not in this tree", allow_module_level=True)
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def conformance():
+    spec = importlib.util.spec_from_file_location("conformance", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verdicts(conformance, monkeypatch):
+    verdict, detail = conformance.check("LlamaForCausalLM", 60)
+    assert verdict == "converted" and "without" in detail
+    assert conformance.check("MambaForCausalLM", 60)[0] == "refused"  # no family takes it
+    assert conformance.check("NoSuchForCausalLM", 60)[0] == "not built"
+    assert conformance.main(["LlamaForCausalLM", "MambaForCausalLM"]) == 0
+
+    import revtriton
+
+    def crash(model, **options):
+        raise KeyError("gate_proj")  # DeepSeek-V3's crash before this session's fix
+
+    monkeypatch.setattr(revtriton, "revify", crash)
+    assert conformance.check("LlamaForCausalLM", 60)[0] == "CRASH"
+    assert conformance.main(["LlamaForCausalLM"]) == 1
+
+    def silently_wrong(model, **options):  # "converts", but computes another function
+        model.lm_head.weight.data.mul_(2.0)
+        return model
+
+    monkeypatch.setattr(revtriton, "revify", silently_wrong)
+    assert conformance.check("LlamaForCausalLM", 60)[0] == "WRONG"
