@@ -64,8 +64,9 @@ def _inputs(tower, kind="CLIP"):
 
 def _outputs(out):
     """The tensors a caller reads of a tower's or a two-tower model's output."""
-    if hasattr(out, "logits_per_image"):
-        return [out.logits_per_image, out.text_embeds, out.image_embeds]
+    if hasattr(out, "logits_per_image"):  # (each tower's hidden states: the outer model captures none itself)
+        return [out.logits_per_image, out.text_embeds, out.image_embeds, *out.text_model_output.hidden_states,
+                *out.vision_model_output.hidden_states]
     return [out.last_hidden_state, out.pooler_output, *out.hidden_states]
 
 
@@ -83,11 +84,8 @@ def test_a_preserving_conversion_keeps_the_librarys_function(kind, tower, seeded
     original = _model(kind, tower, seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert len(_stacks(model)) == (2 if tower == "both" else 1)
-    if tower == "both":
-        inputs = {**_inputs("text"), **_inputs("vision", kind)}
-        options = {}
-    else:
-        inputs, options = _inputs(tower, kind), dict(output_hidden_states=True)
+    inputs = {**_inputs("text"), **_inputs("vision", kind)} if tower == "both" else _inputs(tower, kind)
+    options = dict(output_hidden_states=True)
     with torch.no_grad():
         theirs, ours = _outputs(original(**inputs, **options)), _outputs(model(**inputs, **options))
     assert len(ours) == len(theirs)

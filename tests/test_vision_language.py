@@ -72,7 +72,8 @@ def _stacks(model):
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind, seeded):
-    """meft3 converts the vision tower and the language model, each a stack, and keeps the logits."""
+    """meft3 converts the vision tower and the language model, each a stack, and keeps the logits and
+    the language model's hidden states."""
     original = _model(kind, seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     inner = model.model
@@ -82,7 +83,14 @@ def test_a_preserving_conversion_keeps_the_vision_language_models_function(kind,
     inputs = _inputs(kind)
     with torch.no_grad():
         theirs, ours = original(**inputs).logits, model(**inputs).logits
+        # The language model's hidden states too: the model's own output capture must not record what
+        # the stack's blocks return (it hooks every module of the layer class, the swapped ones too)
+        theirs_states = original(**inputs, output_hidden_states=True, use_cache=False).hidden_states
+        ours_states = model(**inputs, output_hidden_states=True, use_cache=False).hidden_states
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    assert len(ours_states) == len(theirs_states) == DEPTH + 1
+    for got, expected in zip(ours_states, theirs_states):
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", KINDS)
