@@ -311,3 +311,16 @@ def test_a_causal_lm_inside_a_model_of_ones_own_converts_with_its_fused_loss(see
     out = model.lm(input_ids=ids, labels=ids)
     assert out.logits is None and torch.isfinite(out.loss)
     out.loss.backward()
+
+
+def test_a_part_that_nearly_has_a_familys_layers_stays_as_it_is(seeded):
+    """Gemma 3 with a part its text layers do not have in the library (a near miss of the families'
+    layer conventions, whose detector names it): the vision tower converts, the text model stays as it
+    is with a warning naming the parts; before, the detector's refusal stopped the whole conversion."""
+    model = _model("gemma3", seeded)
+    for layer in model.model.language_model.layers:
+        layer.extra_norm = torch.nn.Identity()
+    left = r"left Gemma3ForConditionalGeneration\.model\.language_model as it is .*extra_norm"
+    with pytest.warns(UserWarning, match=left):
+        revify(model)
+    assert _stacks(model) == [model.model.vision_tower.encoder.layers]

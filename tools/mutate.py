@@ -714,6 +714,12 @@ MUTANTS = [
            "                prepare_causal_lm(component, fused_loss)", "                pass",
            ("tests/test_vision_language.py", "-k", "own_converts"),
            "a causal LM converted inside a user's module trains through the full logits, not the fused loss"),
+    Mutant("component-near-miss-stops-all", "revtriton/convert/__init__.py",
+           "            except NotImplementedError as near_miss:  # a family's detector names what differs: refused\n"
+           "                family, detected = None, near_miss\n",
+           "            except ValueError as near_miss:\n                family, detected = None, near_miss\n",
+           ("tests/test_vision_language.py", "-k", "nearly_has"),
+           "a vision-language model whose text model nearly has a family's layers: nothing converts"),
     Mutant("siglip2-patch-mask-fused", "revtriton/convert/clip.py",
            "return super()._fuses(x, host) and (host.layout is not None or host.mask_for(self.block) is None)",
            "return super()._fuses(x, host)",

@@ -189,14 +189,18 @@ def _components(model: nn.Module) -> list:
     """``[(sub-model, family, found)]``: the sub-models of a model no family takes whole that families
     take, the outermost ones, in module order: a vision-language model's vision tower and language
     model (LLaVA's CLIP and LLaMA, PaliGemma's SigLIP and Gemma by their class; Gemma 3's text model
-    by its layers' conventions: a library model, ``found`` what the family detected)."""
+    by its layers' conventions: a library model, ``found`` what the family detected). A library model
+    that nearly has a family's conventions comes with family None and the detector's refusal as found."""
     found = []
 
     def walk(module):
         for child in module.children():
             library_model = type(child).__module__.startswith("transformers.") and hasattr(child, "config")
-            family, detected = _family_of(child) if library_model else (_family_by_class(child), None)
-            if family is not None:
+            try:
+                family, detected = _family_of(child) if library_model else (_family_by_class(child), None)
+            except NotImplementedError as near_miss:  # a family's detector names what differs: refused
+                family, detected = None, near_miss
+            if family is not None or detected is not None:
                 found.append((child, family, detected))
             else:
                 walk(child)
@@ -213,6 +217,8 @@ def _convert_components(model: nn.Module, components: list, conversion) -> list:
     refused, converted = [], []
     for component, family, found in components:
         try:
+            if family is None:  # a near miss of a family's conventions (_components)
+                raise found
             family.convert(component, conversion, found)
             converted.append(component)
         except NotImplementedError as error:

@@ -15,8 +15,8 @@ from torch import nn
 from ..engine import ReversibleStack, is_reversible_block
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
-from .core import (SWAPPED_MODULE, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _RevifiedLM, _spec_of,
-                   _swap_class)
+from .core import (SWAPPED_MODULE, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _parts, _RevifiedLM,
+                   _spec_of, _swap_class)
 
 
 class _BlockSteps(nn.Module):
@@ -561,13 +561,13 @@ class _ProjectedAttentionHalf(_HostAttention, _Half):
     _norm_name = _attention_name = ""
 
     def _attention_module(self):
-        return self.block._modules[self._attention_name]
+        return _parts(self.block)[self._attention_name]
 
     def _attention_norm(self):
-        return self.block._modules[self._norm_name]
+        return _parts(self.block)[self._norm_name]
 
     def _projections(self):
-        a = self._attention_module()._modules
+        a = _parts(self._attention_module())
         return a["q_proj"], a["k_proj"], a["v_proj"], a["out_proj"]
 
     def _beyond_fused(self, x):

@@ -7,6 +7,8 @@ MLP; dropout in training runs the layer's own modules. Whisper's fp16 clamp afte
 reversible form: the halves leave it out (it only acts on values past fp16's range)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -97,7 +99,7 @@ def _convert_whisper(model, conversion, found=None):
                                       and abs(float(attention.scaling) - attention.head_dim**-0.5) <= 1e-12),
                      activation=_HF_ACTIVATIONS.get(config.activation_function))
     for layer in layers:
-        layer._revtriton_spec = LayerSpec(**vars(spec))
+        layer._revtriton_spec = replace(spec)
     _convert_hosted_layers(model, model, "layers", conversion, (_HostWhisperBlock, _HostWhisperOrdinaryBlock),
                            _HostWhisperEncoder)
 
