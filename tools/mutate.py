@@ -44,6 +44,14 @@ class Mutant:
 
 MUTANTS = [
     # ---- halves by chunks of token rows (issue 36)
+    Mutant("cpu-norm-keeps-the-formulas-rows", "revtriton/ops/reference.py",
+           "        y = _RowNorm.apply(xf, w, norm == \"layer\", eps)\n",
+           "        y = _row_norm_value(xf, w, norm == \"layer\", eps)[0]\n",
+           ("tests/test_reference_norm.py",),
+           "the CPU norm with grad keeps its centred and normalized rows: two input-sized buffers a call"),
+    Mutant("cpu-norm-backward-forgets-the-mean", "revtriton/ops/reference.py",
+           "            if ctx.centred:\n", "            if False:\n", ("tests/test_reference_norm.py",),
+           "the CPU LayerNorm's gradient leaves out the mean's dependence on every element"),
     Mutant("rebuild-ignores-the-token-chunk", "revtriton/engine/segment.py",
            "        chunks = row_chunks(g, rb.y2, run.chunk_rows(rb.layer), self.cond, rb.scale2)\n",
            "        chunks = None\n",

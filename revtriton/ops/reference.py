@@ -24,15 +24,59 @@ def normalize_reference(x, weight, bias, *, norm: str, eps: float):
         # This is the library path the measured choice races on a GPU; the engine's rebuild runs it again.
         shape = (x.shape[-1],)
         y = F.layer_norm(xf, shape, w, None, eps) if norm == "layer" else F.rms_norm(xf, shape, w, eps)
-    else:
+    elif torch.is_grad_enabled() and (xf.requires_grad or (w is not None and w.requires_grad)):
         # Spelled out elsewhere (the test oracle): the CPU layer_norm kernel's statistics leave a constant
         # row's centred values nonzero, and its weight gradient 3e-5 off in fp32 (tests/test_tiles.py).
-        if norm == "layer":
-            xf = xf - xf.mean(-1, keepdim=True)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = y if w is None else y * w
+        # With grad, the formula's values through a Function that keeps the input and a row's statistics,
+        # not the centred and normalized rows autograd would keep (two of the input's size: a long
+        # sequence's attention half keeps them while its projections are live, issue 36).
+        y = _RowNorm.apply(xf, w, norm == "layer", eps)
+    else:
+        y = _row_norm_value(xf, w, norm == "layer", eps)[0]
     y = y.to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def _row_norm_value(xf, w, centred: bool, eps: float):
+    """``(norm(xf) * w, mean or None, rstd)``: the formula (LayerNorm centres, RMSNorm does not)."""
+    mean = xf.mean(-1, keepdim=True) if centred else None
+    xc = xf if mean is None else xf - mean
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    y = xc * rstd
+    return (y if w is None else y * w), mean, rstd
+
+
+class _RowNorm(torch.autograd.Function):
+    """The CPU norm's formula (:func:`_row_norm_value`) keeping ``x`` and a row's mean and rstd for
+    backward, which rebuilds the normalized rows from them. Its backward is torch ops (the statistics
+    recomputed from ``x`` under ``create_graph``), so second-order gradients are the formula's too."""
+
+    @staticmethod
+    def forward(ctx, xf, w, centred: bool, eps: float):
+        y, mean, rstd = _row_norm_value(xf, w, centred, eps)
+        ctx.centred, ctx.eps = centred, eps
+        ctx.save_for_backward(xf, w, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xf, w, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the statistics again, as functions of x this time
+            _, mean, rstd = _row_norm_value(xf, None, ctx.centred, ctx.eps)
+        xhat = (xf if mean is None else xf - mean) * rstd
+        dw = None
+        if w is not None and ctx.needs_input_grad[1]:
+            dw = (grad * xhat).reshape(-1, xf.shape[-1]).sum(0)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            g = grad if w is None else grad * w
+            # d/dx of (x - mean) * rstd: the gradient less its projections on the row's mean (LayerNorm) and
+            # on the normalized row itself (rstd depends on every element).
+            dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+            if ctx.centred:
+                dx = dx - g.mean(-1, keepdim=True)
+            dx = dx * rstd
+        return dx, dw, None, None
 
 
 def activation_reference(h, activation: str):
