@@ -17,8 +17,8 @@ A third model row runs the stack without a head (its last hidden states' sum as 
 peak a head cannot go below, one block's rebuild and backward (perf.engine_bench's one-block
 bound), which grows with the tokens as the logits do. The fused and headless rows run again with
 the stack's ``token_chunk`` at ``--token-chunk`` rows (``ReversibleStack(token_chunk=)``: the MLP
-halves by chunks of that many token rows, the attention by whole samples, so the largest
-activations of a block's rebuild and backward stay chunk-sized).
+halves by chunks of that many token rows, the attention by whole samples and a sample longer than
+that in head groups, so the largest activations of a block's rebuild and backward stay chunk-sized).
 
 Bars (issue 36, model rows, CPU): fused peak past parameter gradients <= 0.5x the logits at 2 x 256
 tokens and <= 0.15x at 2 x 2048, judged on the fused row with ``--token-chunk`` (without one when it

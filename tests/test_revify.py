@@ -227,6 +227,32 @@ def test_token_chunk_keeps_the_gradients_of_the_whole_halves(family, seeded):
     check_against_twin(chunked, whole, losses[1], losses[0], False, FLOAT_TWIN_BOUND.get(family, 1e-5))
 
 
+@pytest.mark.parametrize("family,groups", [("gpt2", 4), ("llama", 2), ("qwen2", 2), ("mistral", None),
+                                           ("neox", None)])
+def test_token_chunk_runs_a_long_samples_attention_in_head_groups(family, groups, seeded, monkeypatch):
+    """``revify(token_chunk=16)`` on 2 x 64 tokens, 64 wide: a sample longer than a chunk and than its width
+    runs its attention in head groups through the fused path's ops (GPT-2's 4 heads: 4 groups; LLaMA's and
+    Qwen2's 2 kv heads: 2, Qwen2's q / k / v biases cut with them); on the library's modules, whole
+    (Mistral's 16-token window, GPT-NeoX's partial rotary). Float streams,
+    eval mode: the unchunked model's loss and gradients up to float rounding (the twin bounds)."""
+    from revtriton.convert.host import _HostAttention
+
+    parts = []
+    real = _HostAttention.part_output
+    monkeypatch.setattr(_HostAttention, "part_output",
+                        lambda self, part, count, *args, **kwargs: parts.append(count) or real(self, part, count, *args,
+                                                                                             **kwargs))
+    whole = revify(BUILDERS[family](seed=seeded), exact=False).eval()
+    chunked = revify(BUILDERS[family](seed=seeded), exact=False, token_chunk=16).eval()
+    ids = torch.randint(0, 128, (2, 64))
+    losses = [model(input_ids=ids, labels=ids).loss for model in (whole, chunked)]
+    for loss in losses:
+        loss.backward()
+    # forward and rebuild of each of the DEPTH attention halves, a sample at a time, every group
+    assert parts == ([] if groups is None else [groups] * (2 * DEPTH * 2 * groups))
+    check_against_twin(chunked, whole, losses[1], losses[0], False, FLOAT_TWIN_BOUND.get(family, 1e-5))
+
+
 @pytest.mark.parametrize("family", [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2"])
 def test_dropout_path_matches_twin(family, seeded):
     """Attention / projection dropout (the unfused path) replays exactly in the recompute."""

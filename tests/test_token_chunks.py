@@ -132,10 +132,21 @@ def test_which_halves_run_by_chunks():
     assert row_chunks(drop_path.train(), x, 8) is None  # a per-sample draw
     assert row_chunks(drop_path.eval(), x, 8) is not None
     attention = LayerNormAttention(16, 2)  # tokens see each other, samples do not: whole samples a chunk
-    assert row_chunks(attention, x, 8) == RowChunks([(0, 9), (9, 18)], (9, 16), 2)
     assert row_chunks(attention, x, 9) == RowChunks([(0, 9), (9, 18)], (9, 16), 2)
     assert row_chunks(attention, x, 18) is None
-    assert row_chunks(attention, x[:1], 8) is None  # one sample
+    assert row_chunks(attention, x[:1], 8) is None  # one sample, shorter (9 tokens) than its width (16)
+    # A sample longer than a chunk and than its width: the half in head groups, as many as the chunk asks
+    # (ceil(17 / 9) = 2), at most the kv heads, a divisor of them.
+    long = torch.randn(2, 17, 16)
+    assert row_chunks(attention, long, 9) == RowChunks([(0, 17), (17, 34)], (17, 16), 2, parts=2)
+    assert row_chunks(attention, long[:1], 9) == RowChunks([(0, 17)], (17, 16), 1, parts=2)
+    assert row_chunks(attention, long[:1], 17) is None  # one sample that fits
+    assert row_chunks(attention, long[:1], 2).parts == 2  # 9 asked, 2 heads
+    assert row_chunks(RMSNormAttention(16, 4), long[:1], 6).parts == 2  # 3 asked: 2 divides the 4 heads
+    assert row_chunks(RMSNormAttention(16, 4, kv_heads=2), long[:1], 1).parts == 2  # a kv head a group at most
+    assert row_chunks(RMSNormAttention(16, 4, kv_heads=1), long[:1], 1) is None
+    assert row_chunks(LayerNormAttention(16, 2, drop_path=0.2).train(), long[:1], 8) is None  # a draw a call
+    assert row_chunks(LayerNormAttention(16, 2, drop_path=0.2).eval(), long[:1], 8).parts == 2
     assert row_chunks(GenericHalf(nn.Linear(16, 16)), x, 8) is None  # undeclared
 
     class Conditioned(RowsMLP):
@@ -323,3 +334,157 @@ def test_the_fused_kernels_by_chunks_match_the_whole_fused_stack(exact):
         want = grads_of(whole, x, lambda: loss_of(whole(x)))
         got = grads_of(by_chunks, x, lambda: loss_of(by_chunks(x)))
     assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= (1e-4 if exact else 1e-5)
+
+
+# -- a sample longer than a chunk: the attention half in head groups -------------------------------------
+
+
+def attention_weights(dim, heads, kv_heads, bias, dtype=torch.float64):
+    head_dim = dim // heads
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=dtype)
+
+    return (rand(dim) + 1, rand(dim) if bias else None, rand(qkv_rows, dim) / dim ** 0.5,
+            rand(qkv_rows) if bias else None, rand(dim, dim) / dim ** 0.5, rand(dim) if bias else None)
+
+
+@pytest.mark.parametrize("heads,kv_heads,parts", [(4, 4, 2), (4, 4, 4), (8, 4, 2), (8, 2, 2), (6, 3, 3)])
+@pytest.mark.parametrize("norm,bias,rope", [("layer", True, None), ("rms", False, 10000.0)])
+def test_head_groups_sum_to_the_half(heads, kv_heads, parts, norm, bias, rope):
+    """H = the sum over head groups (ops.attention.head_group), the out projection's bias in the first:
+    float64, causal, grouped-query (a group keeps each q head with its kv head), values and gradients up
+    to the sum's rounding (1e-12 relative)."""
+    from revtriton.ops.attention import head_group, norm_attention_reference
+
+    weights = [None if w is None else w.requires_grad_() for w in attention_weights(48, heads, kv_heads, bias)]
+    options = dict(heads=heads, kv_heads=kv_heads, causal=True, rope_theta=rope, norm=norm, eps=1e-6)
+    x = torch.randn(2, 7, 48, dtype=torch.float64, requires_grad=True)
+    leaves = [x] + [w for w in weights if w is not None]
+    probe = torch.randn(2, 7, 48, dtype=torch.float64)
+    whole = norm_attention_reference(x, *weights, **options)
+    want = torch.autograd.grad((whole * probe).sum(), leaves)
+    summed = sum(norm_attention_reference(x, *w, **o) for w, o in (head_group(weights, options, p, parts)
+                                                                   for p in range(parts)))
+    got = torch.autograd.grad((summed * probe).sum(), leaves)
+    assert max_rel_error([summed], [whole]) <= 1e-12
+    assert max_rel_error(got, want) <= 1e-12
+
+
+def test_head_groups_are_divisors_of_the_kv_heads():
+    from revtriton.ops.attention import head_group, head_group_parts
+
+    assert [head_group_parts(12, wanted, 768, 768) for wanted in (1, 2, 5, 8, 12, 100)] == [1, 2, 4, 6, 12, 12]
+    assert head_group_parts(4, 3, 64, 64) == 2 and head_group_parts(1, 8, 64, 64) == 1
+    # Samples shorter than their width: a group's weight-sized gradient outweighs what the groups save.
+    assert head_group_parts(12, 8, 767, 768) == 1
+    weights = attention_weights(16, 4, 2, True)
+    for part, parts in ((0, 3), (2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match="head group"):
+            head_group(weights, dict(heads=4, kv_heads=2), part, parts)
+
+
+def counting_parts(monkeypatch):
+    """Count the calls of the attention halves' part_output (a test that means head groups runs them)."""
+    calls = []
+    real = RMSNormAttention.part_output
+
+    def count(self, part, parts, x):
+        calls.append((part, parts, tuple(x.shape)))
+        return real(self, part, parts, x)
+
+    monkeypatch.setattr(RMSNormAttention, "part_output", count)
+    monkeypatch.setattr(LayerNormAttention, "part_output", count)
+    return calls
+
+
+@pytest.mark.parametrize("exact", MODES)
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_attention_in_head_groups_matches_plain_autograd(exact, schedule, depth, monkeypatch):
+    """Samples of 17 tokens, token_chunk 4: each attention half in 2 head groups of its 4 (2 kv heads, so 2
+    at most: each group a kv head and its two q heads; GQA, RoPE, causal), a sample a chunk, the MLP by
+    4 rows. Float64 against plain autograd / the rounded model: the parts' sum rounds as the whole
+    GEMM's does not, in the last bits; an exact stream's grid point flips only where a value lies within
+    that of a rounding boundary (the forward and its rebuild round the same sum: the backward's checksum
+    holds them bitwise equal, the inverse too)."""
+    calls = counting_parts(monkeypatch)
+    torch.manual_seed(2)
+    blocks = [ReversibleBlock(RMSNormAttention(16, 4, kv_heads=2), RMSNormSwiGLU(16, 24)) for _ in range(depth)]
+    stack = ReversibleStack(blocks, exact=exact, schedule=schedule, token_chunk=4).double()
+    x = torch.randn(2, 17, 16, dtype=torch.float64, requires_grad=True)
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    # forward and rebuild: each block's F in 2 parts, a sample at a time
+    assert calls == [(p, 2, (1, 17, 16)) for _ in range(2 * depth) for _ in range(2) for p in range(2)]
+    twin = (lambda: loss_of(rounded_forward(stack, x, 16))) if exact else (lambda: loss_of(plain_forward(stack, x)))
+    want = grads_of(stack, x, twin)
+    assert max_rel_error([got[0]] + got[1], [want[0]] + want[1]) <= 1e-10
+    if exact:
+        xq = (x.detach() * 2**16).round() / 2**16
+        y1, y2 = stack.forward_streams(xq, xq)
+        x1, x2 = stack.inverse(y1, y2)
+        assert torch.equal(x1, xq) and torch.equal(x2, xq)
+
+
+def test_head_groups_are_taken_only_where_a_sample_is_longer_than_a_chunk(monkeypatch):
+    """A chunk that holds a sample keeps the half whole, and so does a sample shorter than its width; a
+    half whose drop-path draws is never split (its row scale is drawn per call)."""
+    calls = counting_parts(monkeypatch)
+    short = torch.randn(2, 9, 16, requires_grad=True)
+    ReversibleStack([ReversibleBlock(LayerNormAttention(16, 2), LayerNormMLP(16, 32))], token_chunk=4)(
+        short).sum().backward()
+    x = torch.randn(2, 17, 16, requires_grad=True)
+    for chunk in (17, 34, None):
+        stack = ReversibleStack([ReversibleBlock(LayerNormAttention(16, 2), LayerNormMLP(16, 32))], token_chunk=chunk)
+        stack(x).sum().backward()
+    assert calls == []
+    stack = ReversibleStack([ReversibleBlock(LayerNormAttention(16, 2, drop_path=0.3), LayerNormMLP(16, 32))],
+                            token_chunk=4).train()
+    stack(x).sum().backward()
+    assert calls == []
+    stack.eval()(x).sum().backward()
+    assert len(calls) == 2 * 2 * 2  # forward and rebuild, 2 samples, 2 parts
+
+
+def test_a_long_samples_peak_falls_with_head_groups():
+    """One sample of 512 tokens, attention 64 wide with 8 heads, an MLP no wider than the stream. Whole, the
+    peak is F's backward: its qkv projection and their gradients, SDPA's output and its gradient (about
+    five of a stream's 128 KiB) on about nine stream-sized buffers of the step. In 8 head groups
+    (token_chunk 64) a group's are an eighth of those, and the peak moves to a group's norm backward
+    (the norm's input gradient and two buffers of its own): two streams lower (measured 1,812 -> 1,553
+    KiB, torch 2.13); the bound, 1.5 streams, fails for the half run whole."""
+    x = torch.randn(1, 512, 64)
+
+    def peak(chunk):
+        torch.manual_seed(0)
+        blocks = [ReversibleBlock(LayerNormAttention(64, 8, causal=True), LayerNormMLP(64, 64)) for _ in range(2)]
+        stack = ReversibleStack(blocks, exact=False, token_chunk=chunk)
+
+        def step():
+            stack(x.requires_grad_()).sum().backward()
+
+        step()
+        return peak_memory(step)
+
+    whole, groups = peak(None), peak(64)
+    assert groups <= whole - 1.5 * x.numel() * 4, (whole, groups)
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
+def test_head_groups_fire_each_parameters_hooks_once_with_the_whole_gradient(schedule):
+    """Each head group adds to the parameters' gradients (a group's graph reaches the out projection's
+    bias only in the last group); the accumulation hooks (DDP's reducer) fire once a backward, with every
+    group's and every sample's gradient in."""
+    torch.manual_seed(4)
+    blocks = [ReversibleBlock(LayerNormAttention(16, 4), LayerNormMLP(16, 24)) for _ in range(2)]
+    stack = ReversibleStack(blocks, exact=False, schedule=schedule, token_chunk=4).double()
+    x = torch.randn(2, 17, 16, dtype=torch.float64, requires_grad=True)
+    seen = {}
+    for p in stack.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(p, []).append(p.grad.clone()))
+    got = grads_of(stack, x, lambda: loss_of(stack(x)))
+    assert len(seen) == len(list(stack.parameters())) and all(len(g) == 1 for g in seen.values())
+    assert all(torch.equal(seen[p][0], p.grad) for p in stack.parameters())
+    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
+    assert max_rel_error(got[1], want[1]) <= 1e-10

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..engine import ReversibleStack, is_reversible_block
+from ..ops.attention import head_group, head_group_parts, norm_attention_reference
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
 from .core import (SWAPPED_MODULE, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _parts, _RevifiedLM,
@@ -532,6 +533,25 @@ class _HostAttention:
     def _fused_with(self, res, x, sign, frac_bits, host: "_HostCond"):
         layout = {} if host.layout is None else {"layout": host.layout}  # ViT's halves take none
         return self._fused(res, x, sign, frac_bits, **layout)
+
+    def head_parts(self, wanted: int, like, cond=None) -> int:
+        """The head groups the stack may compute this half in (engine.rows, ops.attention.head_group): where
+        the fused path computes it (``like``: its input's shape); none on the library's modules."""
+        host = None if cond is None else _unpack_host_cond(cond)
+        if host is None or not self._splits_samples or not self._fuses(like, host):
+            return 1
+        options = self.operands(like, host.layout)[1]
+        return head_group_parts(options.get("kv_heads") or options["heads"], wanted, like.shape[-2], like.shape[-1])
+
+    def part_output(self, part: int, parts: int, x, cond=None):
+        """``H_part(x)``: head group ``part`` of ``parts`` of what the fused path computes, on the reference
+        path (engine.rows; the fused kernels take whole heads)."""
+        host = _unpack_host_cond(cond)
+        if not self._fuses(x, host):
+            raise RuntimeError(f"revtriton: {type(self).__name__} computes head groups on its fused path only")
+        weights, options = self.operands(x, host.layout)
+        weights, options = head_group(weights, options, part, parts)
+        return norm_attention_reference(self._input(x, weights[0]), *weights, **options)
 
     def couple(self, res, x, sign, frac_bits=None, cond=None):
         if self._standalone(cond):

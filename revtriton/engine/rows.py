@@ -15,6 +15,16 @@ only activations kept. A half says which of its rows depend on which:
   ``[samples, ...]`` view; a half that takes the stack's conditioning gets its samples' part of
   it from ``cond_samples(cond, start, stop, samples)`` (``samples``: the batch's), which returns
   None where it cannot split it (no such method, or None: the half runs whole).
+* ``head_parts(wanted, like, cond) -> parts``: a samples-independent half that is also a sum of
+  parts (the attention halves: one part per head group, ``ops.attention.head_group``) says into how
+  many it splits when a sample alone is ``wanted`` times ``token_chunk`` rows (1: it cannot, at most
+  ``wanted``; ``like``: a tensor of its input's shape, the stream's dtype), and ``part_output(part,
+  parts, x[, cond])`` computes one (plain autograd). The stack sums the parts' outputs (in float32 at
+  least) and couples the sum once, the rebuild running each part's gradients before the next part
+  is computed: one head group's projections and attention alive at a time. The sum's order is not
+  the whole half's GEMM's: float streams agree to rounding, and exact streams round the same sum in
+  the forward and its rebuild (the same grid points as the half computed whole but where the two
+  sums straddle a rounding boundary).
 
 The FLOPs are the same; the sequential schedule's backward rebuilds each chunk and runs its
 gradients before the next (``engine.segment``), so no more than one chunk's graph is alive.
@@ -33,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..halves.base import couple_half, takes_cond
+from ..halves.base import couple_half, half_part_output, takes_cond
+from ..ops.streams import couple_output
 from .fsdp import _is_fsdp_module
 
 
@@ -47,11 +58,13 @@ class RowChunks:
     """Where a half's rows are split: ``bounds``, ``(start, stop)`` row ranges of the flattened
     ``[rows, dim]`` streams; ``sample_shape``: for chunks of whole samples, a sample's shape (a
     chunk is then handed over as ``[samples, *sample_shape]``), else None (``[rows, dim]``);
-    ``samples``: the batch's samples (for ``cond_samples``)."""
+    ``samples``: the batch's samples (for ``cond_samples``); ``parts``: the half computed as that many
+    summed parts (``part_output``), 1: whole."""
 
     bounds: list
     sample_shape: tuple | None = None
     samples: int = 0
+    parts: int = 1
 
     def view(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of ``t`` (a stream, or a gradient in its shape) as the half takes them."""
@@ -63,7 +76,39 @@ class RowChunks:
         if cond is None or self.sample_shape is None or not takes_cond(half):
             return cond
         per_sample = math.prod(self.sample_shape[:-1])  # a sample's rows
+        if start == 0 and stop == per_sample * self.samples:  # every sample (a half in parts, not by samples)
+            return cond
         return half.cond_samples(cond, start // per_sample, stop // per_sample, self.samples)
+
+    def couple(self, half, res, x, sign: int, frac_bits, cond=None):
+        """A chunk's ``couple_half``: for a half in parts, their outputs summed and coupled once."""
+        if self.parts == 1:
+            return couple_half(half, res, x, sign, frac_bits, cond)
+        total = None
+        for part in range(self.parts):  # (in the same order in every pass: their random draws)
+            h = half_part_output(half, part, self.parts, x, cond)
+            total = add_part(total, h)
+        return couple_output(res, total, sign, frac_bits)
+
+
+def add_part(total, h: torch.Tensor) -> torch.Tensor:
+    """``total + h``, a half's parts summed (in float32 at least; in place where no graph is kept)."""
+    if total is None:
+        return h.float() if h.dtype in (torch.float16, torch.bfloat16) else h
+    if total.requires_grad or h.requires_grad:
+        return total + h
+    return total.add_(h)
+
+
+def head_parts(half, wanted: int, like: torch.Tensor, cond=None) -> int:
+    """Into how many summed parts ``half`` splits a sample ``wanted`` chunks long (see the module doc)."""
+    split = getattr(half, "head_parts", None)
+    if wanted <= 1 or not callable(split):
+        return 1
+    parts = split(wanted, like, cond)
+    if not isinstance(parts, int) or not 1 <= parts <= wanted:
+        raise ValueError(f"{type(half).__name__}.head_parts({wanted}) must be an int in 1..{wanted}, got {parts!r}")
+    return parts
 
 
 def layer_rows(layer, rows: int | None) -> int | None:
@@ -87,14 +132,17 @@ def row_chunks(half, stream: torch.Tensor, rows: int | None, cond=None, scale=No
         samples = stream.shape[0]
         per_sample = total // samples if samples else 0
         step = max(1, rows // per_sample) if per_sample else samples
+        parts = head_parts(half, -(-per_sample // rows), stream, cond) if per_sample > rows else 1
         if step >= samples:
-            return None
-        if cond is not None and takes_cond(half):
+            if parts == 1:
+                return None
+            step = samples  # one chunk, the half in parts
+        elif cond is not None and takes_cond(half):
             split = getattr(half, "cond_samples", None)
             if not callable(split) or split(cond, 0, step, samples) is None:  # (a view of the first chunk's)
                 return None
         bounds = [(b * per_sample, min(b + step, samples) * per_sample) for b in range(0, samples, step)]
-        return RowChunks(bounds, tuple(stream.shape[1:]), samples)
+        return RowChunks(bounds, tuple(stream.shape[1:]), samples, parts)
     return None
 
 
@@ -111,8 +159,8 @@ def couple_by_rows(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bit
     out_rows = rows_of(out)
     port = None
     for start, stop in chunks.bounds:
-        stream, chunk_port = couple_half(half, chunks.view(res, start, stop), chunks.view(x, start, stop), sign,
-                                         frac_bits, chunks.cond(half, cond, start, stop))
+        stream, chunk_port = chunks.couple(half, chunks.view(res, start, stop), chunks.view(x, start, stop), sign,
+                                           frac_bits, chunks.cond(half, cond, start, stop))
         out_rows[start:stop] = rows_of(stream.detach())
         if port is None:
             port = chunk_port

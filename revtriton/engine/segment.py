@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..halves.base import couple_half
+from ..halves.base import couple_half, half_part_output
 from ..ops.dispatch import replayed
 from ..ops.graph import backward_keeps_graph
-from ..ops.streams import stream_grad_dtype
+from ..ops.streams import couple_output, stream_grad_dtype
 from ..schedules import BlockGrads, Recovered, ScheduleTrace, run_backward_schedule
 from .fsdp import PhaseResult, _AfterToken, _is_fsdp_module, run_block_phase
 from .checks import StepChecks
@@ -23,7 +23,7 @@ from .hooks import BlockHooks
 from .protocol import coupling_of, is_reversible_block, residual_scale
 from .plan import SegmentPlan
 from .replay import AutocastState, HalfRandomness
-from .rows import couple_by_rows, layer_rows, row_chunks, rows_of
+from .rows import add_part, couple_by_rows, layer_rows, row_chunks, rows_of
 from .state import (StateWatch, _buffer_starts, _buffer_versions, _check_input_untouched, _scratch_buffers,
                     _updated_buffers, _version_of)
 
@@ -422,35 +422,48 @@ class _RowChunks:
     recover, or a block with backward hooks): each chunk's port and input, until :meth:`backward`
     runs them and puts the inputs' gradients together."""
 
-    __slots__ = ("chunks", "bounds", "ports", "inputs")
+    __slots__ = ("chunks", "bounds", "ports", "inputs", "negated")
 
     def __init__(self, chunks):
         self.chunks = chunks  # engine.rows.RowChunks: how a chunk's rows are viewed
-        self.bounds, self.ports, self.inputs = [], [], []
+        self.bounds, self.ports, self.inputs, self.negated = [], [], [], []
 
-    def add(self, bounds, port, half_input):
+    def add(self, bounds, port, half_input, negated: bool = False):
+        """A chunk's port (``negated``: a part's output, which takes minus the stream's gradient)."""
         if port is not None:
             self.bounds.append(bounds)
             self.ports.append(port)
             self.inputs.append(half_input)
+            self.negated.append(negated)
 
     def backward(self, segment, grad: torch.Tensor, into: _HalfInput):
-        """Every chunk's backward with its rows of ``grad``; their input gradients go into ``into``."""
+        """Every chunk's backward with its rows of ``grad``; their input gradients go into ``into`` (a
+        half in parts: each part's port after the last, one input leaf a chunk, its rows written again
+        with the sum so far)."""
         last, params = len(self.ports) - 1, None
-        for k, ((start, stop), port, half_input) in enumerate(zip(self.bounds, self.ports, self.inputs)):
-            params = segment._chunk_backward(port, self.chunks.view(grad, start, stop), half_input, k == last, params)
-            _put_rows(into, half_input.gradient(), start, stop, grad)
+        for k, ((start, stop), port, half_input, negated) in enumerate(zip(self.bounds, self.ports, self.inputs,
+                                                                           self.negated)):
+            rows = self.chunks.view(grad, start, stop)
+            if negated:  # a part's output (engine.rows): its own parameters, minus the stream's gradient
+                segment._chunk_backward(port, -rows, half_input, k == last)
+            else:
+                params = segment._chunk_backward(port, rows, half_input, k == last, params)
+            _put_rows(into, half_input.gradient(), start, stop, grad)  # (a chunk's parts: the sum so far)
         self.ports = self.inputs = ()
 
 
-def _put_rows(into: _HalfInput, chunk_grad, start: int, stop: int, like: torch.Tensor):
+def _put_rows(into: _HalfInput, chunk_grad, start: int, stop: int, like: torch.Tensor, add: bool = False):
     """Write a chunk's input gradient into rows ``start:stop`` of ``into.grad`` (made at the first one, in
-    ``like``'s shape, zeros where no chunk's gradient arrives)."""
+    ``like``'s shape, zeros where no chunk's gradient arrives); ``add``: add it there (a half's later part)."""
     if chunk_grad is None:
         return
     if into.grad is None:
         into.grad = torch.zeros(like.shape, dtype=chunk_grad.dtype, device=chunk_grad.device)
-    rows_of(into.grad)[start:stop] = rows_of(chunk_grad)
+    rows = rows_of(into.grad)[start:stop]
+    if add:
+        rows.add_(rows_of(chunk_grad).to(rows.dtype))
+    else:
+        rows.copy_(rows_of(chunk_grad))
 
 
 @dataclass(eq=False)
@@ -585,6 +598,11 @@ class _SegmentBackward:
                 half_input = _HalfInput()
                 value = half_input.attach(chunks.view(other, start, stop), fmt)
                 cond = chunks.cond(half, self.cond, start, stop)
+                if chunks.parts > 1:
+                    stream = self._rebuild_parts(rb, half, name, chunks, res, value, half_input, cond, start, stop,
+                                                 grad, into, whole, later, other)
+                    out_rows[start:stop] = rows_of(stream)
+                    continue
                 stream, port = couple_half(half, chunks.view(res, start, stop), value, -1, fmt.frac_bits, cond)
                 out_rows[start:stop] = rows_of(stream.detach())
                 self._check_captured(rb, name, port, half_input.leaf)
@@ -593,13 +611,45 @@ class _SegmentBackward:
                 elif port is not None:
                     last = stop == chunks.bounds[-1][1]
                     params = self._chunk_backward(port, chunks.view(grad, start, stop), half_input, last, params)
-                    chunk_grad = half_input.gradient()
-                    if into is not None and chunk_grad is not None and torch.result_type(
-                            into, chunk_grad) == into.dtype:
-                        rows_of(into)[start:stop].sub_(rows_of(chunk_grad))
-                    else:
-                        _put_rows(whole, chunk_grad, start, stop, other)
+                    self._take_input_gradient(half_input, into, whole, start, stop, other)
         return out, (later if grad is None and later.ports else None), whole
+
+    def _take_input_gradient(self, half_input: _HalfInput, into, whole: _HalfInput, start: int, stop: int, other,
+                             add: bool = False):
+        """A chunk's input gradient subtracted from ``into``'s rows where the dtypes allow, else written into
+        (``add``: added to) ``whole``'s (see :meth:`_rebuild_by_rows`)."""
+        chunk_grad = half_input.gradient()
+        if into is not None and chunk_grad is not None and torch.result_type(into, chunk_grad) == into.dtype:
+            rows_of(into)[start:stop].sub_(rows_of(chunk_grad))
+        else:
+            _put_rows(whole, chunk_grad, start, stop, other, add=add)
+
+    def _rebuild_parts(self, rb: _BlockRebuild, half, name: str, chunks, res, value, half_input: _HalfInput, cond,
+                       start: int, stop: int, grad, into, whole: _HalfInput, later: "_RowChunks", other):
+        """Rows ``start:stop`` of ``res - H(value)`` for a half in parts (engine.rows): each part's output
+        computed with its graph, its gradients run at once (the port's gradient, negated: ``res - H``'s
+        port hands ``H`` minus the stream's) and its input gradient taken, before the next part; the parts'
+        sum coupled once, as the forward coupled it. Without ``grad`` each part's output is kept for
+        ``later`` (PaReprop's recover)."""
+        fmt, neg_grad, total = self.run.fmt, None, None
+        for part in range(chunks.parts):
+            h = half_part_output(half, part, chunks.parts, value, cond)
+            total = add_part(total, h.detach())
+            port = h if h.requires_grad else None
+            self._check_captured(rb, name, port, half_input.leaf)
+            if grad is None:
+                later.add((start, stop), port, half_input, negated=True)
+            elif port is not None:
+                if neg_grad is None:
+                    neg_grad = torch.neg(chunks.view(grad, start, stop))
+                last = stop == chunks.bounds[-1][1] and part == chunks.parts - 1
+                # (each part's own parameters: a part's graph need not reach them all, the out bias)
+                self._chunk_backward(port, neg_grad, half_input, last)
+                self._take_input_gradient(half_input, into, whole, start, stop, other, add=part > 0)
+                if half_input.leaf is not None:
+                    half_input.leaf.grad = None  # (taken: the next part's arrives alone)
+        with torch.no_grad():
+            return couple_output(chunks.view(res, start, stop), total, -1, fmt.frac_bits)[0]
 
     def _chunk_backward(self, port, grad, half_input: _HalfInput, last: bool, params=None):
         """One chunk's backward; returns the half's parameters (``params`` the next chunk may pass back).

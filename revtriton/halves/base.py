@@ -93,6 +93,14 @@ def couple_half(half, res: torch.Tensor, x: torch.Tensor, sign: int, frac_bits: 
     return scale.undo(stream.detach(), frac_bits), port
 
 
+def half_part_output(half, part: int, parts: int, x: torch.Tensor, cond=None) -> torch.Tensor:
+    """``H_part(x)`` with plain autograd, for a half that is the sum of ``parts`` parts (its
+    ``head_parts(wanted, like, cond)`` said so; the attention halves' head groups: engine.rows), with ``cond``
+    for a half that takes it."""
+    options = {"cond": cond} if cond is not None and takes_cond(half) else {}
+    return half.part_output(part, parts, x, **options)
+
+
 def half_output(half, x: torch.Tensor, cond=None) -> torch.Tensor:
     """H(x) with plain autograd (stored-activation twins), with ``cond`` for a half that takes it."""
     return half(x, cond=cond) if cond is not None and takes_cond(half) else half(x)

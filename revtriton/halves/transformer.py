@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..ops import dispatch
-from ..ops.attention import check_attention_shapes, norm_attention_couple, norm_attention_reference
+from ..ops.attention import (check_attention_shapes, head_group, head_group_parts, norm_attention_couple,
+                             norm_attention_reference)
 from ..ops.mlp import ACTIVATIONS, norm_mlp_couple, norm_mlp_reference, swiglu_mlp_couple, swiglu_mlp_reference
 from ..ops.streams import ResidualScale
 from .base import CouplingHalf, OpHalf, parameter
@@ -198,6 +199,20 @@ class _AttentionHalf(_TransformerHalf):
 
     def _check_input(self, x):
         check_attention_shapes(x, self.dim, self.heads, self.kv_heads)
+
+    def head_parts(self, wanted: int, like=None, cond=None) -> int:
+        """The head groups the stack may compute this half in (engine.rows, ops.attention.head_group): none
+        where drop-path draws (a draw a call) or the half is compiled (its compiled forward is whole)."""
+        if (self.training and self.drop_path) or self._compiled_call_impl is not None or like is None:
+            return 1
+        return head_group_parts(self.kv_heads, wanted, like.shape[-2], like.shape[-1])
+
+    def part_output(self, part: int, parts: int, x):
+        """``H_part(x)``: head group ``part`` of ``parts`` on the reference path (engine.rows; the fused
+        kernels take whole heads)."""
+        self._check_input(x)
+        weights, options = head_group(self.weights(), self.options(), part, parts)
+        return type(self).reference_op(x, *weights, **options)
 
     def weights(self):
         return self._norm_in_out_weights("norm", "qkv", "proj")

@@ -105,8 +105,7 @@ def norm_attention_reference(x, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_
     ``positions`` / ``segments``: the token layout (see :func:`multi_head_attention_reference`);
     ``core``: the attention on the projections (:func:`multi_head_attention_reference`'s contract)."""
     kv_heads = kv_heads or heads
-    dim = x.shape[-1]
-    head_dim = dim // heads
+    head_dim = w_qkv.shape[0] // (heads + 2 * kv_heads)  # (of the whole width's heads, or a head group's)
     n = normalize_reference(x, norm_weight, norm_bias, norm=norm, eps=eps)
     q, k, v = F.linear(n, w_qkv, b_qkv).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     o = core(q, k, v, heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, positions=positions,
@@ -127,6 +126,46 @@ def norm_attention_couple(res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv
     return run_op("norm_attention", res, x, sign, frac_bits, norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj,
                   heads=heads, kv_heads=kv_heads, causal=causal, rope_theta=rope_theta, norm=norm, eps=eps,
                   row_scale=row_scale, **scale_option(scale), **layout)
+
+
+def head_group_parts(kv_heads: int, wanted: int, tokens: int, dim: int) -> int:
+    """Into how many head groups :func:`head_group` splits an attention of ``kv_heads`` key / value heads
+    over samples of ``tokens`` tokens ``dim`` wide when ``wanted`` are asked for: the most that divide
+    the kv heads, at most ``wanted``; 1 for samples of fewer tokens than ``dim``. (A group's backward
+    makes a weight-sized gradient of the qkv projection, autograd's for a slice of it, where the whole
+    half makes one: the groups save more than that where a sample's projections, ``tokens x 3 dim``,
+    outweigh the weight, ``3 dim x dim``.)"""
+    if tokens < dim:
+        return 1
+    return max(d for d in range(1, max(1, min(wanted, kv_heads)) + 1) if kv_heads % d == 0)
+
+
+def head_group(weights, options, part: int, parts: int):
+    """``norm_attention_couple``'s ``(weights, options)`` for head group ``part`` of ``parts``: H is the sum
+    over its head groups of ``proj[:, group's columns](attention of the group's heads)``, the output
+    projection's bias in the last group's (whose graph so reaches every parameter). Each group's q rows
+    and its k / v heads (grouped-query attention keeps a q head with its kv head: ``parts`` divides the
+    kv heads, :func:`head_group_parts`). The group's rows of the weights are gathered in one
+    ``index_select`` (its backward: one weight-sized gradient, where a slice per q / k / v would make
+    three and their sum). ReversibleStack(token_chunk=) computes a long
+    sample's attention half so, one group's projections alive at a time (engine.rows)."""
+    norm_weight, norm_bias, w_qkv, b_qkv, w_proj, b_proj = weights
+    heads = options["heads"]
+    kv_heads = options.get("kv_heads") or heads
+    if not 0 <= part < parts or kv_heads % parts:
+        raise ValueError(f"head group {part} of {parts}: the groups must divide the {kv_heads} kv heads")
+    head_dim = w_qkv.shape[0] // (heads + 2 * kv_heads)
+    q_rows, kv_rows = heads // parts * head_dim, kv_heads // parts * head_dim
+    starts = (part * q_rows, heads * head_dim + part * kv_rows, (heads + kv_heads) * head_dim + part * kv_rows)
+    index = torch.cat([torch.arange(start, start + size, device=w_qkv.device)
+                       for start, size in zip(starts, (q_rows, kv_rows, kv_rows))])
+
+    def rows(t):
+        return None if t is None else t.index_select(0, index)
+
+    group = (norm_weight, norm_bias, rows(w_qkv), rows(b_qkv), w_proj[:, part * q_rows:(part + 1) * q_rows],
+             b_proj if part == parts - 1 else None)
+    return group, dict(options, heads=heads // parts, kv_heads=kv_heads // parts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,12 +38,16 @@ def normalize_reference(x, weight, bias, *, norm: str, eps: float):
 
 
 def _row_norm_value(xf, w, centred: bool, eps: float):
-    """``(norm(xf) * w, mean or None, rstd)``: the formula (LayerNorm centres, RMSNorm does not)."""
+    """``(norm(xf) * w, mean or None, rstd)``: the formula (LayerNorm centres, RMSNorm does not); in one
+    input-sized buffer where no graph is made (the same ops in place: the same bits)."""
     mean = xf.mean(-1, keepdim=True) if centred else None
     xc = xf if mean is None else xf - mean
     rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
-    y = xc * rstd
-    return (y if w is None else y * w), mean, rstd
+    if torch.is_grad_enabled() and (xf.requires_grad or (w is not None and w.requires_grad)):
+        y = xc * rstd
+        return (y if w is None else y * w), mean, rstd
+    y = xc * rstd if mean is None else xc.mul_(rstd)  # (xc is x itself without centring)
+    return (y if w is None else y.mul_(w)), mean, rstd
 
 
 class _RowNorm(torch.autograd.Function):
@@ -61,21 +65,34 @@ class _RowNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         xf, w, mean, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the statistics again, as functions of x this time
+        create_graph = torch.is_grad_enabled()
+        if create_graph:  # the statistics again, as functions of x this time
             _, mean, rstd = _row_norm_value(xf, None, ctx.centred, ctx.eps)
-        xhat = (xf if mean is None else xf - mean) * rstd
-        dw = None
-        if w is not None and ctx.needs_input_grad[1]:
-            dw = (grad * xhat).reshape(-1, xf.shape[-1]).sum(0)
+            xhat = (xf if mean is None else xf - mean) * rstd
+            dw = (grad * xhat).reshape(-1, xf.shape[-1]).sum(0) if w is not None and ctx.needs_input_grad[1] else None
+            dx = None
+            if ctx.needs_input_grad[0]:
+                g = grad if w is None else grad * w
+                dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+                dx = (dx if mean is None else dx - g.mean(-1, keepdim=True)) * rstd
+            return dx, dw, None, None
+        # The same in place, at most two input-sized buffers alive (a long sample's attention half runs this
+        # beside its projections, issue 36): the normalized rows, then the product for dw and the projection
+        # (its buffer reused), then the gradient through w, the result in the normalized rows' buffer.
+        xhat = xf * rstd if mean is None else (xf - mean).mul_(rstd)
+        product = grad * xhat
+        dw = product.reshape(-1, xf.shape[-1]).sum(0) if w is not None and ctx.needs_input_grad[1] else None
         dx = None
         if ctx.needs_input_grad[0]:
+            # d/dx of (x - mean) * rstd: the gradient less its projections on the normalized row (rstd
+            # depends on every element) and, for LayerNorm, on the row's mean.
+            along = (product if w is None else product.mul_(w)).mean(-1, keepdim=True)
+            del product
             g = grad if w is None else grad * w
-            # d/dx of (x - mean) * rstd: the gradient less its projections on the row's mean (LayerNorm) and
-            # on the normalized row itself (rstd depends on every element).
-            dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
-            if ctx.centred:
-                dx = dx - g.mean(-1, keepdim=True)
-            dx = dx * rstd
+            dx = torch.sub(g, xhat.mul_(along), out=xhat)
+            if mean is not None:
+                dx.sub_(g.mean(-1, keepdim=True))
+            dx.mul_(rstd)
         return dx, dw, None, None
 
 
