@@ -42,3 +42,15 @@ def test_verdicts(conformance, monkeypatch):
 
     monkeypatch.setattr(revtriton, "revify", silently_wrong)
     assert conformance.check("LlamaForCausalLM", 60)[0] == "WRONG"
+
+
+def test_masked_lms_and_image_classifiers(conformance):
+    """The other kinds: a masked LM on a batch with a padded row, an image classifier on pixels, each
+    compared without grad and with grad (the engine's recording forward)."""
+    assert conformance.kind_of("BertForMaskedLM") == "masked-lm"
+    assert conformance.kind_of("ViTForImageClassification") == "image-classification"
+    verdict, detail = conformance.check("RobertaPreLayerNormForMaskedLM", 60)
+    assert verdict == "converted" and "with grad" in detail
+    assert conformance.check("ViTForImageClassification", 60)[0] == "converted"
+    assert conformance.check("BertForMaskedLM", 60)[0] == "refused"  # post-norm layers
+    assert conformance.main(["ViTForImageClassification", "BertForMaskedLM"]) == 0

@@ -207,15 +207,21 @@ def test_mixture_of_experts_decoders_compute_the_librarys_function(family, seede
     assert [layer._revtriton_spec.fused_mlp for layer in model.model.layers] == [i < dense for i in range(DEPTH)]
 
 
-def test_a_layer_that_needs_more_than_its_conventions_inputs_is_refused_naming_why(seeded):
+def test_a_layer_that_needs_more_than_its_conventions_inputs_is_refused_naming_why(seeded, monkeypatch):
     """Gemma 4 (unified) layers share key / value states through their loop: on the probe (the
-    inputs its layers' conventions give) the layer's own forward fails, and revify says so."""
+    inputs its layers' conventions give) the layer's own forward fails, and revify says so. (Its
+    config is per layer, which revify refuses first: that check is lifted here to reach the probe.)"""
     if not hasattr(transformers, "Gemma4UnifiedForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no Gemma 4 (unified)")
     config_class = transformers.Gemma4UnifiedForCausalLM.config_class
     model = transformers.Gemma4UnifiedForCausalLM(config_class(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0))
+    with pytest.raises(NotImplementedError, match="configures its layers one by one"):
+        revify(model)
+    import revtriton.convert
+
+    monkeypatch.setattr(revtriton.convert, "_refuse_per_layer_config", lambda model: None)
     with pytest.raises(NotImplementedError, match=r"layer 0 \(Gemma4UnifiedTextDecoderLayer\) fails on a probe"):
         revify(model)
 
@@ -810,33 +816,37 @@ def _vit_like(kind, seed):
                   patch_size=8, initializer_range=0.3)
     if kind == "DeiT":
         return transformers.DeiTForImageClassificationWithTeacher(transformers.DeiTConfig(**config, num_labels=3))
+    if kind in ("IJepa", "ViTMSN"):
+        return getattr(transformers, f"{kind}ForImageClassification")(getattr(transformers, f"{kind}Config")(
+            **config, num_labels=3))
     return transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(
         **config, mask_ratio=0.5, decoder_num_hidden_layers=1, decoder_hidden_size=32, decoder_intermediate_size=48,
         decoder_num_attention_heads=4))
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("kind", ["DeiT", "ViTMAE"])
+@pytest.mark.parametrize("kind", ["DeiT", "ViTMAE", "IJepa", "ViTMSN"])
 def test_models_with_vits_layers_convert_as_vit(kind, seeded, tmp_path):
-    """DeiT and ViT-MAE (its encoder; the decoder's layers stay ordinary) have ViT's layers: a preserving
-    conversion keeps their logits (MAE: the same masking noise); an exact training step's loss and
-    gradients are bitwise the stored-activation twin's; DeiT saves, loads and pickles."""
+    """DeiT, ViT-MAE (its encoder; the decoder's layers stay ordinary), I-JEPA and ViT-MSN have ViT's
+    layers: a preserving conversion keeps their logits (MAE: the same masking noise); an exact training
+    step's loss and gradients are bitwise the stored-activation twin's; DeiT and I-JEPA save, load and
+    pickle."""
     original = _vit_like(kind, seeded).eval()
     pixels = torch.randn(2, 3, 32, 32)
-    inputs = dict(pixel_values=pixels) if kind == "DeiT" else dict(pixel_values=pixels, noise=torch.rand(2, 16))
+    inputs = dict(pixel_values=pixels) if kind != "ViTMAE" else dict(pixel_values=pixels, noise=torch.rand(2, 16))
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     with torch.no_grad():
         theirs, ours = original(**inputs).logits, model(**inputs).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
     model = revify(copy.deepcopy(original), exact=True).train()
-    encoder = model.deit if kind == "DeiT" else model.vit
+    encoder = getattr(model, {"DeiT": "deit", "IJepa": "ijepa"}.get(kind, "vit"))
     assert isinstance(encoder.layers, ReversibleStack)
     # (a DeiT with its teacher head returns no loss; MAE's pooler takes no part)
-    assert_exact_step_equals_twin(model, lambda m: m(**inputs).logits.square().mean() if kind == "DeiT" else
-                                  m(**inputs).loss)
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs).loss if kind == "ViTMAE" else
+                                  m(**inputs).logits.square().mean())
     assert all(p.grad is not None for name, p in encoder.named_parameters() if ".layers." in name)
-    if kind == "DeiT":
+    if kind in ("DeiT", "IJepa"):
         assert_saves_and_pickles(model, pixels, tmp_path, input_name="pixel_values")
 
 

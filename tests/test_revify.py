@@ -253,6 +253,19 @@ def test_token_chunk_runs_a_long_samples_attention_in_head_groups(family, groups
     check_against_twin(chunked, whole, losses[1], losses[0], False, FLOAT_TWIN_BOUND.get(family, 1e-5))
 
 
+def test_a_model_configured_layer_by_layer_is_refused_by_name(seeded):
+    """transformers' heterogeneous configs (``is_heterogeneous``: NeoMME's per-layer windows, Gemma 4's)
+    raise on a global read of a per-layer setting, which every family makes: revify refuses such a model
+    by name (the conformance sweep found NeoMME's crash) and leaves it as it was."""
+    model = hf_llama(seeded)
+    before = [type(layer) for layer in model.model.layers]
+    heterogeneous = type("HeterogeneousLlamaConfig", (type(model.config),), {"is_heterogeneous": True})
+    model.config.__class__ = heterogeneous  # (transformers' own is a property of the config's class)
+    with pytest.raises(NotImplementedError, match="revify: LlamaForCausalLM configures its layers one by one"):
+        revify(model)
+    assert [type(layer) for layer in model.model.layers] == before
+
+
 @pytest.mark.parametrize("family", [pytest.param("timm_vit", marks=pytest.mark.timm), "gpt2"])
 def test_dropout_path_matches_twin(family, seeded):
     """Attention / projection dropout (the unfused path) replays exactly in the recompute."""

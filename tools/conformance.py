@@ -1,16 +1,21 @@
 #!/usr/bin/env python
-"""Conformance sweep: every causal LM class of the installed transformers, built at a tiny size,
-through ``revify(model, preserve="meft3")``: either it converts and computes the library's logits
-(the library path without grad and with the cache, the fused kernels without the cache), or revify
-refuses it by name (TypeError: no family takes it; NotImplementedError: a feature its halves do
-not reproduce). Anything else is a crash, and a converted model off the library's logits is
-silently wrong: both make the exit status 1.
+"""Conformance sweep: every causal LM, masked LM and image classifier class of the installed
+transformers, built at a tiny size, through ``revify(model, preserve="meft3")``: either it converts
+and computes the library's logits, or revify refuses it by name (TypeError: no family takes it;
+NotImplementedError: a feature its halves do not reproduce). Anything else is a crash, and a
+converted model off the library's logits is silently wrong: both make the exit status 1.
 
-    python tools/conformance.py                    # every *ForCausalLM class
-    python tools/conformance.py LlamaForCausalLM   # some of them
+Causal LMs are compared on the library path (without grad, with the cache) and the fused halves
+(without the cache); masked LMs on a batch with a padded row (its real tokens' logits) and image
+classifiers on pixels, each without grad and with grad (the engine's recording forward).
 
-CPU only, a few minutes for all of them (each model at most --timeout seconds). A class whose tiny
-config cannot be built (it needs options this sweep does not set) is listed as not built.
+    python tools/conformance.py                          # every *ForCausalLM class
+    python tools/conformance.py --kind masked-lm         # every *ForMaskedLM class
+    python tools/conformance.py --kind all               # the three kinds
+    python tools/conformance.py LlamaForCausalLM BertForMaskedLM   # some classes (kind by suffix)
+
+CPU only, a few minutes a kind (each model at most --timeout seconds). A class whose tiny config
+cannot be built (it needs options this sweep does not set) is listed as not built.
 """
 from __future__ import annotations
 
@@ -26,8 +31,36 @@ import torch
 # One tiny size for every config that takes these names (each config keeps its other defaults).
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, n_embd=64, n_layer=2, n_head=4, d_model=64, n_positions=64, initializer_range=0.3)
+            eos_token_id=2, n_embd=64, n_layer=2, n_head=4, d_model=64, n_positions=64, initializer_range=0.3,
+            image_size=32, patch_size=8, num_channels=3, num_labels=3)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
+KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification"}
+
+
+def kind_of(name: str) -> str:
+    for kind, suffix in KINDS.items():
+        if name.endswith(suffix):
+            return kind
+    return "causal-lm"
+
+
+def _inputs(kind: str) -> tuple[dict, torch.Tensor | None]:
+    """The batch of a kind, and the mask of the logits compared (None: all)."""
+    if kind == "image-classification":
+        return {"pixel_values": torch.randn(2, 3, 32, 32)}, None
+    ids = torch.randint(3, 120, (2, 12))
+    if kind == "masked-lm":
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, 8:] = 0  # a padded row: its real tokens' logits are compared
+        return {"input_ids": ids, "attention_mask": mask}, mask.bool()
+    return {"input_ids": ids}, None
+
+
+def _runs(kind: str):
+    """(name, keyword arguments, grad) of the converted model's runs compared with the library's."""
+    if kind == "causal-lm":  # the library's path (decoding with its cache); the fused halves
+        return (("with the cache", {"use_cache": True}, False), ("without", {"use_cache": False}, False))
+    return (("without grad", {}, False), ("with grad", {}, True))
 
 
 class _Timeout(Exception):
@@ -50,15 +83,18 @@ def check(name: str, timeout: int) -> tuple[str, str]:
 
     from revtriton import revify
 
+    kind = kind_of(name)
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.alarm(timeout)
     try:
         try:
             torch.manual_seed(0)
             model = _tiny(getattr(transformers, name))
-            ids = torch.randint(3, 120, (2, 12))
+            inputs, compared = _inputs(kind)
             with torch.no_grad():
-                expected = model(input_ids=ids, use_cache=False).logits
+                expected = model(**inputs, **({"use_cache": False} if kind == "causal-lm" else {})).logits
+            if compared is not None:
+                expected = expected[compared]
         except _Timeout:
             raise
         except Exception as error:  # noqa: BLE001 (a config this sweep cannot build)
@@ -72,11 +108,12 @@ def check(name: str, timeout: int) -> tuple[str, str]:
         except Exception as error:  # noqa: BLE001
             return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
         errors = []
-        for cache in (True, False):  # the library's path (decoding with its cache); the fused halves
-            with torch.no_grad():
-                got = converted(input_ids=ids, use_cache=cache).logits
+        for _, options, grad in _runs(kind):
+            with torch.set_grad_enabled(grad):
+                got = converted(**inputs, **options).logits.detach()
+            got = got if compared is None else got[compared]
             errors.append(((got - expected).abs().max() / expected.abs().max()).item())
-        detail = f"logits off by {errors[0]:.1e} with the cache, {errors[1]:.1e} without"
+        detail = "logits off by " + ", ".join(f"{e:.1e} {run[0]}" for e, run in zip(errors, _runs(kind)))
         return ("converted" if max(errors) <= BOUND else "WRONG"), detail
     except _Timeout:
         return "timeout", f"over {timeout} s"
@@ -88,10 +125,14 @@ def main(argv=None) -> int:
     import transformers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help="transformers classes (default: every *ForCausalLM)")
+    parser.add_argument("names", nargs="*", help="transformers classes (default: every class of --kind)")
+    parser.add_argument("--kind", choices=(*KINDS, "all"), default="causal-lm",
+                        help="the classes swept without names: *ForCausalLM (default), *ForMaskedLM, "
+                             "*ForImageClassification, or all three")
     parser.add_argument("--timeout", type=int, default=30, help="seconds a model may take")
     args = parser.parse_args(argv)
-    names = args.names or sorted(n for n in dir(transformers) if n.endswith("ForCausalLM")
+    suffixes = tuple(KINDS.values()) if args.kind == "all" else (KINDS[args.kind],)
+    names = args.names or sorted(n for n in dir(transformers) if n.endswith(suffixes)
                                  and not n.startswith(("TF", "Flax")))
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()

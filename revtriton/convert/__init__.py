@@ -135,6 +135,7 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
                     ordinary_top=ordinary_top, fused_loss=fused_loss)
     if preserve is not None and peft_model:
         _check_peft_saves_modules(model)
+    _refuse_per_layer_config(target)
     family, found = _family_of(target)
     components = [] if family is not None else _components(target)
     if family is not None or components:
@@ -219,6 +220,7 @@ def _convert_components(model: nn.Module, components: list, conversion) -> list:
         try:
             if family is None:  # a near miss of a family's conventions (_components)
                 raise found
+            _refuse_per_layer_config(component)
             family.convert(component, conversion, found)
             converted.append(component)
         except NotImplementedError as error:
@@ -231,6 +233,16 @@ def _convert_components(model: nn.Module, components: list, conversion) -> list:
         warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is ({error}); its other parts are "
                       f"reversible stacks", stacklevel=3)
     return converted
+
+
+def _refuse_per_layer_config(model: nn.Module):
+    """NotImplementedError for a model configured layer by layer (transformers' heterogeneous configs,
+    ``config.is_heterogeneous``: NeoMME, Gemma 4): the families read one config for every layer, and
+    such a config raises on a global read of a per-layer setting (a window, a head count)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "is_heterogeneous", False) is True:
+        raise NotImplementedError(f"revify: {type(model).__name__} configures its layers one by one (a per-layer "
+                                  f"config): the conversion reads one layer's settings for all of them")
 
 
 def _family_of(model: nn.Module) -> tuple:

@@ -62,7 +62,7 @@ class _HFViTMlpHalf(_Half):
 
 
 def _convert_hf_vit(model, conversion, found=None):
-    base = next((getattr(model, name) for name in ("vit", "deit") if hasattr(model, name)), model)
+    base = next((getattr(model, name) for name in ("vit", "deit", "ijepa") if hasattr(model, name)), model)
     layers = getattr(base, "layers", None)
     if layers is None or not len(layers) or not hasattr(layers[0], "layernorm_before"):
         raise NotImplementedError(f"revify: this transformers version's {type(model).__name__} has no pre-norm "
@@ -99,11 +99,13 @@ class _HostViTModel(_HostDecoderModel):
 _VIT_LIKE = (("vit", "ViTLayer", "ViTModel", ("ViTForImageClassification",)),
              ("deit", "DeiTLayer", "DeiTModel", ("DeiTForImageClassification", "DeiTForImageClassificationWithTeacher",
                                                  "DeiTForMaskedImageModeling")),
-             ("vit_mae", "ViTMAELayer", "ViTMAEModel", ("ViTMAEForPreTraining",)))
+             ("vit_mae", "ViTMAELayer", "ViTMAEModel", ("ViTMAEForPreTraining",)),
+             ("ijepa", "IJepaLayer", "IJepaModel", ("IJepaForImageClassification",)),
+             ("vit_msn", "ViTMSNLayer", "ViTMSNModel", ("ViTMSNForImageClassification",)))
 
 FAMILY = Family("hf_vit", ("transformers ViTForImageClassification / ViTModel, and the models with its layers: DeiT "
                            "(its heads, distillation included), ViT-MAE (ViTMAEModel, ViTMAEForPreTraining: the "
-                           "encoder)",), _convert_hf_vit,
+                           "encoder), I-JEPA, ViT-MSN",), _convert_hf_vit,
                 classes=tuple(("transformers", name) for _, _, base, heads in _VIT_LIKE for name in (base, *heads)),
                 pickled={name: entry for module, layer, base, _ in _VIT_LIKE
                          for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
