@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Conformance sweep: every causal LM, masked LM and image classifier class of the installed
-transformers, built at a tiny size, through ``revify(model, preserve="meft3")``: either it converts
-and computes the library's logits, or revify refuses it by name (TypeError: no family takes it;
-NotImplementedError: a feature its halves do not reproduce). Anything else is a crash, and a
-converted model off the library's logits is silently wrong: both make the exit status 1.
+transformers, built at a tiny size, through ``revify(model, preserve="meft3")`` (``"meft1"`` where
+revify names it: post-norm layers, a whole layer a half): either it converts and computes the
+library's logits, or revify refuses it by name (TypeError: no family takes it; NotImplementedError:
+a feature its halves do not reproduce). Anything else is a crash (the conversion's or the converted
+model's forward's), and a converted model off the library's logits is silently wrong: both make the
+exit status 1.
 
 Causal LMs are compared on the library path (without grad, with the cache) and the fused halves
 (without the cache); masked LMs on a batch with a padded row (its real tokens' logits) and image
@@ -99,21 +101,31 @@ def check(name: str, timeout: int) -> tuple[str, str]:
             raise
         except Exception as error:  # noqa: BLE001 (a config this sweep cannot build)
             return "not built", f"{type(error).__name__}: {str(error)[:80]}"
-        try:
-            converted = revify(copy.deepcopy(model), preserve="meft3", scale_bits=16, exact=False).eval()
-        except (TypeError, NotImplementedError) as error:
-            if str(error).startswith("revify"):
+        converted, mode = None, "meft3"
+        while converted is None:
+            try:
+                converted = revify(copy.deepcopy(model), preserve=mode, scale_bits=16, exact=False).eval()
+            except (TypeError, NotImplementedError) as error:
+                if not str(error).startswith("revify"):
+                    return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
+                if mode == "meft3" and "preserve='meft1'" in str(error):  # (post-norm layers: a layer a half)
+                    mode = "meft1"
+                    continue
                 return "refused", f"{type(error).__name__}: {str(error)[:100]}"
-            return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
-        except Exception as error:  # noqa: BLE001
-            return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
+            except Exception as error:  # noqa: BLE001
+                return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
         errors = []
         for _, options, grad in _runs(kind):
-            with torch.set_grad_enabled(grad):
-                got = converted(**inputs, **options).logits.detach()
+            try:
+                with torch.set_grad_enabled(grad):
+                    got = converted(**inputs, **options).logits.detach()
+            except _Timeout:
+                raise
+            except Exception as error:  # noqa: BLE001 (converted, but its forward fails)
+                return "CRASH", f"{mode}, the converted model's forward: {type(error).__name__}: {str(error)[:200]}"
             got = got if compared is None else got[compared]
             errors.append(((got - expected).abs().max() / expected.abs().max()).item())
-        detail = "logits off by " + ", ".join(f"{e:.1e} {run[0]}" for e, run in zip(errors, _runs(kind)))
+        detail = f"{mode}: logits off by " + ", ".join(f"{e:.1e} {run[0]}" for e, run in zip(errors, _runs(kind)))
         return ("converted" if max(errors) <= BOUND else "WRONG"), detail
     except _Timeout:
         return "timeout", f"over {timeout} s"

@@ -638,10 +638,19 @@ class _HostDecoderModel(_NoCheckpointing):
     _caches = True  # a KV cache while decoding (a decoder)
     _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
 
+    def _by_keyword(self, name: str, args: tuple, kwargs: dict) -> tuple:
+        """``(args[:1], kwargs)`` with the positional arguments past the first named as the library's forward
+        names them (LayoutLM's heads pass ``bbox`` second)."""
+        parameters = list(inspect.signature(super().forward).parameters.values())
+        named = [p for p in parameters[1:len(args)] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(named) != len(args) - 1 or any(p.name in kwargs for p in named):
+            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
+        return args[:1], {**kwargs, **{p.name: value for p, value in zip(named, args[1:])}}
+
     def forward(self, *args, **kwargs):
         name = type(self).__name__
         if len(args) > 1:
-            raise TypeError(f"revified {name}: pass arguments other than input_ids by keyword")
+            args, kwargs = self._by_keyword(name, args, kwargs)
         _check_hf_inputs(name, kwargs)
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(cache_key)

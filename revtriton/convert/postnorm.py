@@ -135,9 +135,12 @@ def _convert_postnorm_encoder(model, conversion, base):
     name, config = type(model).__name__, base.config
     require_whole_layer_mode(conversion, f"{name} (BERT-style)")
     _require_hosted_layer_loop(name)
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True: causal self-attention with a KV "
-                                  f"cache, or cross-attention) is not supported; the encoder is")
+    # (GIT's causal LM is BERT's layers decoding with a cache, its config no decoder's: found by the sweep)
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False) or name.endswith(
+            "ForCausalLM"):
+        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True or a causal LM: causal "
+                                  f"self-attention with a KV cache, or cross-attention) is not supported; the "
+                                  f"encoder is")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     if getattr(base.encoder, "conv", None) is not None:
         raise NotImplementedError(f"revify: {name}'s encoder adds a convolution of its input to the first layer's "
@@ -145,15 +148,22 @@ def _convert_postnorm_encoder(model, conversion, base):
                                   f"stack's layers, each taking the last one's output, do not compose: not supported")
     for block in base.encoder.layer:
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    # DeBERTa-v2's loop unpacks (output, attention weights) from each layer; BERT's takes one tensor.
-    tuples = _loop_source_matches(base.encoder, r"\w+, \w+ = layer_module\(")
+    # DeBERTa-v2's loop unpacks (output, attention weights) from each layer, RemBERT's, TAPAS's, MRA's, YOSO's
+    # and Nystromformer's read the output as layer_outputs[0]: the stand-ins return a tuple; BERT's loop takes
+    # one tensor.
+    tuples = (_loop_source_matches(base.encoder, r"\w+, \w+ = layer_module\(")
+              or _loop_source_matches(base.encoder, r"(\w+) = layer_module\((?:.|\n)*?hidden_states = \1\[0\]"))
+    if not tuples:
+        _require_layer_loop(base.encoder, r"hidden_states = layer_module\(",
+                            "take each layer's output as the next hidden states (hidden_states = layer_module(...))")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
                            _HostEncoderModel, layer_tuples=tuples)
 
 
 FAMILY = Family(
     "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa-v2 with its "
-                         "relative positions: any head), under preserve='meft1' or 'meft2'",),
+                         "relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head), under "
+                         "preserve='meft1' or 'meft2'",),
     _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
                  ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
