@@ -57,6 +57,9 @@ def test_masked_lms_and_image_classifiers(conformance):
     assert verdict == "converted" and detail.startswith("meft1:")
     assert conformance.check("AlbertForMaskedLM", 60)[0] == "refused"  # no family takes it
     assert conformance.main(["ViTForImageClassification", "BertForMaskedLM"]) == 0
+    assert conformance.kind_of("LlamaForSequenceClassification") == "sequence-classification"
+    verdict, detail = conformance.check("LlamaForSequenceClassification", 60)  # a padded row: its last real token
+    assert verdict == "converted" and "with grad" in detail
 
 
 def test_a_converted_model_whose_forward_fails_is_a_crash(conformance, monkeypatch):
@@ -70,3 +73,14 @@ def test_a_converted_model_whose_forward_fails_is_a_crash(conformance, monkeypat
     monkeypatch.setattr(revtriton, "revify", lambda model, **options: Failing())
     verdict, detail = conformance.check("ViTForImageClassification", 60)
     assert verdict == "CRASH" and "forward" in detail
+
+
+def test_running_out_of_time_in_the_conversion_is_a_timeout(conformance, monkeypatch):
+    """(Gemma 3's classifier ran past the sweep's 30 s inside revify: counted a crash before.)"""
+    import revtriton
+
+    def slow(model, **options):
+        raise conformance._Timeout()
+
+    monkeypatch.setattr(revtriton, "revify", slow)
+    assert conformance.check("ViTForImageClassification", 60)[0] == "timeout"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Conformance sweep: every causal LM, masked LM and image classifier class of the installed
+"""Conformance sweep: every causal LM, masked LM, sequence and image classifier class of the installed
 transformers, built at a tiny size, through ``revify(model, preserve="meft3")`` (``"meft1"`` where
 revify names it: post-norm layers, a whole layer a half): either it converts and computes the
 library's logits, or revify refuses it by name (TypeError: no family takes it; NotImplementedError:
@@ -8,12 +8,13 @@ model's forward's), and a converted model off the library's logits is silently w
 exit status 1.
 
 Causal LMs are compared on the library path (without grad, with the cache) and the fused halves
-(without the cache); masked LMs on a batch with a padded row (its real tokens' logits) and image
-classifiers on pixels, each without grad and with grad (the engine's recording forward).
+(without the cache); masked LMs on a batch with a padded row (its real tokens' logits), sequence
+classifiers on the same batch and image classifiers on pixels, each without grad and with grad (the
+engine's recording forward).
 
     python tools/conformance.py                          # every *ForCausalLM class
     python tools/conformance.py --kind masked-lm         # every *ForMaskedLM class
-    python tools/conformance.py --kind all               # the three kinds
+    python tools/conformance.py --kind all               # every kind
     python tools/conformance.py LlamaForCausalLM BertForMaskedLM   # some classes (kind by suffix)
 
 CPU only, a few minutes a kind (each model at most --timeout seconds). A class whose tiny config
@@ -36,7 +37,8 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             eos_token_id=2, n_embd=64, n_layer=2, n_head=4, d_model=64, n_positions=64, initializer_range=0.3,
             image_size=32, patch_size=8, num_channels=3, num_labels=3)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
-KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification"}
+KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification",
+         "sequence-classification": "ForSequenceClassification"}
 
 
 def kind_of(name: str) -> str:
@@ -51,9 +53,11 @@ def _inputs(kind: str) -> tuple[dict, torch.Tensor | None]:
     if kind == "image-classification":
         return {"pixel_values": torch.randn(2, 3, 32, 32)}, None
     ids = torch.randint(3, 120, (2, 12))
-    if kind == "masked-lm":
+    if kind in ("masked-lm", "sequence-classification"):
         mask = torch.ones(2, 12, dtype=torch.long)
-        mask[1, 8:] = 0  # a padded row: its real tokens' logits are compared
+        mask[1, 8:] = 0  # a padded row: its real tokens' logits are compared (a classifier's: the row's)
+        if kind == "sequence-classification":  # (decoders classify at the last token that is not padding)
+            return {"input_ids": ids.masked_fill(mask == 0, TINY["pad_token_id"]), "attention_mask": mask}, None
         return {"input_ids": ids, "attention_mask": mask}, mask.bool()
     return {"input_ids": ids}, None
 
@@ -105,6 +109,8 @@ def check(name: str, timeout: int) -> tuple[str, str]:
         while converted is None:
             try:
                 converted = revify(copy.deepcopy(model), preserve=mode, scale_bits=16, exact=False).eval()
+            except _Timeout:
+                raise
             except (TypeError, NotImplementedError) as error:
                 if not str(error).startswith("revify"):
                     return "CRASH", f"{type(error).__name__}: {str(error)[:200]}"
@@ -140,7 +146,7 @@ def main(argv=None) -> int:
     parser.add_argument("names", nargs="*", help="transformers classes (default: every class of --kind)")
     parser.add_argument("--kind", choices=(*KINDS, "all"), default="causal-lm",
                         help="the classes swept without names: *ForCausalLM (default), *ForMaskedLM, "
-                             "*ForImageClassification, or all three")
+                             "*ForImageClassification, *ForSequenceClassification, or all of them")
     parser.add_argument("--timeout", type=int, default=30, help="seconds a model may take")
     args = parser.parse_args(argv)
     suffixes = tuple(KINDS.values()) if args.kind == "all" else (KINDS[args.kind],)
