@@ -143,7 +143,9 @@ def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked)
 def test_a_causal_lm_of_bert_style_layers_is_refused_as_a_decoder(seeded):
     """GIT's causal LM decodes with a cache through BERT's layers while its config is no decoder's: a
     whole-layer half has no cache layer to keep, so its converted forward failed at the first cached
-    call (found by tools/conformance.py); it is refused at conversion, naming why, and left unchanged."""
+    call (found by tools/conformance.py); it is refused at conversion, naming why, and left unchanged.
+    (RoBERTa's causal LM head without is_decoder runs its encoder bidirectionally, with no cache: it
+    converts, tools/conformance.py checks it.)"""
     if not hasattr(transformers, "GitForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no GIT")
     torch.manual_seed(seeded)

@@ -238,8 +238,12 @@ def test_a_parameters_gradient_hooks_fire_once_with_the_whole_gradient(schedule)
     """Each chunk adds to a parameter's gradient; its accumulation hooks (DDP's reducer,
     ``register_post_accumulate_grad_hook``: an optimizer step in backward) fire once a backward, with
     the gradient of every chunk in (tests/test_distributed.py runs DDP itself)."""
-    stack = rows_stack(2, 4, False, schedule)
-    x = torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True)
+    assert_hooks_fire_once_with_the_whole_gradient(rows_stack(2, 4, False, schedule),
+                                                   torch.randn(3, 5, DIM, dtype=torch.float64, requires_grad=True))
+
+
+def assert_hooks_fire_once_with_the_whole_gradient(stack, x):
+    """Every parameter's accumulation hook fires once in a step, with its final gradient: plain autograd's."""
     seen = {}
     for p in stack.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(p, []).append(p.grad.clone()))
@@ -479,12 +483,5 @@ def test_head_groups_fire_each_parameters_hooks_once_with_the_whole_gradient(sch
     torch.manual_seed(4)
     blocks = [ReversibleBlock(LayerNormAttention(16, 4), LayerNormMLP(16, 24)) for _ in range(2)]
     stack = ReversibleStack(blocks, exact=False, schedule=schedule, token_chunk=4).double()
-    x = torch.randn(2, 17, 16, dtype=torch.float64, requires_grad=True)
-    seen = {}
-    for p in stack.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(p, []).append(p.grad.clone()))
-    got = grads_of(stack, x, lambda: loss_of(stack(x)))
-    assert len(seen) == len(list(stack.parameters())) and all(len(g) == 1 for g in seen.values())
-    assert all(torch.equal(seen[p][0], p.grad) for p in stack.parameters())
-    want = grads_of(stack, x, lambda: loss_of(plain_forward(stack, x)))
-    assert max_rel_error(got[1], want[1]) <= 1e-10
+    assert_hooks_fire_once_with_the_whole_gradient(stack, torch.randn(2, 17, 16, dtype=torch.float64,
+                                                                      requires_grad=True))

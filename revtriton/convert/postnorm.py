@@ -135,12 +135,14 @@ def _convert_postnorm_encoder(model, conversion, base):
     name, config = type(model).__name__, base.config
     require_whole_layer_mode(conversion, f"{name} (BERT-style)")
     _require_hosted_layer_loop(name)
-    # (GIT's causal LM is BERT's layers decoding with a cache, its config no decoder's: found by the sweep)
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False) or name.endswith(
-            "ForCausalLM"):
-        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True or a causal LM: causal "
-                                  f"self-attention with a KV cache, or cross-attention) is not supported; the "
-                                  f"encoder is")
+    # A base model that decodes with a cache whatever is_decoder says (GIT's: BERT's layers, found by the sweep;
+    # BERT's own caches only as a decoder, refused by its config).
+    decodes = _loop_source_matches(base, r"\buse_cache\b") and not _loop_source_matches(
+        base, r"if self\.config\.is_decoder:")
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False) or decodes:
+        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True, or a model that decodes with a "
+                                  f"cache: causal self-attention with a KV cache, or cross-attention) is not "
+                                  f"supported; the encoder is")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     if getattr(base.encoder, "conv", None) is not None:
         raise NotImplementedError(f"revify: {name}'s encoder adds a convolution of its input to the first layer's "
