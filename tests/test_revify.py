@@ -253,6 +253,25 @@ def test_token_chunk_runs_a_long_samples_attention_in_head_groups(family, groups
     check_against_twin(chunked, whole, losses[1], losses[0], False, FLOAT_TWIN_BOUND.get(family, 1e-5))
 
 
+def test_a_converted_base_model_names_positional_arguments_as_its_library_does(seeded):
+    """A head may hand its base model more than the ids by position (LayoutLM's ``bbox``): they are named
+    as the library's forward names them; one also given by keyword, or more than the forward takes, is
+    refused by name rather than dropped."""
+    model = revify(hf_llama(seeded), exact=False).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        by_keyword = model.model(ids, attention_mask=mask).last_hidden_state
+        by_position = model.model(ids, mask).last_hidden_state
+    assert torch.equal(by_position, by_keyword)
+    assert not torch.equal(by_position, model.model(ids).last_hidden_state.detach())  # the mask was used
+    with pytest.raises(TypeError, match="pass arguments other than input_ids by keyword"):
+        model.model(ids, mask, attention_mask=mask)
+    with pytest.raises(TypeError, match="pass arguments other than input_ids by keyword"):
+        model.model(ids, *([None] * 40))
+
+
 def test_a_model_configured_layer_by_layer_is_refused_by_name(seeded):
     """transformers' heterogeneous configs (``is_heterogeneous``: NeoMME's per-layer windows, Gemma 4's)
     raise on a global read of a per-layer setting, which every family makes: revify refuses such a model
