@@ -2,9 +2,9 @@
 outputs, gradients that stay the graph's, exact streams' checks read after replays, and the errors
 where a step cannot be captured. A stand-in backend "captures" by running the step once under the
 rules of a capture (no host sync; checks wait) and "replays" by running it again under the same
-rules; tests/test_gpu.py runs the real CUDA graphs. (The stand-in does not hold CUDA's rule for
-random numbers, that a graph draws only from generator states registered before its capture: the
-dropout steps below pass here; on a GPU such a capture raises, tested below with that check on.)
+rules; tests/test_gpu.py runs the real CUDA graphs. CUDA's rule for random numbers, that a graph
+draws only from generator states registered before its capture, is kept where a test asks for it
+(``graph_draws``): the halves' draws then go through halves.randomness.GraphDraws.
 """
 import pytest
 import torch
@@ -30,8 +30,9 @@ class RerunGraphs:
         self.warm_ups += 1
         return run()
 
-    def capture(self, run, pool):
+    def capture(self, run, pool, generators=()):
         self.captures += 1
+        self.generators = list(generators)  # (a graph registers them before its capture)
         out = self._run_as_captured(run)
         return {"run": run, "fresh": True, "outputs": out}, out
 
@@ -82,11 +83,24 @@ def trainer(stack, optimizer, set_to_none=True):
     return train_step
 
 
+@pytest.fixture(params=[False, True], ids=["eager-draws", "graph-draws"])
+def graph_draws(request, monkeypatch):
+    """With True the stand-in keeps CUDA's rule for random numbers: a draw while capturing or
+    replaying goes through halves.randomness.GraphDraws (the forward from the global generator, each
+    recompute from a generator made before the capture)."""
+    if request.param:
+        from revtriton.halves import randomness
+
+        monkeypatch.setattr(randomness, "graph_capturing", lambda device: checks.capturing_now())
+    return request.param
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "pareprop"])
 @pytest.mark.parametrize("depth", [3, 4])
-def test_a_captured_step_trains_bitwise_as_the_eager_step(seeded, schedule, depth):
+def test_a_captured_step_trains_bitwise_as_the_eager_step(seeded, schedule, depth, graph_draws):
     """Exact streams, dropout and drop-path: losses and parameters after every step bitwise the
-    eager run's, through the warm-up, the capturing call and the replays."""
+    eager run's, through the warm-up, the capturing call and the replays; with the graph's rule for
+    draws too (each recompute draws from its own registered generator)."""
     stacks = [build(depth, schedule, True, seed=seeded) for _ in range(2)]
     optimizers = [torch.optim.SGD(s.parameters(), lr=0.05, momentum=0.9) for s in stacks]
     eager = trainer(stacks[0], optimizers[0])
@@ -102,6 +116,10 @@ def test_a_captured_step_trains_bitwise_as_the_eager_step(seeded, schedule, dept
         assert step.captured == (i >= 2)
     assert (backend.warm_ups, backend.captures, backend.replays) == (2, 1, 4)
     assert step.static_inputs[0] is not batches[-1][0] and torch.equal(step.static_inputs[0], batches[-1][0])
+    # every half draws (dropout in its MLP, drop-path): a fork each, a recompute each, a generator each
+    assert len(step._draws.forks) == len(step._draws.replays) == 2 * depth
+    assert sorted(step._draws.replays) == list(range(2 * depth))
+    assert len(backend.generators) == 0  # (registered with a graph: CUDA's only)
 
 
 def test_outputs_are_the_graphs_tensors_and_gradients_stay_its_buffers(seeded):
@@ -243,18 +261,158 @@ def test_a_replays_failed_exact_check_is_raised_by_check_and_by_check_step(seede
         revtriton.check_step()
 
 
-def test_a_half_drawing_random_numbers_under_capture_raises_naming_it(seeded, monkeypatch):
-    """On a GPU a graph draws only from generator states registered before its capture, and the
-    engine forks a half's generator at its first draw: such a capture raises, saying why (the check
-    is CUDA's; here the stand-in's capture stands for it). Warm-up calls and halves that draw nothing
-    are unaffected."""
+def test_a_half_drawing_in_a_capture_not_captured_steps_raises_naming_it(seeded, monkeypatch):
+    """A CUDA graph draws only from generator states registered before its capture: a user's own
+    capture of a stack whose halves draw raises, naming CapturedStep (which registers them)."""
     from revtriton.halves import randomness
 
     monkeypatch.setattr(randomness, "graph_capturing", lambda device: checks.capturing_now())
     stack = build(2, "sequential", True, seed=seeded)  # dropout and drop-path
-    step, _ = captured(trainer(stack, torch.optim.SGD(stack.parameters(), lr=0.01)), warmup=1)
+    x = torch.randn(2, 3, 12)
+    stack(x)  # eagerly: the plan learns how its halves draw
+    with checks.capturing(), pytest.raises(NotImplementedError,
+                                           match=r"not revtriton.CapturedStep's.*registered"):
+        stack(x)
+    checks.check_step()
+
+
+def test_a_capture_that_draws_otherwise_than_its_warm_up_raises(seeded, graph_draws):
+    """Each recompute's generator is placed from what the last warm-up call recorded: a captured
+    step that forks more (here a second forward, taken only from the third call) raises at capture,
+    also where its draws are not the graph's (a CPU half's, counted to keep the order)."""
+    stack = build(2, "sequential", True, seed=seeded)
+    optimizer = torch.optim.SGD(stack.parameters(), lr=0.01)
+    twice = []
+
+    def train_step(x, target):
+        optimizer.zero_grad()
+        loss = (stack(x) - target).square().mean()
+        if twice:
+            loss = loss + stack(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    step, _ = captured(train_step, warmup=2)
     batch = (torch.randn(2, 3, 12), torch.randn(2, 3, 12))
     step(*batch)
-    with pytest.raises(NotImplementedError, match=r"draws random numbers.*cannot run inside a CUDA graph capture"):
+    step(*batch)
+    twice.append(True)
+    with pytest.raises(RuntimeError, match=r"drew random numbers differently from its last warm-up call"):
         step(*batch)
     assert not step.captured and not checks.capturing_now()
+
+
+def test_recomputes_in_autograds_device_thread_draw_as_planned(seeded, monkeypatch):
+    """On CUDA autograd runs the backward (the recomputes) in its device thread, not the caller's:
+    the plan is process-wide while a CapturedStep call runs, and the capture state a stream's (here:
+    a capture in progress on any thread). Float streams, so no check waits on the thread."""
+    import threading
+
+    from revtriton.halves import randomness
+
+    def capturing(device):
+        plan = randomness._graph_plan
+        return plan is not None and plan._mode == "captured"
+
+    monkeypatch.setattr(randomness, "graph_capturing", capturing)
+    stacks = [build(3, "pareprop", False, seed=seeded) for _ in range(2)]
+    optimizers = [torch.optim.SGD(s.parameters(), lr=0.05) for s in stacks]
+
+    def threaded(stack, optimizer):
+        def train_step(x, target):
+            optimizer.zero_grad()
+            loss = (stack(x) - target).square().mean()
+            worker = threading.Thread(target=loss.backward)
+            worker.start()
+            worker.join()
+            optimizer.step()
+            return loss.detach()
+        return train_step
+
+    eager = threaded(stacks[0], optimizers[0])
+    step, _ = captured(threaded(stacks[1], optimizers[1]), warmup=1)
+    for i in range(3):
+        batch = (torch.randn(2, 3, 12, dtype=torch.float64), torch.randn(2, 3, 12, dtype=torch.float64))
+        torch.manual_seed(seeded + i)
+        expected = eager(*batch)
+        torch.manual_seed(seeded + i)
+        assert torch.equal(step(*batch), expected), i
+        assert all(torch.equal(a, b) for a, b in zip(stacks[0].parameters(), stacks[1].parameters())), i
+    assert step.captured and len(step._draws.replays) == 6
+
+
+class FakePhilox:
+    """A CUDA generator's host side (a seed, an offset that each draw moves on), for GraphDraws'
+    arithmetic on a machine with no GPU."""
+
+    def __init__(self, seed=0, offset=0):
+        self.seed, self.offset = seed, offset
+
+    def draw(self, n):
+        self.offset += n
+        return self
+
+    def clone_state(self):
+        return FakePhilox(self.seed, self.offset)
+
+    def graphsafe_get_state(self):
+        return self  # (shares the state)
+
+    def get_state(self):
+        return (self.seed, self.offset)
+
+    def set_state(self, state):
+        self.seed, self.offset = state
+
+    def get_offset(self):
+        return self.offset
+
+    def set_offset(self, offset):
+        self.offset = offset
+
+    def initial_seed(self):
+        return self.seed
+
+    def manual_seed(self, seed):
+        self.seed, self.offset = seed, 0
+        return self
+
+
+def test_graph_draws_places_each_recompute_at_its_forks_offset(monkeypatch):
+    """The warm-up records each fork's global offset from the step's start and which fork each
+    recompute replays; before a replay each recompute's generator is set to the global seed and
+    offset plus its fork's (what the graph's forward will draw from at that point)."""
+    from revtriton.halves import randomness
+    from revtriton.halves.randomness import GraphDraws, HalfGenerators
+
+    cuda = torch.device("cuda", 0)
+    global_generator = FakePhilox(seed=3, offset=100)
+    monkeypatch.setattr(randomness, "default_generator", lambda device: global_generator)
+    monkeypatch.setattr(randomness, "_graph_generator", lambda device: FakePhilox())
+    monkeypatch.setattr(randomness, "graph_capturing", lambda device: False)  # (eager warm-up)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    plan = GraphDraws()
+    with plan.warming_up():
+        global_generator.draw(8)  # the step draws before the stack (an embedding's dropout)
+        halves = []
+        for n in (12, 4):  # two halves' forwards, each forking at its first draw
+            with HalfGenerators() as half:
+                half.generator(cuda).draw(n)
+                half.generator(cuda).draw(n)  # (the same generator: one fork a half)
+            half.advance_source()
+            halves.append(half)
+        assert global_generator.offset == 100 + 8 + 24 + 8  # as if the halves had drawn from it
+        for half in reversed(halves):  # the backward's recomputes, last half first
+            with HalfGenerators(half.start) as replay:
+                replay.generator(cuda)
+    assert plan.forks == [(cuda, 8), (cuda, 32)] and plan.replays == [1, 0]
+    assert plan.prepare() == plan.generators  # (to register with the graph: both on CUDA)
+    global_generator.manual_seed(11).draw(40)  # the user reseeds; something draws between steps
+    plan.place()
+    assert [g.get_state() for g in plan.generators] == [(11, 40 + 32), (11, 40 + 8)]
+    global_generator.draw(4)
+    plan.place()  # each replay from where the global generator stands then
+    assert [g.get_state() for g in plan.generators] == [(11, 44 + 32), (11, 44 + 8)]

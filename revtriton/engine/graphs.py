@@ -17,9 +17,15 @@ is replayed each step, gradient accumulation inside it too. What a graph cannot 
 * No host sync inside the step (``.item()``, ``print(tensor)``, ``nonzero``): capture fails; the
   error says so. The stack's own step makes none (tests/test_host_sync.py).
 * Optimizers with a step count (Adam, AdamW, ...) need ``capturable=True``: checked at capture.
-* No half that draws random numbers (dropout, drop-path) yet: the engine replays a half's draws
-  from a generator forked at its first draw, and a graph draws only from generator states
-  registered before its capture (halves.randomness says more); such a capture raises, saying so.
+* Halves that draw random numbers (dropout, drop-path) draw the eager step's numbers: eagerly a
+  half's recompute replays a generator forked at its first draw, and a graph draws only from
+  generator states registered before its capture, so the warm-up records where each half forked
+  (the global Philox offset from the step's start) and which recompute replays it, the capture
+  gives each recompute a generator registered with the graph, and each replay first sets those to
+  the global seed and offset plus their fork's (``halves.randomness.GraphDraws``). The warm-up
+  calls must draw as the captured step does (checked at capture); a stack inside a half that draws,
+  and draws an extension kernel makes from the global generator itself (flash-attn's dropout),
+  raise at capture, saying so.
 
 The design follows PyTorch's whole-network capture (``torch.cuda.graphs``): warm-up calls on a
 side stream (they run the backend choice and the autotuners, so the captured kernels are the
@@ -41,6 +47,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..halves.randomness import GraphDraws
 from ..ops.arguments import checked_int
 from . import checks
 
@@ -62,8 +69,10 @@ class _CudaGraphs:
         main.wait_stream(side)
         return out
 
-    def capture(self, run, pool):
+    def capture(self, run, pool, generators=()):
         graph = torch.cuda.CUDAGraph()
+        for generator in generators:  # (before the capture begins: PyTorch's graph-safe RNG)
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, pool=pool):
             out = run()
         return graph, out
@@ -99,6 +108,7 @@ class CapturedStep:
         self._rates = []  # (param group, its lr at capture), for a Python-float lr
         self._checks = []  # exact streams' StepChecks captured with the step
         self._failed = None  # device flag: a replay's check failed since the last check()
+        self._draws = GraphDraws()  # the halves' random draws: recorded in warm-up, registered, placed per replay
 
     @property
     def captured(self) -> bool:
@@ -111,18 +121,24 @@ class CapturedStep:
                                 f"belong in train_step itself: the graph freezes them)")
         if self.calls < self.warmup:
             self.calls += 1
-            return self.backend.warm_up(lambda: self.train_step(*inputs))
+            return self.backend.warm_up(lambda: self._warm_up_call(inputs))
         if self.graph is None:
             self._capture(inputs)
         else:
             self._load(inputs)
             self._check_rates()
-        self.backend.replay(self.graph)
+        self._draws.place()
+        with self._draws.captured():  # (a CUDA graph's replay runs no Python: only a stand-in's rerun sees it)
+            self.backend.replay(self.graph)
         for p, grad in self._grads:
             if p.grad is not grad:  # set to None (or replaced) outside the step: the graph wrote grad
                 p.grad = grad
         self.calls += 1
         return self.static_outputs
+
+    def _warm_up_call(self, inputs):
+        with self._draws.warming_up():
+            return self.train_step(*inputs)
 
     # -- capture ------------------------------------------------------------------------------------
 
@@ -134,9 +150,10 @@ class CapturedStep:
         handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _capturable(optimizer, stepped))
         pending_before = set(map(id, checks._pending))
         try:
+            generators = self._draws.prepare()
             with checks.capturing():
                 self.graph, self.static_outputs = self.backend.capture(self._captured_body(pending_before),
-                                                                       self.pool)
+                                                                       self.pool, generators)
         except RuntimeError as error:
             self.graph = None
             message = str(error)
@@ -155,7 +172,8 @@ class CapturedStep:
 
     def _captured_body(self, pending_before):
         def body():
-            out = self.train_step(*self.static_inputs)
+            with self._draws.captured(capture=True):
+                out = self.train_step(*self.static_inputs)
             self._checks = [c for c in checks._pending if id(c) not in pending_before]
             for c in self._checks:  # resolved from the replays' flags by check(), not by check_step's list
                 checks._pending.remove(c)

@@ -121,11 +121,9 @@ def _with_global_generator(device, generator, func, args, kwargs):
         default.set_state(saved)
 
 
-def _set_generator(target: torch.Generator, state: torch.Generator, device: torch.device):
-    if device.type == "cuda":  # graph-safe (the snapshot is not shared: it may be set again)
-        target.graphsafe_set_state(state.clone_state())
-    else:
-        target.set_state(state.get_state())
+def _set_generator(target: torch.Generator, state: torch.Generator):
+    # In place: the target keeps its state object (a CUDA graph may have registered the global one's)
+    target.set_state(state.get_state())
 
 
 class GlobalStart:
@@ -160,12 +158,16 @@ class GlobalStart:
         """The global generators at the recorded start for the recompute, the caller's restored after."""
         saved = {device: default_generator(device).clone_state() for device in self.states}
         for device, state in self.states.items():
-            _set_generator(default_generator(device), state, device)
+            _set_generator(default_generator(device), state)
         try:
             yield
         finally:
             for device, state in saved.items():
-                _set_generator(default_generator(device), state, device)
+                _set_generator(default_generator(device), state)
+
+
+ESCAPED_DRAW_MESSAGE = ("revtriton: a half's random draws are {} and cannot be captured in a CUDA graph: a "
+                        "captured half draws from generators the graph registers (halves.randomness.GraphDraws)")
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,12 @@ class HalfRandomness:
         # The probe, and every forward of a half seen escaping, compare the global generators' states
         # around the half: another thread drawing during the half looks the same as an escape, so a
         # half is recorded by its global start only while the global generator keeps moving under it.
+        unrecordable = kind is None or kind == "global"  # (a graph cannot compare the global states)
+        if unrecordable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(ESCAPED_DRAW_MESSAGE.format(
+                "not known yet (no eager call of the step came first)" if kind is None else
+                "drawn where the engine cannot hand them a generator (an extension kernel reading the global one, "
+                "such as flash-attn's dropout)"))
         global_start = GlobalStart() if kind is None or kind == "global" else None
         routed = routing and kind != "own"
         with HalfGenerators() as half, (_RoutedToHalf(half) if routed else _NO_ROUTING) as mode:
