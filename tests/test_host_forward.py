@@ -808,6 +808,75 @@ def test_dinov2_with_drop_path_trains_saves_and_pickles(registers, seeded, tmp_p
     assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
 
 
+def _beit(seed, head="ForImageClassification", shared=False, per_layer=True, **overrides):
+    """A tiny BEiT: layer scale, relative position biases (the model's shared one and / or each layer's),
+    their tables off their zero init so that a bias taken for another, or at another size, shows."""
+    torch.manual_seed(seed)
+    config = transformers.BeitConfig(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                                     intermediate_size=96, image_size=32, patch_size=8, num_labels=3,
+                                     layer_scale_init_value=0.5, use_relative_position_bias=per_layer,
+                                     use_shared_relative_position_bias=shared, use_mask_token=True,
+                                     initializer_range=0.3, **overrides)
+    model = getattr(transformers, f"Beit{head}")(config).eval()
+    with torch.no_grad():
+        for name, table in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                table.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("bias", ["per-layer", "shared", "both", "none"])
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_beit_keeps_the_librarys_function(preserve, bias, seeded):
+    """BEiT: ``x + drop_path(lambda_1 * attention(layernorm_before(x)))`` with the relative position
+    biases added to the attention's mask (the shared one by the model, each layer's own by the layer, at
+    the image's resolution): a preserving conversion computes the library's logits and hidden states,
+    at the size it was built for and at another (interpolate_pos_encoding: each layer's bias made at
+    the resolution the loop passes)."""
+    original = _beit(seeded, shared=bias in ("shared", "both"), per_layer=bias in ("per-layer", "both"))
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    for size, interpolate in (((32, 32), False), ((48, 40), True)):
+        kwargs = dict(pixel_values=torch.randn(2, 3, *size), interpolate_pos_encoding=interpolate)
+        with torch.no_grad():
+            theirs, ours = original(**kwargs, output_hidden_states=True), model(**kwargs, output_hidden_states=True)
+            logits = model(**kwargs).logits  # (the whole stack at once)
+        for mine, library in zip((logits, ours.logits, *ours.hidden_states), (theirs.logits, theirs.logits,
+                                                                              *theirs.hidden_states)):
+            torch.testing.assert_close(mine, library, rtol=0, atol=2e-3 * library.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_beits_masked_image_modeling_keeps_the_librarys_function(seeded):
+    """BeitForMaskedImageModeling: its mask token replaces masked patches before the layers, its head
+    reads every token; converted, it computes the library's logits."""
+    original = _beit(seeded, "ForMaskedImageModeling", shared=True)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    x, masked = torch.randn(2, 3, 32, 32), torch.rand(2, 16) < 0.4
+    with torch.no_grad():
+        theirs = original(pixel_values=x, bool_masked_pos=masked).logits
+        ours = model(pixel_values=x, bool_masked_pos=masked).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+def test_beit_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with drop-path and dropout, on images of another size than it was built
+    for, bitwise equals its stored-activation twin (the rebuild makes each layer's relative position
+    bias again, at the resolution in the conditioning, with the forward's attention kernel);
+    every bias table gets its gradient; a half called alone runs at the size the layer was built for;
+    save / load, a pickle and a fresh process's unpickling give the converted model back."""
+    model = revify(_beit(seeded, shared=True, drop_path_rate=0.2, hidden_dropout_prob=0.1), exact=True).train()
+    x, labels = torch.randn(2, 3, 48, 40), torch.tensor([0, 2])  # (not the size it was built for)
+    assert_exact_step_equals_twin(
+        model, lambda m: m(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss, seed=seeded)
+    assert [name for name, p in model.named_parameters() if p.grad is None] == ["beit.embeddings.mask_token"]
+    tables = [p for name, p in model.named_parameters() if name.endswith("relative_position_bias_table")]
+    assert len(tables) == DEPTH + 1 and all(bool(p.grad.abs().sum() > 0) for p in tables)
+    attention = model.beit.layers[0].coupling_halves()[0]
+    assert attention(torch.randn(2, 17, 64)).shape == (2, 17, 64)
+    assert_saves_and_pickles(model.eval(), x[..., :32, :32], tmp_path, input_name="pixel_values")
+
+
 def _vit_like(kind, seed):
     """DeiT with its distillation token and teacher head, or ViT-MAE's pretraining model (a masking
     encoder of ViT's layers, a small decoder): tiny, weights off their small init."""

@@ -227,8 +227,11 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 # Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases,
 # DeBERTa-v2's relative positions and relative embeddings (a parameter's value: its gradient flows).
 LAYER_TENSORS = ("alibi", "relative_pos", "rel_embeddings")
+# BEiT's loop hands every layer the image's resolution (and whether to interpolate position encodings),
+# from which each layer makes its own relative position bias: a CPU int64 tensor (height, width,
+# interpolate), read on the host with no sync.
 _COND_SLOTS = ("positions", "segments", "cos", "sin", "sliding_cos", "sliding_sin", "position_ids", "full_mask",
-               "sliding_mask", *LAYER_TENSORS, "fusable")
+               "sliding_mask", *LAYER_TENSORS, "resolution", "fusable")
 _SHARED = _COND_SLOTS.index(LAYER_TENSORS[0])  # where the layer tensors' slots start
 
 
@@ -241,6 +244,7 @@ class _HostCond:
     fusable: bool
     sliding_position_embeddings: tuple | None = None  # sliding attention's own (Gemma 3's local RoPE), or None
     layer_tensors: dict = field(default_factory=dict)  # LAYER_TENSORS the loop gave its layers, by name
+    resolution: tuple | None = None  # (height, width, interpolate_pos_encoding) the loop gave its layers (BEiT)
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
@@ -259,9 +263,10 @@ def _none_if_empty(t):
 
 
 def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None,
-                    layer_tensors=None) -> tuple:
+                    layer_tensors=None, resolution=None) -> tuple:
     """The halves' conditioning (``_COND_SLOTS``); ``sliding_rotary``: the sliding layers' own rotary
-    embedding, where it is not ``position_embeddings``; ``layer_tensors``: {name in LAYER_TENSORS: tensor}."""
+    embedding, where it is not ``position_embeddings``; ``layer_tensors``: {name in LAYER_TENSORS: tensor};
+    ``resolution``: (height, width, interpolate_pos_encoding) or None."""
     layer_tensors = layer_tensors or {}
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
@@ -275,6 +280,7 @@ def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, l
             empty if position_ids is None else position_ids,
             *(empty if mask is None else mask for mask in masks),
             *(empty if layer_tensors.get(name) is None else layer_tensors[name] for name in LAYER_TENSORS),
+            torch.empty(0, dtype=torch.long) if resolution is None else torch.tensor([int(v) for v in resolution]),
             torch.tensor(bool(fusable)))
 
 
@@ -283,7 +289,7 @@ def _unpack_host_cond(cond) -> _HostCond:
         raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
     positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask = cond[:_SHARED]
-    fusable = cond[-1]
+    resolution, fusable = cond[-2:]
     layout = None if _none_if_empty(positions) is None else (positions, segments)
 
     def rotary(cos, sin):
@@ -292,7 +298,8 @@ def _unpack_host_cond(cond) -> _HostCond:
     return _HostCond(layout, rotary(cos, sin), _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable),
                      rotary(sliding_cos, sliding_sin),
-                     {name: t for name, t in zip(LAYER_TENSORS, cond[_SHARED:-1]) if _none_if_empty(t) is not None})
+                     {name: t for name, t in zip(LAYER_TENSORS, cond[_SHARED:-2]) if _none_if_empty(t) is not None},
+                     None if resolution.numel() == 0 else tuple(resolution.tolist()))
 
 
 def _blocks(stack) -> list:
@@ -399,6 +406,8 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         for key in ("position_ids", *LAYER_TENSORS):
             if kwargs.get(key) is not first.get(key):
                 raise NotImplementedError(f"revified model: layers got different {key}")
+        if _resolution(kwargs) != _resolution(first):
+            raise NotImplementedError("revified model: layers got different resolutions")
         block = stack[i]
         kind = int(_spec_of(block).window is not None)
         mask = kwargs.get("attention_mask", kwargs.get("attn_mask"))  # timm's name
@@ -412,7 +421,16 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
     full, sliding = rotaries if seen[0] else (rotaries[1], None)
     return _pack_host_cond(call.layout, full, first.get("position_ids"), masks, call.fusable, like,
                            sliding_rotary=None if sliding is full else sliding,
-                           layer_tensors={name: first.get(name) for name in LAYER_TENSORS})
+                           layer_tensors={name: first.get(name) for name in LAYER_TENSORS},
+                           resolution=_resolution(first))
+
+
+def _resolution(kwargs) -> tuple | None:
+    """(height, width, interpolate_pos_encoding) of a layer call that names the image's resolution (BEiT's)."""
+    resolution = kwargs.get("resolution")
+    if resolution is None:
+        return None
+    return (*(int(v) for v in resolution), int(bool(kwargs.get("interpolate_pos_encoding"))))
 
 
 _CACHE_KEYS = ("cache", "past_key_values", "layer_past")  # transformers 5's name, its old one, GPT-NeoX's
@@ -506,7 +524,7 @@ class _HostAttention:
         cut to them where it has a row a sample, kept where it has one for all or is empty; None (the
         half then runs whole) where the loop gives its layers tensors of other layouts (ALiBi's,
         relative positions) or an input has another leading dim."""
-        if any(_none_if_empty(t) is not None for t in cond[_SHARED:-1]):
+        if any(_none_if_empty(t) is not None for t in cond[_SHARED:-2]):
             return None
         shared = []
         for t in cond[:_SHARED]:
