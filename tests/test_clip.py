@@ -15,13 +15,13 @@ from test_models import check_against_twin
 transformers = pytest.importorskip("transformers")
 
 DEPTH = 3
-KINDS = ("CLIP", "Siglip", "Siglip2")
+KINDS = ("CLIP", "Siglip", "Siglip2", "MetaClip2")  # (MetaCLIP 2: CLIP's modules)
 
 
 def _configs(kind):
     text = getattr(transformers, f"{kind}TextConfig")(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
-        max_position_embeddings=32, pad_token_id=1, **(dict(bos_token_id=0, eos_token_id=2) if kind == "CLIP" else {}))
+        max_position_embeddings=32, pad_token_id=1, **(dict(bos_token_id=0, eos_token_id=2) if kind in ("CLIP", "MetaClip2") else {}))
     # SigLIP 2 takes patches as they come (up to 16 of 4 x 4 pixels a sample, a mask of the padded ones).
     size = dict(num_patches=16, patch_size=4) if kind == "Siglip2" else dict(image_size=32, patch_size=8)
     vision = getattr(transformers, f"{kind}VisionConfig")(
@@ -126,7 +126,7 @@ def test_the_fused_kernels_run_where_they_compute_the_branch(kind, tower, seeded
     # Each count: the forward and the rebuild. SigLIP 2's padded patches: a mask only the library's
     # attention sees (the fused attention takes token layouts, the text towers' padding).
     assert calls["self_attn"] == (2 * DEPTH if (kind, tower) == ("Siglip2", "vision") else 0)
-    assert calls["mlp"] == (2 * DEPTH if kind == "CLIP" else 0)
+    assert calls["mlp"] == (2 * DEPTH if kind in ("CLIP", "MetaClip2") else 0)
     for layer in model.encoder.layers:
         layer._revtriton_spec.fused_attention, layer._revtriton_spec.activation = False, None
     calls["self_attn"] = 0

@@ -62,6 +62,19 @@ def test_masked_lms_and_image_classifiers(conformance):
     assert verdict == "converted" and "with grad" in detail
 
 
+def test_sub_configs_are_built_tiny_too(conformance):
+    """A classifier over CLIP's vision tower has its towers' configs inside its own: both tiny (at
+    their defaults CLIP's vision tower takes 224-pixel images and the sweep's 32-pixel ones fail)."""
+    import transformers
+
+    model = conformance._tiny(transformers.CLIPForImageClassification)
+    for tower in (model.config.vision_config, model.config.text_config):
+        assert (tower.hidden_size, tower.num_hidden_layers) == (64, 2)
+    assert model.config.vision_config.image_size == 32
+    assert conformance.check("CLIPForImageClassification", 60)[0] == "converted"
+    assert conformance.check("MetaClip2ForImageClassification", 60)[0] == "converted"
+
+
 def test_a_converted_model_whose_forward_fails_is_a_crash(conformance, monkeypatch):
     """RemBERT's loop read each stand-in's output as ``outputs[0]``: converted, its first forward raised."""
     import revtriton

@@ -84,11 +84,23 @@ VARIANTS = ({}, {"head_dim": None}, {"rotary_dim": 8}, {"head_dim": None, "rotar
             {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 32})
 
 
-def _tiny(cls, variant=None):
-    config_class = cls.config_class
+def _tiny_config(config_class, options: dict):
+    """``config_class`` at the tiny size, its sub-configs too (a vision-language model's ``text_config`` /
+    ``vision_config``, a classifier's vision tower: each of the class its default config has)."""
     parameters = inspect.signature(config_class.__init__).parameters
-    options = {**TINY, **(variant or {})}
-    return cls(config_class(**{k: v for k, v in options.items() if k in parameters and v is not None})).eval()
+    kwargs = {k: v for k, v in options.items() if k in parameters and v is not None}
+    subs = [name for name in getattr(config_class, "sub_configs", {}) if name in parameters]
+    if subs:
+        default = config_class()
+        for name in subs:
+            sub = getattr(default, name, None)
+            if sub is not None and hasattr(sub, "to_dict"):
+                kwargs[name] = _tiny_config(type(sub), options)
+    return config_class(**kwargs)
+
+
+def _tiny(cls, variant=None):
+    return cls(_tiny_config(cls.config_class, {**TINY, **(variant or {})})).eval()
 
 
 def check(name: str, timeout: int) -> tuple[str, str]:

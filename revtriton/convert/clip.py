@@ -1,7 +1,7 @@
-"""Hugging Face CLIP, SigLIP and SigLIP 2 encoders: a text or vision tower alone, with its projection or
-a classifier, or both towers of ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model``. Their layers are
-pre-norm, ``x + attention(layer_norm1(x))`` then ``h + mlp(layer_norm2(h))``, run through the library's
-own forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
+"""Hugging Face CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 encoders: a text or vision tower alone, with its
+projection or a classifier, or both towers of ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model`` /
+``MetaClip2Model``. Their layers are pre-norm, ``x + attention(layer_norm1(x))`` then
+``h + mlp(layer_norm2(h))``, run through the library's own forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
 text tower, padded rows by their token layout) and SigLIP's tanh-GELU MLP; CLIP's quick-GELU MLP,
 dropout in training and other custom masks run the layer's own modules."""
 from __future__ import annotations
@@ -21,6 +21,8 @@ _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", False, False),
            "SiglipTextModel": ("siglip", False, True), "SiglipVisionModel": ("siglip", False, False),
            "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False),
+           # MetaCLIP 2: CLIP's towers and layers (its modules "copied from" CLIP's), multilingual tokens
+           "MetaClip2TextModel": ("metaclip_2", True, True), "MetaClip2VisionModel": ("metaclip_2", False, False),
            # The SigLIP towers of Idefics 3 and SmolVLM (found inside their vision-language models)
            "Idefics3VisionTransformer": ("idefics3", False, False),
            "SmolVLMVisionTransformer": ("smolvlm", False, False)}
@@ -28,9 +30,11 @@ _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", Fa
 _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
                       "CLIPForImageClassification"),
              "siglip": ("SiglipModel", "SiglipForImageClassification"),
-             "siglip2": ("Siglip2Model", "Siglip2ForImageClassification")}
+             "siglip2": ("Siglip2Model", "Siglip2ForImageClassification"),
+             "metaclip_2": ("MetaClip2Model", "MetaClip2TextModelWithProjection", "MetaClip2VisionModelWithProjection",
+                            "MetaClip2ForImageClassification")}
 _LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
-           "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer"}
+           "metaclip_2": "MetaClip2EncoderLayer", "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -159,10 +163,11 @@ def _pickled() -> dict:
     return names
 
 
-FAMILY = Family("clip", ("transformers CLIP, SigLIP and SigLIP 2 text and vision towers (CLIPTextModel, "
-                         "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel), "
-                         "with their projection or classifier, and both towers of CLIPModel / SiglipModel / "
-                         "Siglip2Model; the SigLIP vision towers of Idefics 3 and SmolVLM",),
+FAMILY = Family("clip", ("transformers CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 text and vision towers (CLIPTextModel, "
+                         "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel, "
+                         "MetaClip2TextModel, MetaClip2VisionModel), with their projection or classifier, and both "
+                         "towers of CLIPModel / SiglipModel / Siglip2Model / MetaClip2Model; the SigLIP vision towers "
+                         "of Idefics 3 and SmolVLM",),
                 _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())
