@@ -21,7 +21,8 @@ KINDS = ("CLIP", "Siglip", "Siglip2", "MetaClip2")  # (MetaCLIP 2: CLIP's module
 def _configs(kind):
     text = getattr(transformers, f"{kind}TextConfig")(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
-        max_position_embeddings=32, pad_token_id=1, **(dict(bos_token_id=0, eos_token_id=2) if kind in ("CLIP", "MetaClip2") else {}))
+        max_position_embeddings=32, pad_token_id=1,
+        **(dict(bos_token_id=0, eos_token_id=2) if kind in ("CLIP", "MetaClip2") else {}))
     # SigLIP 2 takes patches as they come (up to 16 of 4 x 4 pixels a sample, a mask of the padded ones).
     size = dict(num_patches=16, patch_size=4) if kind == "Siglip2" else dict(image_size=32, patch_size=8)
     vision = getattr(transformers, f"{kind}VisionConfig")(

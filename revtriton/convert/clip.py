@@ -1,9 +1,10 @@
 """Hugging Face CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 encoders: a text or vision tower alone, with its
 projection or a classifier, or both towers of ``CLIPModel`` / ``SiglipModel`` / ``Siglip2Model`` /
 ``MetaClip2Model``. Their layers are pre-norm, ``x + attention(layer_norm1(x))`` then
-``h + mlp(layer_norm2(h))``, run through the library's own forward; each tower is a stack of its own. The fused kernels compute the attention (causal in CLIP's
-text tower, padded rows by their token layout) and SigLIP's tanh-GELU MLP; CLIP's quick-GELU MLP,
-dropout in training and other custom masks run the layer's own modules."""
+``h + mlp(layer_norm2(h))``, run through the library's own forward; each tower is a stack of its own.
+The fused kernels compute the attention (causal in CLIP's text tower, padded rows by their token
+layout) and SigLIP's tanh-GELU MLP; CLIP's quick-GELU MLP, dropout in training and other custom masks
+run the layer's own modules."""
 from __future__ import annotations
 
 from dataclasses import replace
