@@ -257,6 +257,9 @@ SANDWICH_FAMILIES = {
     "Olmo2": {},  # norms after each branch only; q / k norms over the whole projection
     # Gemma 2's layers, sliding and full ones each with a RoPE of their own (local theta 1e4, global 1e6)
     "Gemma3": dict(sliding_window=4, layer_types=(["sliding_attention", "full_attention"] * DEPTH)[:DEPTH]),
+    # GLM-4's names (post_self_attn_layernorm / post_mlp_layernorm after the branches, post_attention_layernorm
+    # before the MLP), partial rotary, a fused gate_up_proj MLP
+    "Glm4": {},
 }
 
 
@@ -264,9 +267,9 @@ SANDWICH_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
-    """Gemma 2, Gemma 3 and OLMo 2 (``x + post_norm(attn(norm(x)))``, then the MLP's): a preserving
-    conversion computes their logits on whole and left-padded rows, and their cached greedy generation
-    (Gemma 3: each attention kind with its own RoPE)."""
+    """Gemma 2, Gemma 3, OLMo 2 and GLM-4 (``x + post_norm(attn(norm(x)))``, then the MLP's): a
+    preserving conversion computes their logits on whole and left-padded rows, and their cached greedy
+    generation (Gemma 3: each attention kind with its own RoPE)."""
     assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
 
 

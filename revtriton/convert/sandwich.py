@@ -5,7 +5,10 @@ Gemma 2 and Gemma 3: ``h = x + post_attention_layernorm(attn(input_layernorm(x))
 attention layers each with a RoPE of their own: the conditioning carries one per attention kind,
 as it does their masks). OLMo 2: the same without the
 norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
-``h + post_feedforward_layernorm(mlp(h))``. A norm after a branch is still an additive residual:
+``h + post_feedforward_layernorm(mlp(h))``. GLM-4 (and Kolibri 1): the same norms named otherwise,
+``x + post_self_attn_layernorm(attn(input_layernorm(x)))`` then
+``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
+MLP's norm before, as LLaMA's). A norm after a branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
 modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
 and cache); each layer is probed against its own forward at conversion.
@@ -21,30 +24,41 @@ from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHa
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
-# A layer's parts, exactly: Gemma 2's (and Gemma 3's), OLMo 2's (no norm before a branch).
+# A layer's parts, exactly: Gemma 2's (and Gemma 3's), OLMo 2's (no norm before a branch), GLM-4's.
 _SANDWICH_LAYERS = (frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
                                "pre_feedforward_layernorm", "post_feedforward_layernorm"}),
-                    frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"}))
+                    frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"}),
+                    frozenset({"self_attn", "mlp", "input_layernorm", "post_self_attn_layernorm",
+                               "post_attention_layernorm", "post_mlp_layernorm"}))
+# The norms' names, (before the attention, after it, before the MLP, after it): Gemma 2's (OLMo 2 has
+# the two after only), GLM-4's.
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+_GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
 
 
-def _norm_before(block, name) -> nn.Module:
-    """The norm before a branch, or Identity where the layer has none (OLMo 2)."""
-    return getattr(block, name, None) or nn.Identity()
+def _norm(block, which: int) -> nn.Module:
+    """A norm of the block's (``which``: an index into its names), or Identity where the layer has none
+    (OLMo 2's before the branches)."""
+    names = _GLM4_NORMS if "post_mlp_layernorm" in block._modules else _GEMMA_NORMS
+    norm = block._modules.get(names[which])
+    return nn.Identity() if norm is None else norm
 
 
 class _SandwichAttentionHalf(_LibraryAttentionHalf):
     def _attention_norm(self):
-        return _norm_before(self.block, "input_layernorm")
+        return _norm(self.block, 0)
 
     def _branch_output(self):
-        return self.block.post_attention_layernorm
+        return _norm(self.block, 1)
 
 
 class _SandwichMlpHalf(_LibraryHalf):
     def _modules(self, x):
         b = self.block
-        x = self._input(x, getattr(b.post_feedforward_layernorm, "weight", None))
-        return b.post_feedforward_layernorm(b.mlp(_norm_before(b, "pre_feedforward_layernorm")(x)))
+        after = _norm(b, 3)
+        x = self._input(x, getattr(after, "weight", None))
+        return after(b.mlp(_norm(b, 2)(x)))
 
 
 _HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAttentionHalf, _SandwichMlpHalf),
@@ -52,8 +66,8 @@ _HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAt
 
 
 def _sandwich_convention(model: nn.Module):
-    """The base model of a Hugging Face decoder whose ``layers`` have exactly Gemma 2's or OLMo 2's
-    parts and a rotary embedding, whatever its class, or None."""
+    """The base model of a Hugging Face decoder whose ``layers`` have exactly Gemma 2's, OLMo 2's or
+    GLM-4's parts and a rotary embedding, whatever its class, or None."""
     found = _library_layers(model, "model", "layers")
     if found is None or getattr(found[0], "rotary_emb", None) is None:
         return None
@@ -83,7 +97,9 @@ def _convert_sandwich(model, conversion, found):
 FAMILY = Family(
     "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
-                 "the branches: Gemma 2, Gemma 3, OLMo 2)",), _convert_sandwich, detect=_sandwich_convention,
+                 "the branches: Gemma 2, Gemma 3, OLMo 2; GLM-4's names, post_self_attn_layernorm / "
+                 "post_mlp_layernorm after the branches: GLM-4, Kolibri 1)",), _convert_sandwich,
+    detect=_sandwich_convention,
     halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
                  ("HostSandwich", "Ordinary", "DecoderLayer"): _HostSandwichOrdinaryBlock})
