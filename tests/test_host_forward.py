@@ -260,6 +260,9 @@ SANDWICH_FAMILIES = {
     # GLM-4's names (post_self_attn_layernorm / post_mlp_layernorm after the branches, post_attention_layernorm
     # before the MLP), partial rotary, a fused gate_up_proj MLP
     "Glm4": {},
+    # LLaMA's pre-norm layers, their norms named otherwise (Apertus: attention_layernorm / feedforward_layernorm
+    # and an xIELU MLP; VaultGemma: input_layernorm / pre_feedforward_layernorm)
+    "Apertus": {}, "VaultGemma": {},
 }
 
 
@@ -267,9 +270,10 @@ SANDWICH_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
-    """Gemma 2, Gemma 3, OLMo 2 and GLM-4 (``x + post_norm(attn(norm(x)))``, then the MLP's): a
-    preserving conversion computes their logits on whole and left-padded rows, and their cached greedy
-    generation (Gemma 3: each attention kind with its own RoPE)."""
+    """Gemma 2, Gemma 3, OLMo 2 and GLM-4 (``x + post_norm(attn(norm(x)))``, then the MLP's), Apertus and
+    VaultGemma (no norm after a branch, the norms named otherwise than LLaMA's): a preserving conversion
+    computes their logits on whole and left-padded rows, and their cached greedy generation (Gemma 3:
+    each attention kind with its own RoPE)."""
     assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
 
 

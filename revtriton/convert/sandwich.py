@@ -8,7 +8,8 @@ norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``h + post_feedforward_layernorm(mlp(h))``. GLM-4 (and Kolibri 1): the same norms named otherwise,
 ``x + post_self_attn_layernorm(attn(input_layernorm(x)))`` then
 ``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
-MLP's norm before, as LLaMA's). A norm after a branch is still an additive residual:
+MLP's norm before, as LLaMA's). Apertus and VaultGemma: LLaMA's pre-norm layer, its two norms named
+otherwise (no norm after a branch). A norm after a branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
 modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
 and cache); each layer is probed against its own forward at conversion.
@@ -24,24 +25,34 @@ from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHa
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
-# A layer's parts, exactly: Gemma 2's (and Gemma 3's), OLMo 2's (no norm before a branch), GLM-4's.
-_SANDWICH_LAYERS = (frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
-                               "pre_feedforward_layernorm", "post_feedforward_layernorm"}),
-                    frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"}),
-                    frozenset({"self_attn", "mlp", "input_layernorm", "post_self_attn_layernorm",
-                               "post_attention_layernorm", "post_mlp_layernorm"}))
-# The norms' names, (before the attention, after it, before the MLP, after it): Gemma 2's (OLMo 2 has
-# the two after only), GLM-4's.
+# The norms' names, (before the attention, after it, before the MLP, after it; None: none there).
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
 _GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+# The layers this family takes, by their parts exactly -> their norms' names.
+_NORMS_BY_PARTS = {
+    frozenset({"self_attn", "mlp", *_GEMMA_NORMS}): _GEMMA_NORMS,  # Gemma 2, Gemma 3
+    frozenset({"self_attn", "mlp", *_GEMMA_NORMS[1::2]}): (None, _GEMMA_NORMS[1], None, _GEMMA_NORMS[3]),  # OLMo 2
+    frozenset({"self_attn", "mlp", *_GLM4_NORMS}): _GLM4_NORMS,  # GLM-4, Kolibri 1
+    # LLaMA's pre-norm layer with its norms named otherwise (no norm after a branch): Apertus, VaultGemma
+    frozenset({"self_attn", "mlp", "attention_layernorm", "feedforward_layernorm"}):
+        ("attention_layernorm", None, "feedforward_layernorm", None),
+    frozenset({"self_attn", "mlp", "input_layernorm", "pre_feedforward_layernorm"}):
+        ("input_layernorm", None, "pre_feedforward_layernorm", None),
+}
+
+
+def _parts_of(block) -> frozenset:
+    return frozenset(name for name, _ in block.named_children())
 
 
 def _norm(block, which: int) -> nn.Module:
-    """A norm of the block's (``which``: an index into its names), or Identity where the layer has none
-    (OLMo 2's before the branches)."""
-    names = _GLM4_NORMS if "post_mlp_layernorm" in block._modules else _GEMMA_NORMS
-    norm = block._modules.get(names[which])
+    """A norm of the block's (``which``: an index into its names, kept at conversion), or Identity where
+    the layer has none there."""
+    names = vars(block).get("_revtriton_norms")
+    if names is None:  # (a block converted before the names were kept: Gemma 2's, OLMo 2's or GLM-4's)
+        names = _GLM4_NORMS if "post_mlp_layernorm" in block._modules else _GEMMA_NORMS
+    norm = None if names[which] is None else block._modules.get(names[which])
     return nn.Identity() if norm is None else norm
 
 
@@ -66,12 +77,12 @@ _HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAt
 
 
 def _sandwich_convention(model: nn.Module):
-    """The base model of a Hugging Face decoder whose ``layers`` have exactly Gemma 2's, OLMo 2's or
-    GLM-4's parts and a rotary embedding, whatever its class, or None."""
+    """The base model of a Hugging Face decoder whose ``layers`` have exactly the parts of a layer this
+    family takes (``_NORMS_BY_PARTS``) and a rotary embedding, whatever its class, or None."""
     found = _library_layers(model, "model", "layers")
     if found is None or getattr(found[0], "rotary_emb", None) is None:
         return None
-    if frozenset(name for name, _ in found[1][0].named_children()) not in _SANDWICH_LAYERS:
+    if _parts_of(found[1][0]) not in _NORMS_BY_PARTS:
         return None
     _check_layer_slice(found[0])
     return found[0]
@@ -86,8 +97,12 @@ def _convert_sandwich(model, conversion, found):
         raise ValueError(f"revify: {name} has no decoder layers")
     _require_hosted_layer_loop(name)
     spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
-    for block, window in zip(base.layers, _sliding_windows(base.config, len(base.layers))):
-        block._revtriton_spec = replace(spec, window=window)
+    for i, (block, window) in enumerate(zip(base.layers, _sliding_windows(base.config, len(base.layers)))):
+        names = _NORMS_BY_PARTS.get(_parts_of(block))
+        if names is None:
+            raise NotImplementedError(f"revify: {name} layer {i} has parts {sorted(_parts_of(block))}, not those of "
+                                      f"its layer 0 {sorted(_parts_of(base.layers[0]))}: not supported")
+        block._revtriton_spec, block._revtriton_norms = replace(spec, window=window), names
     _probe_layers(base, name, base.layers, (_SandwichAttentionHalf, _SandwichMlpHalf), _rotary_layer_inputs(base),
                   "a sandwich-norm layer x + post_norm(attention(norm(x))), then + post_norm(mlp(norm(h)))")
     _convert_hosted_layers(model, base, "layers", conversion, (_HostSandwichBlock, _HostSandwichOrdinaryBlock),
@@ -98,7 +113,9 @@ FAMILY = Family(
     "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
                  "the branches: Gemma 2, Gemma 3, OLMo 2; GLM-4's names, post_self_attn_layernorm / "
-                 "post_mlp_layernorm after the branches: GLM-4, Kolibri 1)",), _convert_sandwich,
+                 "post_mlp_layernorm after the branches: GLM-4, Kolibri 1), and LLaMA's pre-norm layers with "
+                 "their norms named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
+                 "input_layernorm / pre_feedforward_layernorm: VaultGemma)",), _convert_sandwich,
     detect=_sandwich_convention,
     halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
