@@ -644,6 +644,45 @@ def test_opt_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
         revify(_opt(seeded, layerdrop=0.1))
 
 
+def _opt_like(kind, seed, **overrides):
+    """A tiny XGLM or BioGPT causal LM: OPT's pre-norm layers (sinusoidal / learned positions before
+    the loop), a dropout after the activation too."""
+    torch.manual_seed(seed)
+    if kind == "XGLM":
+        config = transformers.XGLMConfig(vocab_size=128, d_model=64, ffn_dim=96, num_layers=DEPTH, attention_heads=4,
+                                         max_position_embeddings=64, pad_token_id=0, init_std=0.3, **overrides)
+        return transformers.XGLMForCausalLM(config).eval()
+    config = transformers.BioGptConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH,
+                                       num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                                       initializer_range=0.3, **overrides)
+    return transformers.BioGptForCausalLM(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", ["XGLM", "BioGpt"])
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_models_with_opts_layers_keep_the_librarys_function(kind, preserve, seeded):
+    """XGLM and BioGPT have OPT's pre-norm layers: a preserving conversion computes their logits on whole
+    and left-padded rows and their cached greedy generation; their dropout after the activation is
+    kept (at p = 1 the MLP branch is zero in training: the library's training-mode logits)."""
+    assert_preserved_on_whole_and_padded_rows(_opt_like(kind, seeded), preserve)
+    no_other_dropout = (dict(dropout=0.0, attention_dropout=0.0) if kind == "XGLM" else
+                        dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    assert_training_logits_are_the_librarys(_opt_like(kind, seeded, activation_dropout=1.0, **no_other_dropout),
+                                            preserve)
+
+
+@pytest.mark.parametrize("kind", ["XGLM", "BioGpt"])
+def test_models_with_opts_layers_train_save_and_pickle(kind, seeded, tmp_path):
+    """An exact training step with their dropouts bitwise equals its stored-activation twin; save / load
+    and a fresh process's unpickling give the converted model back; XGLM's cross-attention is refused."""
+    model = revify(_opt_like(kind, seeded, dropout=0.1, activation_dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    if kind == "XGLM":
+        with pytest.raises(NotImplementedError, match="cross-attention layers are not supported"):
+            revify(_opt_like(kind, seeded, add_cross_attention=True))
+
+
 def _bloom(seed, head="BloomForCausalLM", **overrides):
     torch.manual_seed(seed)
     config = dict(vocab_size=128, hidden_size=64, n_layer=DEPTH, n_head=4, pad_token_id=0, bos_token_id=None,
