@@ -815,6 +815,30 @@ def test_modernbert_with_its_dropouts_trains_saves_and_pickles(seeded, tmp_path)
         model.model.layers[1].coupling_halves()[0](torch.randn(1, 4, 64))
 
 
+def _modernbert_decoder(seed, **overrides):
+    """A tiny ModernBertDecoderForCausalLM: layers 0 and 2 global attention, layer 1 local (a 4-token
+    window), each kind with its RoPE."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                  global_attn_every_n_layers=2, local_attention=4, initializer_range=0.3)
+    return transformers.ModernBertDecoderForCausalLM(transformers.ModernBertDecoderConfig(**{**config, **overrides}))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_modernbert_decoder_keeps_the_librarys_function(preserve, seeded):
+    """ModernBERT's decoder: ModernBERT's layers, causal, global and local attention each with its mask
+    and RoPE: a preserving conversion computes the library's logits on whole and left-padded rows and
+    its cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_modernbert_decoder(seeded).eval(), preserve)
+
+
+def test_modernbert_decoder_with_its_dropouts_trains_saves_and_pickles(seeded, tmp_path):
+    model = revify(_modernbert_decoder(seeded, attention_dropout=0.1, mlp_dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(3, 128, (2, 10)), tmp_path, seed=seeded)
+
+
 def _dinov2(seed, registers=False, **overrides):
     torch.manual_seed(seed)
     prefix = "Dinov2WithRegisters" if registers else "Dinov2"
