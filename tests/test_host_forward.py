@@ -683,6 +683,38 @@ def test_models_with_opts_layers_train_save_and_pickle(kind, seeded, tmp_path):
             revify(_opt_like(kind, seeded, add_cross_attention=True))
 
 
+def _mpt(seed, dropout=0.0):
+    """A tiny MPT causal LM (ALiBi, LayerNorms without bias, an MLP that adds its residual itself);
+    ``dropout``: its attention's, residual's and MLP's (attn_pdrop, which transformers 5.25's config
+    types as an int: set on the modules)."""
+    torch.manual_seed(seed)
+    config = transformers.MptConfig(d_model=64, n_heads=4, n_layers=DEPTH, expansion_ratio=2, max_seq_len=64,
+                                    vocab_size=128, pad_token_id=0, initializer_range=0.3)
+    model = transformers.MptForCausalLM(config).eval()
+    for block in model.transformer.blocks:
+        block.attn.attn_dropout_p, block.resid_attn_dropout.p, block.ffn.hidden_dropout = dropout, dropout, dropout
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_mpt_keeps_the_librarys_function(preserve, seeded):
+    """MPT: pre-norm blocks with ALiBi (the model's biases, handed to every block as position_bias, in the
+    conditioning) and an MLP that adds its residual itself (the half passes zero): a preserving conversion
+    computes the library's logits on whole and left-padded rows and its cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(_mpt(seeded), preserve)
+
+
+def test_mpt_with_its_dropout_trains_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with MPT's dropouts bitwise equals its stored-activation twin; save / load
+    and a fresh process's unpickling give the converted model back; a half called alone refuses (the
+    mask and ALiBi are the model's)."""
+    model = revify(_mpt(seeded, dropout=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.transformer.blocks[0].coupling_halves()[0](torch.randn(1, 4, 64))
+
+
 def _bloom(seed, head="BloomForCausalLM", **overrides):
     torch.manual_seed(seed)
     config = dict(vocab_size=128, hidden_size=64, n_layer=DEPTH, n_head=4, pad_token_id=0, bos_token_id=None,

@@ -224,9 +224,10 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 
 # The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
 # tensor stands for None.
-# Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases,
-# DeBERTa-v2's relative positions and relative embeddings (a parameter's value: its gradient flows).
-LAYER_TENSORS = ("alibi", "relative_pos", "rel_embeddings")
+# Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases (MPT's,
+# as position_bias), DeBERTa-v2's relative positions and relative embeddings (a parameter's value: its
+# gradient flows).
+LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings")
 # BEiT's loop hands every layer the image's resolution (and whether to interpolate position encodings),
 # from which each layer makes its own relative position bias: a CPU int64 tensor (height, width,
 # interpolate), read on the host with no sync.
