@@ -159,18 +159,18 @@ def test_a_causal_lm_of_bert_style_layers_is_refused_as_a_decoder(seeded):
 
 
 def test_post_norm_layers_taking_other_inputs_from_the_loop_are_refused_naming_them():
-    """A layer whose forward takes an input the whole-layer half does not hand it (here position_bias) is
-    refused at conversion, naming the input, rather than run without it."""
+    """A layer whose forward takes an input the whole-layer half does not hand it (here RoFormer's
+    sinusoidal_pos) is refused at conversion, naming the input, rather than run without it."""
     model = hf_encoder()
     layer_class = type(model.bert.encoder.layer[0])
 
-    class LayerWithPositionBias(layer_class):
-        def forward(self, hidden_states, attention_mask=None, position_bias=None, **kwargs):
+    class LayerWithSinusoidalPositions(layer_class):
+        def forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, **kwargs):
             return super().forward(hidden_states, attention_mask, **kwargs)
 
     for layer in model.bert.encoder.layer:
-        layer.__class__ = LayerWithPositionBias
-    with pytest.raises(NotImplementedError, match="take position_bias from the encoder's loop"):
+        layer.__class__ = LayerWithSinusoidalPositions
+    with pytest.raises(NotImplementedError, match="take sinusoidal_pos from the encoder's loop"):
         revify(model, preserve="meft1")
 
 
