@@ -132,6 +132,38 @@ def test_more_bert_style_encoders_keep_their_masked_lm_logits_and_train(kind, se
                                       labels=ids.masked_fill(~real, -100))
 
 
+def _distilbert(seed, head="ForSequenceClassification", **overrides):
+    torch.manual_seed(seed)
+    config = transformers.DistilBertConfig(vocab_size=128, dim=64, hidden_dim=96, n_layers=3, n_heads=4,
+                                           max_position_embeddings=64, pad_token_id=0, num_labels=2, **overrides)
+    return getattr(transformers, f"DistilBert{head}")(config)
+
+
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_distilbert_keeps_its_function_and_trains_bitwise_its_twin(mode, seeded, tmp_path):
+    """DistilBERT (its own layer parts: attention, sa_layer_norm, ffn, output_layer_norm; its layers under
+    ``transformer``): the whole layer one half keeps the logits within the coupling's term, the model's
+    mask reaches every layer, an exact step with dropout equals its stored-activation twin bitwise, and
+    the model saves and pickles; the conversions coupling each branch refuse, naming the modes that work."""
+    model = _distilbert(seeded).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    revify(model, preserve=mode, scale_bits=FUNCTION_BITS)
+    assert type(model.distilbert.transformer.layer).__name__ == "ReversibleStack"
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        alone = model(input_ids=ids[1:, :-4]).logits
+    assert relative(after, before) <= FUNCTION_BOUND
+    assert relative(after[1:], alone) <= 1e-4
+    model = revify(_distilbert(seeded, dropout=0.1), preserve=mode, exact=True).train()
+    assert_exact_step_equals_its_twin(model, mode, seeded, input_ids=ids, attention_mask=mask,
+                                      labels=torch.tensor([1, 0]))
+    assert_saves_and_pickles(model, ids, tmp_path)
+    with pytest.raises(NotImplementedError, match="preserve='meft1' or 'meft2' converts it"):
+        revify(_distilbert(seeded))
+
+
 @pytest.mark.parametrize("options, asked", [({}, "revify\\(model\\)"), (dict(preserve="meft3"), "preserve='meft3'")])
 def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked):
     model = hf_encoder()
