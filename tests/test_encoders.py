@@ -1,4 +1,4 @@
-"""Pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL), issue 15.
+"""Pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT), issue 15.
 
 revify admits them by their layers' parts (``attention.self`` / ``attention.output`` /
 ``intermediate`` / ``output`` with a LayerNorm before each branch), probes each layer against its
@@ -21,7 +21,7 @@ from test_host_forward import assert_trains_saves_and_pickles
 from test_models import check_against_twin
 from test_token_layouts import _pad_right, assert_fused_kernels_match_the_reference, packed, real_tokens
 from test_token_layouts import padded as padded_with_positions
-from test_revify import DEPTH, hf_encoder, hf_roberta_pre, hf_xlmr_xl
+from test_revify import DEPTH, hf_encoder, hf_megatron, hf_roberta_pre, hf_xlmr_xl
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,6 +144,35 @@ def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
         # The packing matters: the same positions with a mask of ones (no packing) let sequences see each other.
         joined = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids)).logits
         assert (joined - theirs).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_megatron_bert_computes_the_librarys_encoder(seeded, tmp_path):
+    """Megatron-BERT: attention.ln and the layer's ln before the branches, a loop reading each layer's
+    output as layer_outputs[0], the encoder's ln after it; BERT's absolute positions (not derived from the
+    padding) and an extended mask that lets packed rows see each other. meft3 at 2**-16 computes the
+    library's logits, loss and hidden states on padded rows and on packed ones (as the library: mixed);
+    an exact training step equals its stored-activation twin; it saves, loads and pickles."""
+    original = hf_megatron(seeded, initializer_range=0.3).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert type(model.bert).__name__.startswith("RevifiedHostUnpackedEncoder")
+    seqs = sequences()
+    close = dict(rtol=0, atol=2e-3)
+    with torch.no_grad():
+        for side in ("right", "left"):
+            ids, mask = padded(seqs, side)
+            theirs = original(input_ids=ids, attention_mask=mask, labels=ids, output_hidden_states=True)
+            ours = model(input_ids=ids, attention_mask=mask, labels=ids, output_hidden_states=True)
+            torch.testing.assert_close(ours.logits, theirs.logits, **close)
+            torch.testing.assert_close(ours.loss, theirs.loss, **close)
+            assert len(ours.hidden_states) == len(theirs.hidden_states) == DEPTH + 1
+            for a, b in zip(ours.hidden_states, theirs.hidden_states):
+                torch.testing.assert_close(a, b, **close)
+        ids, positions = packed(seqs)
+        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits,
+                                   original(input_ids=ids, position_ids=positions).logits, **close)
+    model = revify(hf_megatron(seeded, hidden_dropout_prob=0.1), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
 
 
 @pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")

@@ -965,7 +965,7 @@ def test_beit_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
     """An exact training step with drop-path and dropout, on images of another size than it was built
     for, bitwise equals its stored-activation twin (the rebuild makes each layer's relative position
     bias again, at the resolution in the conditioning, with the forward's attention kernel);
-    every bias table gets its gradient; a half called alone runs at the size the layer was built for;
+    every bias table gets a gradient; a half called alone runs at the size the layer was built for;
     save / load, a pickle and a fresh process's unpickling give the converted model back."""
     model = revify(_beit(seeded, shared=True, drop_path_rate=0.2, hidden_dropout_prob=0.1), exact=True).train()
     x, labels = torch.randn(2, 3, 48, 40), torch.tensor([0, 2])  # (not the size it was built for)
@@ -973,7 +973,9 @@ def test_beit_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
         model, lambda m: m(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss, seed=seeded)
     assert [name for name, p in model.named_parameters() if p.grad is None] == ["beit.embeddings.mask_token"]
     tables = [p for name, p in model.named_parameters() if name.endswith("relative_position_bias_table")]
-    assert len(tables) == DEPTH + 1 and all(bool(p.grad.abs().sum() > 0) for p in tables)
+    # (each table's gradient is the twin's, bitwise; a layer whose attention branch drop-path dropped for
+    # both samples gives its own table a zero one)
+    assert len(tables) == DEPTH + 1 and all(p.grad is not None for p in tables)
     attention = model.beit.layers[0].coupling_halves()[0]
     assert attention(torch.randn(2, 17, 64)).shape == (2, 17, 64)
     assert_saves_and_pickles(model.eval(), x[..., :32, :32], tmp_path, input_name="pixel_values")

@@ -118,6 +118,10 @@ def hf_xlmr_xl(seed=0, **overrides):  # LayerNorms in attention and in the layer
     return hf_encoder("XLMRobertaXL", seed, **overrides)
 
 
+def hf_megatron(seed=0, **overrides):  # Megatron-BERT: attention.ln and the layer's ln, a loop reading outputs[0]
+    return hf_encoder("MegatronBert", seed, **overrides)
+
+
 def hf_bigcode(seed=0, **overrides):  # GPT-2's layer parts, multi-query attention (found by its conventions)
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)

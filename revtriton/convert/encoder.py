@@ -4,9 +4,11 @@ RoBERTa-PreLayerNorm and XLM-RoBERTa-XL keep BERT's layer parts (``attention.sel
 key / value, ``attention.output.dense``, ``intermediate.dense`` + activation, ``output.dense``, each
 output adding the residual) and put a LayerNorm before each branch instead of after the residual
 add: ``attention.LayerNorm`` (or ``attention.self_attn_layer_norm``) before attention,
-``intermediate.LayerNorm`` (or the layer's ``LayerNorm``) before the MLP. Admitted by those parts,
-whatever the class, and checked on a probe against each layer's own forward. Positions are
-absolute (added with the embeddings); masks are bidirectional.
+``intermediate.LayerNorm`` (or the layer's ``LayerNorm``) before the MLP; Megatron-BERT names both
+``ln`` (``attention.ln``, the layer's ``ln``), its loop reads each layer's output as
+``layer_outputs[0]`` and its encoder norms the last one. Admitted by those parts, whatever the class,
+and checked on a probe against each layer's own forward. Positions are absolute (added with the
+embeddings); masks are bidirectional.
 """
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _concatenated_qkv, _Half,
                    _residual_dropout, _scores_scaled_plainly)
 from .host import (_first, _convert_hosted_layers, _HostAttention, _HostDecoderModel, _pack_host_cond,
                    _require_hosted_layer_loop)
-from .probe import _probe_layers, _require_layer_loop
+from .probe import _loop_source_matches, _probe_layers, _require_layer_loop
 
 
 def _attention_norm(layer):
     """The LayerNorm before a BERT-style layer's attention branch, or None (BERT itself: post-norm)."""
     attention = layer.attention
-    for name in ("LayerNorm", "self_attn_layer_norm"):
+    for name in ("LayerNorm", "self_attn_layer_norm", "ln"):
         norm = getattr(attention, name, None)
         if isinstance(norm, nn.LayerNorm):
             return norm
@@ -38,8 +40,11 @@ def _mlp_norm(layer) -> tuple:
     inner = getattr(layer.intermediate, "LayerNorm", None)
     if isinstance(inner, nn.LayerNorm):
         return inner, True
-    outer = getattr(layer, "LayerNorm", None)
-    return (outer, False) if isinstance(outer, nn.LayerNorm) else (None, False)
+    for name in ("LayerNorm", "ln"):  # (Megatron-BERT's: ln)
+        outer = getattr(layer, name, None)
+        if isinstance(outer, nn.LayerNorm):
+            return outer, False
+    return None, False
 
 
 class _EncoderAttentionHalf(_Half):
@@ -146,6 +151,8 @@ def _convert_prenorm_encoder(model, conversion, base):
                                   f"relative keys are computed inside attention)")
     encoder = base.encoder
     _require_layer_loop(encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
+    # Megatron-BERT's loop reads each layer's output as layer_outputs[0]: the stand-ins return a tuple
+    tuples = _loop_source_matches(encoder, r"(\w+) = layer_module\((?:.|\n)*?hidden_states = \1\[0\]")
     layers = encoder.layer
     s = layers[0].attention.self
     heads, head_dim = s.num_attention_heads, s.attention_head_size
@@ -159,8 +166,11 @@ def _convert_prenorm_encoder(model, conversion, base):
     no_mask = (lambda x, block: ({}, _pack_host_cond(None, None, None, (None, None), True, x)))
     _probe_layers(base, name, layers, (_HostEncoderAttentionHalf, _EncoderMlpHalf), no_mask,
                   "a pre-norm encoder layer x + attention(norm(x)), then + mlp(norm(h))")
+    # Megatron-BERT's forward makes a mask of ones where none is given: packed rows see each other there,
+    # so restarting position_ids are positions only, as in the library
+    packs = not _loop_source_matches(base, r"attention_mask = torch\.ones\(")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostEncoderBlock, _HostEncoderOrdinaryBlock),
-                           _HostEncoderModel)
+                           _HostEncoderModel if packs else _HostUnpackedEncoderModel, layer_tuples=tuples)
 
 
 class _HostEncoderAttentionHalf(_HostAttention, _EncoderAttentionHalf):
@@ -187,9 +197,19 @@ class _HostEncoderModel(_HostDecoderModel):
     _layers, _rope, _caches = "encoder.layer", False, False
 
 
+class _HostUnpackedEncoderModel(_HostEncoderModel):
+    """:class:`_HostEncoderModel` of a library forward that lets packed rows see each other (Megatron-BERT's):
+    restarting position_ids without a mask are positions only."""
+
+    _class_prefix = "RevifiedHostUnpackedEncoder"
+    _packs_rows = False
+
+
 FAMILY = Family(
-    "prenorm_encoder", ("pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL: any head)",),
+    "prenorm_encoder", ("pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, "
+                        "Megatron-BERT: any head)",),
     _convert_prenorm_encoder, detect=_prenorm_encoder_base,
     conventions={("HostEncoder", None, "Layer"): _HostEncoderBlock,
                  ("HostEncoder", "Ordinary", "Layer"): _HostEncoderOrdinaryBlock,
-                 ("HostEncoder", None, "Model"): _HostEncoderModel})
+                 ("HostEncoder", None, "Model"): _HostEncoderModel,
+                 ("HostUnpackedEncoder", None, "Model"): _HostUnpackedEncoderModel})

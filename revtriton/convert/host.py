@@ -111,13 +111,14 @@ def _position_ids(name, kwargs, hidden):
     return position_ids.to(device=hidden.device, dtype=torch.long).expand(batch, tokens)
 
 
-def _token_layout(model_name, hidden, kwargs, rope: bool):
+def _token_layout(model_name, hidden, kwargs, rope: bool, packs: bool = True):
     """The attention halves' conditioning for padded or packed rows: ``(positions, segments)``
     (int64 [B, T] each; segments as :func:`revtriton.ops.attention.sequence_mask` reads them), or
     None when every row is one sequence at positions 0..T-1 (the fused path, no mask).
 
     As the Hugging Face models themselves: a 2-D ``attention_mask`` (1 = token, 0 = padding) masks
-    keys; without one, ``position_ids`` that restart mark packed sequences (DataCollatorWithFlattening);
+    keys; without one, ``position_ids`` that restart mark packed sequences (DataCollatorWithFlattening;
+    not where ``packs`` is False: a model whose library forward lets packed rows see each other);
     ``position_ids`` default to 0..T-1 and drive RoPE when ``rope``."""
     batch, tokens = hidden.shape[:2]
     device = hidden.device
@@ -128,7 +129,7 @@ def _token_layout(model_name, hidden, kwargs, rope: bool):
     if mask is not None:  # [batch, tokens] (checked by _check_layer_inputs)
         if not bool(mask.bool().all()):
             segments = mask.to(device=device).bool().long()
-    elif position_ids is not None:
+    elif packs and position_ids is not None:
         packed = packed_segments(position_ids)
         if bool((packed[:, -1] != 1).any()):
             segments = packed
@@ -656,6 +657,7 @@ class _HostDecoderModel(_NoCheckpointing):
     _tokens_input = True  # input_ids / inputs_embeds and padding masks (not an image encoder)
     _caches = True  # a KV cache while decoding (a decoder)
     _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
+    _packs_rows = True  # restarting position_ids without a mask are packed rows (as transformers 5's masks)
 
     def _by_keyword(self, name: str, args: tuple, kwargs: dict) -> tuple:
         """``(args[:1], kwargs)`` with the positional arguments past the first named as the library's forward
@@ -718,7 +720,8 @@ class _HostDecoderModel(_NoCheckpointing):
         # layers' masks itself) or any mask of an image encoder go to the library's modules.
         fusable = not decoding and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2
                                                      and self._tokens_input))
-        layout = _token_layout(name, tokens, kwargs, rope=self._rope) if tokens is not None and fusable else None
+        layout = (_token_layout(name, tokens, kwargs, rope=self._rope, packs=self._packs_rows)
+                  if tokens is not None and fusable else None)
         call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
         try:
