@@ -164,6 +164,28 @@ def test_distilbert_keeps_its_function_and_trains_bitwise_its_twin(mode, seeded,
         revify(_distilbert(seeded))
 
 
+@pytest.mark.parametrize("kind", ["NomicBert", "Gte"])
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_rotary_post_norm_encoders_keep_their_function_and_train_bitwise_their_twin(kind, mode, seeded, tmp_path):
+    """NomicBERT and GTE: post-norm layers with rotary positions (the model's rotary embedding handed to each
+    whole-layer half, in the rebuild too): the logits within the coupling's term, the mask reaching every
+    layer, an exact step with dropout bitwise its stored-activation twin, save / load / pickle."""
+    model = hf_encoder(kind, seed=seeded).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    revify(model, preserve=mode, scale_bits=FUNCTION_BITS)
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        alone = model(input_ids=ids[1:, :-4]).logits
+    assert relative(after, before) <= FUNCTION_BOUND
+    assert relative(after[1:], alone) <= 1e-4
+    model = revify(hf_encoder(kind, seed=seeded, hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
+    assert_exact_step_equals_its_twin(model, mode, seeded, input_ids=ids, attention_mask=mask,
+                                      labels=torch.tensor([1, 0]))
+    assert_saves_and_pickles(model, ids, tmp_path)
+
+
 @pytest.mark.parametrize("options, asked", [({}, "revify\\(model\\)"), (dict(preserve="meft3"), "preserve='meft3'")])
 def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked):
     model = hf_encoder()

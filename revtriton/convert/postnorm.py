@@ -32,7 +32,8 @@ def _parameters(forward) -> frozenset:
 
 class _LibraryLayer:
     """The pretrained layer as one half: its own forward, with the model's mask (none when called
-    alone: every row one sequence), a decoder's position ids and, while decoding, its cache; its
+    alone: every row one sequence), a decoder's position ids, the model's rotary embedding where the
+    layer takes one and, while decoding, its cache; its
     output the layer's (residual and norms included). ``LayerSpec.attention`` names the layer's
     attention module (its cache layer index) where the layer decodes."""
 
@@ -55,6 +56,9 @@ class _LibraryLayer:
                       attention_mask=host.mask_for(self.block))
         if "position_ids" in _parameters(forward):  # (a decoder's: flash attention finds packed rows by them)
             inputs["position_ids"] = _HostAttention._position_ids(host)
+        rotary = host.rotary_for(self.block)
+        if rotary is not None and "position_embeddings" in _parameters(forward):  # (NomicBERT's, GTE's RoPE)
+            inputs["position_embeddings"] = rotary
         inputs.update((name, t) for name, t in host.layer_tensors.items() if name in _parameters(forward))
         return _first(forward(self.block, x, **inputs))
 
