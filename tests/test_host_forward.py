@@ -621,6 +621,20 @@ def test_opt_keeps_the_librarys_function(preserve, seeded):
     assert_preserved_on_whole_and_padded_rows(_opt(seeded), preserve)
 
 
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_opts_sequence_classifier_converts_its_base_model(seeded):
+    """OPTForSequenceClassification: revify finds its OPTModel as a part and converts that model's decoder
+    (the conformance sweep caught a crash when the family looked for layers on the OPTModel itself)."""
+    torch.manual_seed(seeded)
+    original = transformers.OPTForSequenceClassification(_opt(seeded).config).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert type(model.model.decoder.layers).__name__ == "ReversibleStack"
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        theirs, ours = original(input_ids=ids).logits, model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
 def test_opt_drops_what_its_dropout_drops(seeded):
     """OPT's dropout sits on each branch's output: at p = 1 both branches are zero in training, so a

@@ -45,9 +45,10 @@ class _HostOPTDecoder(_HostDecoderModel):
 
 
 def _decoder_of(model):
-    """The module whose ``layers`` the model's loop runs: OPT's ``model.decoder``, XGLM's ``model``,
-    BioGPT's ``biogpt``, or the model itself (a base model)."""
-    for path in ("model.decoder", "model", "biogpt"):
+    """The module whose ``layers`` the model's loop runs: OPT's ``model.decoder`` (``decoder`` of an
+    OPTModel, as a sequence classifier's part), XGLM's ``model``, BioGPT's ``biogpt``, or the model itself
+    (a base model)."""
+    for path in ("model.decoder", "decoder", "model", "biogpt"):
         try:
             found = model.get_submodule(path)
         except AttributeError:
