@@ -164,13 +164,22 @@ def test_distilbert_keeps_its_function_and_trains_bitwise_its_twin(mode, seeded,
         revify(_distilbert(seeded))
 
 
-@pytest.mark.parametrize("kind", ["NomicBert", "Gte"])
+@pytest.mark.parametrize("kind", ["NomicBert", "Gte", "MPNet"])
 @pytest.mark.parametrize("mode", ["meft1", "meft2"])
-def test_rotary_post_norm_encoders_keep_their_function_and_train_bitwise_their_twin(kind, mode, seeded, tmp_path):
-    """NomicBERT and GTE: post-norm layers with rotary positions (the model's rotary embedding handed to each
-    whole-layer half, in the rebuild too): the logits within the coupling's term, the mask reaching every
-    layer, an exact step with dropout bitwise its stored-activation twin, save / load / pickle."""
-    model = hf_encoder(kind, seed=seeded).eval()
+def test_more_post_norm_encoders_keep_their_function_and_train_bitwise_their_twin(kind, mode, seeded, tmp_path):
+    """NomicBERT and GTE (post-norm layers with rotary positions: the model's rotary embedding handed to
+    each whole-layer half, in the rebuild too) and MPNet (the encoder's relative position bias handed to
+    every layer as position_bias, its gradient reaching relative_attention_bias): the logits within the
+    coupling's term, the mask reaching every layer, an exact step with dropout bitwise its stored-activation
+    twin (every parameter's gradient, the bias's included), save / load / pickle."""
+    def build(**overrides):
+        model = hf_encoder(kind, seed=seeded, **overrides)
+        if kind == "MPNet":  # a relative bias that shows in the logits (at its init, 0.02, it hardly does)
+            with torch.no_grad():
+                model.mpnet.encoder.relative_attention_bias.weight.normal_(0.0, 2.0)
+        return model
+
+    model = build().eval()
     ids, mask = padded_batch()
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
@@ -180,18 +189,19 @@ def test_rotary_post_norm_encoders_keep_their_function_and_train_bitwise_their_t
         alone = model(input_ids=ids[1:, :-4]).logits
     assert relative(after, before) <= FUNCTION_BOUND
     assert relative(after[1:], alone) <= 1e-4
-    model = revify(hf_encoder(kind, seed=seeded, hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
+    model = revify(build(hidden_dropout_prob=0.1), preserve=mode, exact=True).train()
     assert_exact_step_equals_its_twin(model, mode, seeded, input_ids=ids, attention_mask=mask,
                                       labels=torch.tensor([1, 0]))
     assert_saves_and_pickles(model, ids, tmp_path)
 
 
 @pytest.mark.parametrize("options, asked", [({}, "revify\\(model\\)"), (dict(preserve="meft3"), "preserve='meft3'")])
-def test_the_other_conversions_refuse_naming_the_modes_that_work(options, asked):
-    model = hf_encoder()
+@pytest.mark.parametrize("kind", ["Bert", "MPNet"])
+def test_the_other_conversions_refuse_naming_the_modes_that_work(kind, options, asked):
+    model = hf_encoder(kind)
     with pytest.raises(NotImplementedError, match=rf"post-norm layers.*{asked}.*preserve='meft1' or 'meft2'"):
         revify(model, **options)
-    assert type(model.bert.encoder.layer).__name__ == "ModuleList"  # unchanged
+    assert type(model.base_model.encoder.layer).__name__ == "ModuleList"  # unchanged
 
 
 def test_a_causal_lm_of_bert_style_layers_is_refused_as_a_decoder(seeded):
