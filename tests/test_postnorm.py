@@ -26,13 +26,14 @@ FUNCTION_BITS, FUNCTION_BOUND = 10, 8 * 2**-10
 # normalised (a parameter outside the layers, handed to each with the relative positions by the encoder's loop).
 DEBERTA = dict(relative_attention=True, position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
                norm_rel_ebd="layer_norm", share_att_key=True)
+DEBERTA_V1 = dict(relative_attention=True, max_relative_positions=16, pos_att_type=["p2c", "c2p"])  # its own LayerNorm
 
 
 def hf_encoder(kind="Bert", head="ForSequenceClassification", seed=0, layers=3, **overrides):
     torch.manual_seed(seed)
     options = dict(vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                    intermediate_size=96, max_position_embeddings=64, num_labels=2,
-                   **(DEBERTA if kind == "DebertaV2" else {}))
+                   **(DEBERTA if kind == "DebertaV2" else DEBERTA_V1 if kind == "Deberta" else {}))
     config = getattr(transformers, f"{kind}Config")(**{**options, **overrides})
     return getattr(transformers, f"{kind}{head}")(config)
 
@@ -48,7 +49,7 @@ def relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra", "DebertaV2"])
+@pytest.mark.parametrize("kind", ["Bert", "Roberta", "Electra", "Deberta", "DebertaV2"])
 @pytest.mark.parametrize("mode", ["meft1", "meft2"])
 def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, seeded):
     """Right after conversion the logits are the unconverted model's up to the coupling's term (see
@@ -76,7 +77,8 @@ def test_post_norm_encoders_convert_keeping_the_function_and_train(kind, mode, s
     assert ups and any(g.abs().sum() > 0 for g in ups)
 
 
-@pytest.mark.parametrize("mode, kind", [("meft1", "Bert"), ("meft2", "Bert"), ("meft2", "DebertaV2")])
+@pytest.mark.parametrize("mode, kind", [("meft1", "Bert"), ("meft2", "Bert"), ("meft2", "DebertaV2"),
+                                        ("meft1", "Deberta")])
 def test_an_exact_step_equals_its_stored_twin_and_the_model_saves_and_pickles(mode, kind, seeded, tmp_path):
     """(DeBERTa-v2: its relative embeddings, a parameter of the encoder that every layer reads, get the
     gradient each layer's rebuild gives them, summed: bitwise the twin's.)"""

@@ -283,6 +283,12 @@ MUTANTS = [
            'LAYER_TENSORS = ("alibi", "relative_pos", "rel_embeddings")',
            ("tests/test_postnorm.py", "-k", "more_post_norm and MPNet"),
            "MPNet's whole-layer halves run without the encoder's relative position bias"),
+    Mutant("deberta-own-layer-norm-unrecognised", "revtriton/convert/postnorm.py",
+           "    return isinstance(norm, nn.LayerNorm) or (isinstance(norm, nn.Module) and "
+           "type(norm).__name__.endswith(\"LayerNorm\"))",
+           "    return isinstance(norm, nn.LayerNorm)",
+           ("tests/test_postnorm.py", "-k", "keeping_the_function_and_train and Deberta and not V2"),
+           "DeBERTa (its own LayerNorm class) refused as no family's"),
     Mutant("beit-rebuild-forgets-the-resolution", "revtriton/convert/beit.py",
            "        return self._branch(x, host.mask_for(self.block), host.resolution, extra)\n",
            "        return self._branch(x, host.mask_for(self.block), None, extra)\n",

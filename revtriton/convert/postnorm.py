@@ -94,6 +94,12 @@ class _PostNormOrdinaryBlock(_OrdinaryBlock):
         return _LibraryLayer(self)(x, cond)
 
 
+def _is_layer_norm(norm) -> bool:
+    """A LayerNorm: torch's, or a model's own class of one (DeBERTa's DebertaLayerNorm); the whole layer
+    runs its own forward, so which one computes it does not matter here."""
+    return isinstance(norm, nn.LayerNorm) or (isinstance(norm, nn.Module) and type(norm).__name__.endswith("LayerNorm"))
+
+
 def _postnorm_encoder_base(model: nn.Module):
     """The base model of a Hugging Face encoder whose layers have BERT's parts with a LayerNorm after
     each residual add (``attention.output.LayerNorm``, ``output.LayerNorm``), or None."""
@@ -102,7 +108,7 @@ def _postnorm_encoder_base(model: nn.Module):
         return None
     base, layer = found
     norms = (getattr(layer.attention.output, "LayerNorm", None), getattr(layer.output, "LayerNorm", None))
-    if not all(isinstance(norm, nn.LayerNorm) for norm in norms):
+    if not all(_is_layer_norm(norm) for norm in norms):
         return None
     extra = [name for name in inspect.signature(type(layer).forward).parameters if name not in LAYER_INPUTS]
     if extra:
@@ -167,9 +173,9 @@ def _convert_postnorm_encoder(model, conversion, base):
 
 
 FAMILY = Family(
-    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa-v2 with its "
-                         "relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head), under "
-                         "preserve='meft1' or 'meft2'",),
+    "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa and DeBERTa-v2 "
+                         "with their relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head), "
+                         "under preserve='meft1' or 'meft2'",),
     _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
                  ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
