@@ -118,15 +118,10 @@ def test_padded_training_step_matches_the_stored_activation_twin(family, exact, 
     check_against_twin(model, twin, loss, twin_loss, exact)
 
 
-@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("family", sorted(ENCODERS))
-def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
-    """meft3 at 2**-16 against the unconverted model: padded rows (every position: padding queries see
-    the real keys, as the library's mask lets them), packed rows, hidden states (the library's layout:
-    embeddings, each layer's output, the last one normed) and the library's masked-LM loss."""
-    original = ENCODERS[family](seeded, initializer_range=0.3).eval()
-    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    seqs = sequences()
+def assert_the_librarys_encoder(original, model, seqs):
+    """``model`` (meft3 at 2**-16) computes ``original``'s logits, loss and hidden states (the library's
+    layout: embeddings, each layer's output, the last one normed) on right- and left-padded rows, and its
+    logits on packed rows (position_ids restarting, no mask), as the library treats them."""
     close = dict(rtol=0, atol=2e-3)  # the 2**-16 term through 3 blocks of large weights; a mask bug: ~0.1
     with torch.no_grad():
         for side in ("right", "left"):
@@ -139,8 +134,23 @@ def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
             for a, b in zip(ours.hidden_states, theirs.hidden_states):
                 torch.testing.assert_close(a, b, **close)
         ids, positions = packed(seqs)
+        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits,
+                                   original(input_ids=ids, position_ids=positions).logits, **close)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("family", sorted(ENCODERS))
+def test_a_preserving_conversion_computes_the_librarys_encoder(family, seeded):
+    """meft3 at 2**-16 against the unconverted model: padded rows (every position: padding queries see
+    the real keys, as the library's mask lets them), packed rows, hidden states (the library's layout:
+    embeddings, each layer's output, the last one normed) and the library's masked-LM loss."""
+    original = ENCODERS[family](seeded, initializer_range=0.3).eval()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    seqs = sequences()
+    assert_the_librarys_encoder(original, model, seqs)
+    with torch.no_grad():
+        ids, positions = packed(seqs)
         theirs = original(input_ids=ids, position_ids=positions).logits
-        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits, theirs, **close)
         # The packing matters: the same positions with a mask of ones (no packing) let sequences see each other.
         joined = model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids)).logits
         assert (joined - theirs).abs().max() > 1e-2
@@ -156,21 +166,7 @@ def test_megatron_bert_computes_the_librarys_encoder(seeded, tmp_path):
     original = hf_megatron(seeded, initializer_range=0.3).eval()
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert type(model.bert).__name__.startswith("RevifiedHostUnpackedEncoder")
-    seqs = sequences()
-    close = dict(rtol=0, atol=2e-3)
-    with torch.no_grad():
-        for side in ("right", "left"):
-            ids, mask = padded(seqs, side)
-            theirs = original(input_ids=ids, attention_mask=mask, labels=ids, output_hidden_states=True)
-            ours = model(input_ids=ids, attention_mask=mask, labels=ids, output_hidden_states=True)
-            torch.testing.assert_close(ours.logits, theirs.logits, **close)
-            torch.testing.assert_close(ours.loss, theirs.loss, **close)
-            assert len(ours.hidden_states) == len(theirs.hidden_states) == DEPTH + 1
-            for a, b in zip(ours.hidden_states, theirs.hidden_states):
-                torch.testing.assert_close(a, b, **close)
-        ids, positions = packed(seqs)
-        torch.testing.assert_close(model(input_ids=ids, position_ids=positions).logits,
-                                   original(input_ids=ids, position_ids=positions).logits, **close)
+    assert_the_librarys_encoder(original, model, sequences())
     model = revify(hf_megatron(seeded, hidden_dropout_prob=0.1), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
 

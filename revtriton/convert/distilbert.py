@@ -5,9 +5,9 @@ convert.postnorm); the layer runs its own forward with the model's mask. Its lay
 ``transformer.layer``, looped over by ``Transformer.forward``."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _pickled_host_classes
-from .host import _convert_hosted_layers, _HostDecoderModel, _require_hosted_layer_loop
-from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
+from .core import Family, _pickled_host_classes
+from .host import _convert_hosted_layers, _HostDecoderModel
+from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, prepare_whole_layers
 from .probe import _require_layer_loop
 
 _DISTILBERT_LAYER_PARTS = {"attention", "sa_layer_norm", "ffn", "output_layer_norm"}
@@ -22,20 +22,9 @@ class _HostDistilBertModel(_HostDecoderModel):
 
 def _convert_distilbert(model, conversion, found=None):
     base = getattr(model, "distilbert", model)
-    name, layers = type(model).__name__, base.transformer.layer
-    if not len(layers):
-        raise ValueError(f"revify: {name} has no layers")
-    require_whole_layer_mode(conversion, name)
-    _require_hosted_layer_loop(name)
-    for i, block in enumerate(layers):
-        parts = {part for part, _ in block.named_children()}
-        if parts != _DISTILBERT_LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not "
-                                      f"DistilBERT's {sorted(_DISTILBERT_LAYER_PARTS)}: not supported")
+    prepare_whole_layers(model, conversion, base.transformer.layer, _DISTILBERT_LAYER_PARTS, "DistilBERT")
     _require_layer_loop(base.transformer, r"hidden_states = layer_module\(",
                         "take each layer's output as the next hidden states (hidden_states = layer_module(...))")
-    for block in layers:
-        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
     _convert_hosted_layers(model, base, "transformer.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
                            _HostDistilBertModel)
 

@@ -6,10 +6,10 @@ encoder's relative_attention_bias), under the preserving couplings whose one hal
 pretrained layer (``meft1`` / ``meft2``, as BERT's: convert.postnorm)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _pickled_host_classes
+from .core import Family, _pickled_host_classes
 from .encoder import _HostEncoderModel
-from .host import _convert_hosted_layers, _require_hosted_layer_loop
-from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
+from .host import _convert_hosted_layers
+from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, prepare_whole_layers
 from .probe import _loop_source_matches, _require_layer_loop
 
 _MPNET_LAYER_PARTS = {"attention", "intermediate", "output"}
@@ -17,23 +17,12 @@ _MPNET_LAYER_PARTS = {"attention", "intermediate", "output"}
 
 def _convert_mpnet(model, conversion, found=None):
     base = getattr(model, "mpnet", model)
-    name, layers = type(model).__name__, base.encoder.layer
-    if not len(layers):
-        raise ValueError(f"revify: {name} has no layers")
-    require_whole_layer_mode(conversion, name)
-    _require_hosted_layer_loop(name)
-    for i, block in enumerate(layers):
-        parts = {part for part, _ in block.named_children()}
-        if parts != _MPNET_LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not MPNet's "
-                                      f"{sorted(_MPNET_LAYER_PARTS)}: not supported")
+    prepare_whole_layers(model, conversion, base.encoder.layer, _MPNET_LAYER_PARTS, "MPNet")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     tuples = _loop_source_matches(base.encoder, r"(\w+) = layer_module\((?:.|\n)*?hidden_states = \1\[0\]")
     if not tuples:
         _require_layer_loop(base.encoder, r"hidden_states = layer_module\(",
                             "take each layer's output as the next hidden states (hidden_states = layer_module(...))")
-    for block in layers:
-        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
                            _HostEncoderModel, layer_tuples=tuples)
 

@@ -5,9 +5,9 @@ whole pretrained layer (``meft1`` / ``meft2``, as BERT's: convert.postnorm); the
 forward with the model's mask and rotary embedding (carried by the conditioning to the rebuild)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _pickled_host_classes
-from .host import _convert_hosted_layers, _HostDecoderModel, _require_hosted_layer_loop
-from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
+from .core import Family, _pickled_host_classes
+from .host import _convert_hosted_layers, _HostDecoderModel
+from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, prepare_whole_layers
 from .probe import _check_layer_slice, _require_layer_loop
 
 _LAYER_PARTS = {"self_attn", "post_attention_dropout", "post_attention_layernorm", "mlp", "post_mlp_dropout",
@@ -22,21 +22,11 @@ class _HostRotaryEncoderModel(_HostDecoderModel):
 
 def _convert_rotary_postnorm(model, conversion, found=None):
     base = next((getattr(model, name) for name in ("nomic_bert", "gte") if hasattr(model, name)), model)
-    name, layers = type(model).__name__, base.layers
-    if not len(layers):
-        raise ValueError(f"revify: {name} has no layers")
-    require_whole_layer_mode(conversion, name)
-    _require_hosted_layer_loop(name)
-    for i, block in enumerate(layers):
-        parts = {part for part, _ in block.named_children()}
-        if parts != _LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not "
-                                      f"{sorted(_LAYER_PARTS)}: not supported")
+    # (the rotary embedding is the model's: library_rope)
+    prepare_whole_layers(model, conversion, base.layers, _LAYER_PARTS, "NomicBERT's and GTE", library_rope=True)
     _require_layer_loop(base, r"hidden_states = encoder_layer\(",
                         "take each layer's output as the next hidden states (hidden_states = encoder_layer(...))")
     _check_layer_slice(base)
-    for block in layers:  # (the rotary embedding is the model's: library_rope)
-        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
     _convert_hosted_layers(model, base, "layers", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
                            _HostRotaryEncoderModel)
 

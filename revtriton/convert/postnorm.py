@@ -141,6 +141,25 @@ def require_whole_layer_mode(conversion, what: str, structure: str = POST_NORM):
             f"setting)")
 
 
+def prepare_whole_layers(model, conversion, layers, parts: set, whose: str, **spec):
+    """What each family of post-norm layers converted whole (one half a layer) checks and sets before
+    hosting its layers: some layers, a whole-layer mode, transformers 5, every layer made of ``parts``
+    exactly (``whose``: the model the parts are named after), and each layer's spec (library path;
+    ``spec``: more of its fields)."""
+    name = type(model).__name__
+    if not len(layers):
+        raise ValueError(f"revify: {name} has no layers")
+    require_whole_layer_mode(conversion, name)
+    _require_hosted_layer_loop(name)
+    for i, block in enumerate(layers):
+        found = {part for part, _ in block.named_children()}
+        if found != parts:
+            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(found)}, not {whose}'s "
+                                      f"{sorted(parts)}: not supported")
+    for block in layers:
+        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False, **spec)
+
+
 def _convert_postnorm_encoder(model, conversion, base):
     name, config = type(model).__name__, base.config
     require_whole_layer_mode(conversion, f"{name} (BERT-style)")
