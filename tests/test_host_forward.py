@@ -924,16 +924,16 @@ def test_dinov2_with_drop_path_trains_saves_and_pickles(registers, seeded, tmp_p
     assert_saves_and_pickles(model, x, tmp_path, input_name="pixel_values")
 
 
-def _beit(seed, head="ForImageClassification", shared=False, per_layer=True, **overrides):
-    """A tiny BEiT: layer scale, relative position biases (the model's shared one and / or each layer's),
-    their tables off their zero init so that a bias taken for another, or at another size, shows."""
+def _beit(seed, head="ForImageClassification", shared=False, per_layer=True, kind="Beit", **overrides):
+    """A tiny BEiT (or Data2Vec-vision, ``kind``): layer scale, relative position biases (the model's shared
+    one and / or each layer's), their tables off their zero init so that a bias taken for another, or at
+    another size, shows."""
     torch.manual_seed(seed)
-    config = transformers.BeitConfig(hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
-                                     intermediate_size=96, image_size=32, patch_size=8, num_labels=3,
-                                     layer_scale_init_value=0.5, use_relative_position_bias=per_layer,
-                                     use_shared_relative_position_bias=shared, use_mask_token=True,
-                                     initializer_range=0.3, **overrides)
-    model = getattr(transformers, f"Beit{head}")(config).eval()
+    config = getattr(transformers, f"{kind}Config")(
+        hidden_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, intermediate_size=96, image_size=32,
+        patch_size=8, num_labels=3, layer_scale_init_value=0.5, use_relative_position_bias=per_layer,
+        use_shared_relative_position_bias=shared, use_mask_token=True, initializer_range=0.3, **overrides)
+    model = getattr(transformers, f"{kind}{head}")(config).eval()
     with torch.no_grad():
         for name, table in model.named_parameters():
             if name.endswith("relative_position_bias_table"):
@@ -942,15 +942,16 @@ def _beit(seed, head="ForImageClassification", shared=False, per_layer=True, **o
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", ["Beit", "Data2VecVision"])
 @pytest.mark.parametrize("bias", ["per-layer", "shared", "both", "none"])
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
-def test_beit_keeps_the_librarys_function(preserve, bias, seeded):
+def test_beit_keeps_the_librarys_function(preserve, bias, kind, seeded):
     """BEiT: ``x + drop_path(lambda_1 * attention(layernorm_before(x)))`` with the relative position
     biases added to the attention's mask (the shared one by the model, each layer's own by the layer, at
     the image's resolution): a preserving conversion computes the library's logits and hidden states,
     at the size it was built for and at another (interpolate_pos_encoding: each layer's bias made at
     the resolution the loop passes)."""
-    original = _beit(seeded, shared=bias in ("shared", "both"), per_layer=bias in ("per-layer", "both"))
+    original = _beit(seeded, shared=bias in ("shared", "both"), per_layer=bias in ("per-layer", "both"), kind=kind)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     for size, interpolate in (((32, 32), False), ((48, 40), True)):
         kwargs = dict(pixel_values=torch.randn(2, 3, *size), interpolate_pos_encoding=interpolate)
@@ -975,22 +976,25 @@ def test_beits_masked_image_modeling_keeps_the_librarys_function(seeded):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
 
-def test_beit_with_drop_path_trains_saves_and_pickles(seeded, tmp_path):
+@pytest.mark.parametrize("kind", ["Beit", "Data2VecVision"])
+def test_beit_with_drop_path_trains_saves_and_pickles(kind, seeded, tmp_path):
     """An exact training step with drop-path and dropout, on images of another size than it was built
     for, bitwise equals its stored-activation twin (the rebuild makes each layer's relative position
     bias again, at the resolution in the conditioning, with the forward's attention kernel);
     every bias table gets a gradient; a half called alone runs at the size the layer was built for;
     save / load, a pickle and a fresh process's unpickling give the converted model back."""
-    model = revify(_beit(seeded, shared=True, drop_path_rate=0.2, hidden_dropout_prob=0.1), exact=True).train()
+    model = revify(_beit(seeded, shared=True, drop_path_rate=0.2, hidden_dropout_prob=0.1, kind=kind),
+                   exact=True).train()
     x, labels = torch.randn(2, 3, 48, 40), torch.tensor([0, 2])  # (not the size it was built for)
     assert_exact_step_equals_twin(
         model, lambda m: m(pixel_values=x, labels=labels, interpolate_pos_encoding=True).loss, seed=seeded)
-    assert [name for name, p in model.named_parameters() if p.grad is None] == ["beit.embeddings.mask_token"]
+    base = "beit" if kind == "Beit" else "data2vec_vision"
+    assert [name for name, p in model.named_parameters() if p.grad is None] == [f"{base}.embeddings.mask_token"]
     tables = [p for name, p in model.named_parameters() if name.endswith("relative_position_bias_table")]
     # (each table's gradient is the twin's, bitwise; a layer whose attention branch drop-path dropped for
     # both samples gives its own table a zero one)
     assert len(tables) == DEPTH + 1 and all(p.grad is not None for p in tables)
-    attention = model.beit.layers[0].coupling_halves()[0]
+    attention = (model.beit.layers if kind == "Beit" else model.data2vec_vision.encoder.layer)[0].coupling_halves()[0]
     assert attention(torch.randn(2, 17, 64)).shape == (2, 17, 64)
     assert_saves_and_pickles(model.eval(), x[..., :32, :32], tmp_path, input_name="pixel_values")
 

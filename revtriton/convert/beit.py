@@ -5,11 +5,21 @@ its mask: the model's shared one (folded into the mask it hands every layer) and
 ``use_relative_position_bias``, each layer's own, which the layer makes from the image's resolution
 its loop passes. Both halves run the layer's own modules (no fused kernel adds a bias to attention
 scores); the resolution reaches the attention half in the conditioning (``host._HostCond.resolution``),
-so its rebuild in backward makes the same bias."""
+so its rebuild in backward makes the same bias.
+
+Data2Vec-vision (``Data2VecVisionModel`` and its classifier) keeps BEiT's earlier layout: ``attention``
+(its ``attention`` and ``output``), ``intermediate`` / ``output``, ``lambda_1`` / ``lambda_2`` or None; its
+loop makes the shared bias again for every layer (the first layer's stands for all: ``LayerSpec.loop_remade``)
+and its attention adds each layer's own inside. The half runs that attention's eager forward, whichever
+implementation the model chose: scaled_dot_product_attention would pick another kernel in the rebuild
+(whose bias needs grad) than in the forward."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
+import importlib
+
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .probe import _require_layer_loop
 
 _BEIT_LAYER_PARTS = {"attention", "layernorm_before", "layernorm_after", "mlp", "dropout", "drop_path"}
 
@@ -98,11 +108,101 @@ def _convert_beit(model, conversion, found=None):
     _convert_hosted_layers(model, base, "layers", conversion, (_HostBeitBlock, _HostBeitOrdinaryBlock), _HostBeitModel)
 
 
+_DATA2VEC_MODULE = "transformers.models.data2vec.modeling_data2vec_vision"
+_DATA2VEC_LAYER_PARTS = {"attention", "intermediate", "output", "layernorm_before", "layernorm_after", "drop_path"}
+
+
+def _scaled(scale, h):
+    return h if scale is None else scale * h
+
+
+class _Data2VecAttentionHalf(_HostAttention, _LibraryHalf):
+    takes_cond = True  # the shared relative position bias and the image's resolution
+
+    def _attention_module(self):
+        return self.block.attention.attention
+
+    def _library_call(self, x, host, extra):
+        return self._branch(x, host.layer_tensors.get("relative_position_bias"), host.resolution)
+
+    def _standalone(self, cond) -> bool:  # alone: no shared bias, the image size it was built for
+        return cond is None
+
+    def _modules(self, x):
+        return self._branch(x, None, None)
+
+    def _branch(self, x, shared_bias, resolution):
+        b, attention = self.block, self.block.attention.attention
+        x = self._input(x, b.layernorm_before.weight)
+        if resolution is None:
+            size = attention.config.image_size
+            height, width = (size, size) if isinstance(size, int) else size
+            interpolate = False
+        else:
+            height, width, interpolate = resolution
+        eager = importlib.import_module(_DATA2VEC_MODULE).Data2VecVisionSelfAttention.forward
+        h = _first(eager(attention, b.layernorm_before(x), False, shared_bias, bool(interpolate), (height, width)))
+        return b.drop_path(_scaled(b.lambda_1, b.attention.output(h, None)))
+
+
+class _Data2VecMlpHalf(_LibraryHalf):
+    rows_independent = True
+
+    def _modules(self, x):
+        b = self.block
+        x = self._input(x, b.layernorm_after.weight)
+        return b.drop_path(_scaled(b.lambda_2, b.output(b.intermediate(b.layernorm_after(x)))))
+
+
+_HostData2VecBlock, _HostData2VecOrdinaryBlock = _host_block_mixins((_Data2VecAttentionHalf, _Data2VecMlpHalf))
+
+
+class _HostData2VecVisionModel(_HostDecoderModel):
+    """Data2VecVisionModel: patches in, its layers ``encoder.layer``, no cache; its last hidden state the
+    last layer's (before its layernorm or pooling)."""
+
+    _layers = "encoder.layer"
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_data2vec_vision(model, conversion, found=None):
+    base = getattr(model, "data2vec_vision", model)
+    name, layers = type(model).__name__, base.encoder.layer
+    if not len(layers):
+        raise ValueError(f"revify: {name} has no layers")
+    _require_hosted_layer_loop(name)
+    for i, block in enumerate(layers):
+        parts = {part for part, _ in block.named_children()}
+        if parts != _DATA2VEC_LAYER_PARTS:
+            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not "
+                                      f"Data2Vec-vision's {sorted(_DATA2VEC_LAYER_PARTS)}: not supported")
+    _require_layer_loop(base.encoder, r"(\w+) = layer_module\((?:.|\n)*?hidden_states = \1\[0\]",
+                        "take each layer's output as the next hidden states (hidden_states = layer_outputs[0])")
+    for block in layers:
+        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False,
+                                          loop_remade=("relative_position_bias",))
+    _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostData2VecBlock, _HostData2VecOrdinaryBlock),
+                           _HostData2VecVisionModel, layer_tuples=True)
+
+
 _HEADS = ("BeitForImageClassification", "BeitForMaskedImageModeling")
+_DATA2VEC_CLASSES = ("Data2VecVisionModel", "Data2VecVisionForImageClassification")
+
+
+def _convert_beit_like(model, conversion, found=None):
+    if type(getattr(model, "data2vec_vision", model)).__name__ == "Data2VecVisionModel":
+        return _convert_data2vec_vision(model, conversion, found)
+    return _convert_beit(model, conversion, found)
+
 
 FAMILY = Family("beit", ("transformers BeitModel / BeitForImageClassification / BeitForMaskedImageModeling (relative "
-                         "position biases shared or per layer, layer scale, drop-path)",), _convert_beit,
-                halves="library",
-                classes=tuple(("transformers", name) for name in ("BeitModel", *_HEADS)),
-                pickled=_pickled_host_classes("transformers.models.beit.modeling_beit", "BeitLayer",
-                                              (_HostBeitBlock, _HostBeitOrdinaryBlock), "BeitModel", _HostBeitModel))
+                         "position biases shared or per layer, layer scale, drop-path), and Data2Vec-vision "
+                         "(Data2VecVisionModel / Data2VecVisionForImageClassification: BEiT's earlier layout)",),
+                _convert_beit_like, halves="library",
+                classes=tuple(("transformers", name) for name in ("BeitModel", *_HEADS, *_DATA2VEC_CLASSES)),
+                pickled={**_pickled_host_classes("transformers.models.beit.modeling_beit", "BeitLayer",
+                                                 (_HostBeitBlock, _HostBeitOrdinaryBlock), "BeitModel",
+                                                 _HostBeitModel),
+                         **_pickled_host_classes(_DATA2VEC_MODULE, "Data2VecVisionLayer",
+                                                 (_HostData2VecBlock, _HostData2VecOrdinaryBlock),
+                                                 "Data2VecVisionModel", _HostData2VecVisionModel)})

@@ -478,6 +478,9 @@ class LayerSpec:
     attention: str = ""
     mlp_norm: str = ""  # parallel layers whose MLP has a norm of its own (Falcon's ln_mlp): its name
     library_causal: bool = False  # the library's loop passes is_causal=True to the attention (CLIP's text)
+    # Layer tensors the library's loop makes again for each layer, the same values from the same module
+    # (Data2Vec-vision's shared relative_position_bias): the first layer's stands for all of them
+    loop_remade: tuple = ()
 
 
 LayerSpec.__module__ = SWAPPED_MODULE  # pickled with the blocks by the package's name, wherever it lives

@@ -226,9 +226,9 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 # The conditioning's slots (a tuple of tensors: the engine keeps them for the backward). An empty
 # tensor stands for None.
 # Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases (MPT's,
-# as position_bias), DeBERTa-v2's relative positions and relative embeddings (a parameter's value: its
-# gradient flows).
-LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings")
+# as position_bias), DeBERTa-v2's relative positions and relative embeddings, Data2Vec-vision's shared
+# relative position bias (a parameter's value: its gradient flows).
+LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings", "relative_position_bias")
 # BEiT's loop hands every layer the image's resolution (and whether to interpolate position encodings),
 # from which each layer makes its own relative position bias: a CPU int64 tensor (height, width,
 # interpolate), read on the host with no sync.
@@ -406,7 +406,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         if kwargs.get("is_causal") and not _spec_of(stack[i]).library_causal:  # (CLIP's text halves pass it on)
             raise NotImplementedError("revified model: is_causal=True layer calls are not supported")
         for key in ("position_ids", *LAYER_TENSORS):
-            if kwargs.get(key) is not first.get(key):
+            if kwargs.get(key) is not first.get(key) and key not in _spec_of(stack[i]).loop_remade:
                 raise NotImplementedError(f"revified model: layers got different {key}")
         if _resolution(kwargs) != _resolution(first):
             raise NotImplementedError("revified model: layers got different resolutions")
