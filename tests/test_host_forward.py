@@ -8,6 +8,7 @@ reversible stack once, with every layer's inputs as the halves' conditioning. At
 where the kernels compute what the library does, else through the layer's own attention module.
 """
 import copy
+import pickle
 
 import pytest
 import torch
@@ -263,6 +264,9 @@ SANDWICH_FAMILIES = {
     # LLaMA's pre-norm layers, their norms named otherwise (Apertus: attention_layernorm / feedforward_layernorm
     # and an xIELU MLP; VaultGemma: input_layernorm / pre_feedforward_layernorm)
     "Apertus": {}, "VaultGemma": {},
+    # LLaMA's layers with their branches named otherwise: GraniteMoE's block_sparse_moe with its
+    # residual_multiplier (1 by default: here 0.5, so that leaving it out shows), JetMoE's self_attention
+    "GraniteMoe": dict(residual_multiplier=0.5, num_local_experts=4, num_experts_per_tok=2), "JetMoe": {},
 }
 
 
@@ -271,9 +275,9 @@ SANDWICH_FAMILIES = {
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
     """Gemma 2, Gemma 3, OLMo 2 and GLM-4 (``x + post_norm(attn(norm(x)))``, then the MLP's), Apertus and
-    VaultGemma (no norm after a branch, the norms named otherwise than LLaMA's): a preserving conversion
-    computes their logits on whole and left-padded rows, and their cached greedy generation (Gemma 3:
-    each attention kind with its own RoPE)."""
+    VaultGemma (no norm after a branch, the norms named otherwise than LLaMA's), GraniteMoE and JetMoE (the
+    branches named otherwise): a preserving conversion computes their logits on whole and left-padded
+    rows, and their cached greedy generation (Gemma 3: each attention kind with its own RoPE)."""
     assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
 
 
@@ -294,7 +298,15 @@ def test_a_sandwich_norm_decoder_trains_saves_and_pickles(family, seeded, tmp_pa
     process's unpickling give the converted model back; a half called alone refuses (its RoPE is
     the model's)."""
     model = revify(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), exact=True).train()
-    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    ids = torch.randint(1, 128, (2, 10))
+    if family == "JetMoe":  # (the library's own save / load of JetMoE is not bitwise: its logits come back
+        # about 3e-6 off, unconverted too; the exact step and a pickle are)
+        assert_exact_step_equals_twin(model, lambda m: m(input_ids=ids, labels=ids).loss, seed=seeded)
+        with torch.no_grad():
+            model.eval()
+            assert torch.equal(pickle.loads(pickle.dumps(model))(input_ids=ids).logits, model(input_ids=ids).logits)
+    else:
+        assert_trains_saves_and_pickles(model, ids, tmp_path, seed=seeded)
     with pytest.raises(RuntimeError, match="call the model"):
         model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
 

@@ -9,7 +9,9 @@ norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``x + post_self_attn_layernorm(attn(input_layernorm(x)))`` then
 ``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
 MLP's norm before, as LLaMA's). Apertus and VaultGemma: LLaMA's pre-norm layer, its two norms named
-otherwise (no norm after a branch). A norm after a branch is still an additive residual:
+otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with its branches named otherwise
+(``block_sparse_moe``, ``self_attention``), GraniteMoE's residual_multiplier on both. A norm after a
+branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
 modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
 and cache); each layer is probed against its own forward at conversion.
@@ -29,6 +31,7 @@ from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_l
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
 _GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+_LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
 # The layers this family takes, by their parts exactly -> their norms' names.
 _NORMS_BY_PARTS = {
     frozenset({"self_attn", "mlp", *_GEMMA_NORMS}): _GEMMA_NORMS,  # Gemma 2, Gemma 3
@@ -39,6 +42,10 @@ _NORMS_BY_PARTS = {
         ("attention_layernorm", None, "feedforward_layernorm", None),
     frozenset({"self_attn", "mlp", "input_layernorm", "pre_feedforward_layernorm"}):
         ("input_layernorm", None, "pre_feedforward_layernorm", None),
+    # LLaMA's pre-norm layer with its branches named otherwise: GraniteMoE's block_sparse_moe (and its
+    # residual_multiplier on both branches), JetMoE's self_attention
+    frozenset({"self_attn", "block_sparse_moe", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
+    frozenset({"self_attention", "mlp", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
 }
 
 
@@ -56,12 +63,27 @@ def _norm(block, which: int) -> nn.Module:
     return nn.Identity() if norm is None else norm
 
 
+def _branch(block, names: tuple) -> nn.Module:
+    """The block's attention or MLP module: the first of ``names`` it has."""
+    return next(block._modules[name] for name in names if name in block._modules)
+
+
+def _scaled(block, out):
+    """A branch's output times the layer's residual_multiplier (GraniteMoE's), where it has one."""
+    multiplier = vars(block).get("residual_multiplier")
+    return out if multiplier is None else out * multiplier
+
+
 class _SandwichAttentionHalf(_LibraryAttentionHalf):
+    def _attention_module(self):
+        return _branch(self.block, ("self_attn", "self_attention"))
+
     def _attention_norm(self):
         return _norm(self.block, 0)
 
     def _branch_output(self):
-        return _norm(self.block, 1)
+        after = _norm(self.block, 1)
+        return lambda out: _scaled(self.block, after(out))
 
 
 class _SandwichMlpHalf(_LibraryHalf):
@@ -69,7 +91,7 @@ class _SandwichMlpHalf(_LibraryHalf):
         b = self.block
         after = _norm(b, 3)
         x = self._input(x, getattr(after, "weight", None))
-        return after(b.mlp(_norm(b, 2)(x)))
+        return _scaled(b, after(_branch(b, ("mlp", "block_sparse_moe"))(_norm(b, 2)(x))))
 
 
 _HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAttentionHalf, _SandwichMlpHalf),
@@ -114,8 +136,9 @@ FAMILY = Family(
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
                  "the branches: Gemma 2, Gemma 3, OLMo 2; GLM-4's names, post_self_attn_layernorm / "
                  "post_mlp_layernorm after the branches: GLM-4, Kolibri 1), and LLaMA's pre-norm layers with "
-                 "their norms named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
-                 "input_layernorm / pre_feedforward_layernorm: VaultGemma)",), _convert_sandwich,
+                 "their norms or branches named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
+                 "input_layernorm / pre_feedforward_layernorm: VaultGemma; block_sparse_moe: GraniteMoE; "
+                 "self_attention: JetMoE)",), _convert_sandwich,
     detect=_sandwich_convention,
     halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
