@@ -267,6 +267,9 @@ SANDWICH_FAMILIES = {
     # LLaMA's layers with their branches named otherwise: GraniteMoE's block_sparse_moe with its
     # residual_multiplier (1 by default: here 0.5, so that leaving it out shows), JetMoE's self_attention
     "GraniteMoe": dict(residual_multiplier=0.5, num_local_experts=4, num_experts_per_tok=2), "JetMoe": {},
+    # GraniteMoE-Shared: a shared MLP beside the experts
+    "GraniteMoeShared": dict(residual_multiplier=0.5, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48),
 }
 
 

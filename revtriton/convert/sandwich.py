@@ -10,7 +10,8 @@ norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
 MLP's norm before, as LLaMA's). Apertus and VaultGemma: LLaMA's pre-norm layer, its two norms named
 otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with its branches named otherwise
-(``block_sparse_moe``, ``self_attention``), GraniteMoE's residual_multiplier on both. A norm after a
+(``block_sparse_moe``, ``self_attention``), GraniteMoE's residual_multiplier on both (GraniteMoE-Shared
+adds a ``shared_mlp`` beside its experts). A norm after a
 branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
 modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
@@ -45,6 +46,9 @@ _NORMS_BY_PARTS = {
     # LLaMA's pre-norm layer with its branches named otherwise: GraniteMoE's block_sparse_moe (and its
     # residual_multiplier on both branches), JetMoE's self_attention
     frozenset({"self_attn", "block_sparse_moe", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
+    # GraniteMoE-Shared's: a shared MLP beside the experts, on the same normed input
+    frozenset({"self_attn", "block_sparse_moe", "shared_mlp", "input_layernorm", "post_attention_layernorm"}):
+        _LLAMA_NORMS,
     frozenset({"self_attention", "mlp", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
 }
 
@@ -91,7 +95,12 @@ class _SandwichMlpHalf(_LibraryHalf):
         b = self.block
         after = _norm(b, 3)
         x = self._input(x, getattr(after, "weight", None))
-        return _scaled(b, after(_branch(b, ("mlp", "block_sparse_moe"))(_norm(b, 2)(x))))
+        h = _norm(b, 2)(x)
+        out = _branch(b, ("mlp", "block_sparse_moe"))(h)
+        shared = b._modules.get("shared_mlp")
+        if shared is not None:  # (GraniteMoE-Shared's, beside its experts)
+            out = out + shared(h)
+        return _scaled(b, after(out))
 
 
 _HostSandwichBlock, _HostSandwichOrdinaryBlock = _host_block_mixins((_SandwichAttentionHalf, _SandwichMlpHalf),
@@ -137,8 +146,8 @@ FAMILY = Family(
                  "the branches: Gemma 2, Gemma 3, OLMo 2; GLM-4's names, post_self_attn_layernorm / "
                  "post_mlp_layernorm after the branches: GLM-4, Kolibri 1), and LLaMA's pre-norm layers with "
                  "their norms or branches named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
-                 "input_layernorm / pre_feedforward_layernorm: VaultGemma; block_sparse_moe: GraniteMoE; "
-                 "self_attention: JetMoE)",), _convert_sandwich,
+                 "input_layernorm / pre_feedforward_layernorm: VaultGemma; block_sparse_moe: GraniteMoE, with "
+                 "a shared_mlp: GraniteMoE-Shared; self_attention: JetMoE)",), _convert_sandwich,
     detect=_sandwich_convention,
     halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
