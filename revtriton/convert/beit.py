@@ -19,7 +19,7 @@ import importlib
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
-from .probe import _require_layer_loop
+from .probe import _require_layer_loop, require_layer_parts
 
 _BEIT_LAYER_PARTS = {"attention", "layernorm_before", "layernorm_after", "mlp", "dropout", "drop_path"}
 
@@ -101,10 +101,7 @@ def _convert_beit(model, conversion, found=None):
     if layers is None or not len(layers):
         raise NotImplementedError(f"revify: this transformers version's {type(model).__name__} has no `layers` of "
                                   f"BeitLayer (transformers 5 layout) to convert")
-    parts = {name for name, _ in layers[0].named_children()} - {"relative_position_bias"}
-    if parts != _BEIT_LAYER_PARTS:
-        raise NotImplementedError(f"revify: {type(layers[0]).__name__} has parts {sorted(parts)}, not BEiT's "
-                                  f"{sorted(_BEIT_LAYER_PARTS)}: not supported")
+    require_layer_parts(layers, _BEIT_LAYER_PARTS, "BEiT", optional=("relative_position_bias",))
     _convert_hosted_layers(model, base, "layers", conversion, (_HostBeitBlock, _HostBeitOrdinaryBlock), _HostBeitModel)
 
 
@@ -171,11 +168,7 @@ def _convert_data2vec_vision(model, conversion, found=None):
     if not len(layers):
         raise ValueError(f"revify: {name} has no layers")
     _require_hosted_layer_loop(name)
-    for i, block in enumerate(layers):
-        parts = {part for part, _ in block.named_children()}
-        if parts != _DATA2VEC_LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not "
-                                      f"Data2Vec-vision's {sorted(_DATA2VEC_LAYER_PARTS)}: not supported")
+    require_layer_parts(layers, _DATA2VEC_LAYER_PARTS, "Data2Vec-vision")
     _require_layer_loop(base.encoder, r"(\w+) = layer_module\((?:.|\n)*?hidden_states = \1\[0\]",
                         "take each layer's output as the next hidden states (hidden_states = layer_outputs[0])")
     for block in layers:

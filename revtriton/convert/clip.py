@@ -16,6 +16,7 @@ from ..ops.attention import norm_attention_couple
 from .core import (Family, LayerSpec, _concatenated_qkv, _HF_ACTIVATIONS, _host_block_mixins, _layout_options,
                    _NormMlpHalf, _parts, _RevifiedLM, _spec_of)
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedAttentionHalf
+from .probe import require_layer_parts
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 # The towers, by class: (the library's module, whether its attention is causal, whether it takes tokens).
@@ -128,11 +129,7 @@ def _convert_clip(model, conversion, found=None):
         layers = tower.encoder.layers
         if not len(layers):
             raise ValueError(f"revify: {type(tower).__name__} has no layers")
-        for i, layer in enumerate(layers):
-            parts = {name for name, _ in layer.named_children()}
-            if parts != _LAYER_PARTS:
-                raise NotImplementedError(f"revify: {type(layer).__name__} has parts {sorted(parts)} (layer {i}), not "
-                                          f"CLIP's {sorted(_LAYER_PARTS)}: not supported")
+        require_layer_parts(layers, _LAYER_PARTS, "CLIP")
     for tower in towers:
         config, causal = tower.config, _TOWERS[type(tower).__name__][1]
         attention = tower.encoder.layers[0].self_attn

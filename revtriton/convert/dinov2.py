@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel
+from .probe import require_layer_parts
 
 _DINOV2_LAYER_PARTS = {"norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"}
 
@@ -53,10 +54,7 @@ def _convert_dinov2(model, conversion, found=None):
     layers = base.encoder.layer
     if not len(layers):
         raise ValueError(f"revify: {type(model).__name__} has no layers")
-    parts = {name for name, _ in layers[0].named_children()}
-    if parts != _DINOV2_LAYER_PARTS:
-        raise NotImplementedError(f"revify: {type(layers[0]).__name__} has parts {sorted(parts)}, not DINOv2's "
-                                  f"{sorted(_DINOV2_LAYER_PARTS)}: not supported")
+    require_layer_parts(layers, _DINOV2_LAYER_PARTS, "DINOv2")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_HostDinov2Block, _HostDinov2OrdinaryBlock),
                            _HostDinov2Model)
 

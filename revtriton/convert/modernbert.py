@@ -12,7 +12,7 @@ from dataclasses import replace
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _sliding_windows
-from .probe import _check_layer_slice
+from .probe import _check_layer_slice, require_layer_parts
 
 _MODERNBERT_LAYER_PARTS = {"attn_norm", "attn", "mlp_norm", "mlp"}
 
@@ -52,11 +52,7 @@ def _convert_modernbert(model, conversion, found=None):
     if not len(layers):
         raise ValueError(f"revify: {name} has no layers")
     _require_hosted_layer_loop(name)
-    for block in layers:
-        parts = {part for part, _ in block.named_children()}
-        if parts != _MODERNBERT_LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} has parts {sorted(parts)}, not ModernBERT's "
-                                      f"{sorted(_MODERNBERT_LAYER_PARTS)}: not supported")
+    require_layer_parts(layers, _MODERNBERT_LAYER_PARTS, "ModernBERT")
     _check_layer_slice(base)
     spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
     for block, window in zip(layers, _sliding_windows(base.config, len(layers))):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from .bloom import _no_residual
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
-from .probe import _check_block_loop
+from .probe import _check_block_loop, require_layer_parts
 
 _MPT_BLOCK_PARTS = {"norm_1", "attn", "norm_2", "ffn", "resid_attn_dropout"}
 
@@ -55,11 +55,7 @@ def _convert_mpt(model, conversion, found=None):
     if not len(base.blocks):
         raise ValueError(f"revify: {name} has no blocks")
     _require_hosted_layer_loop(name)
-    for i, block in enumerate(base.blocks):
-        parts = {part for part, _ in block.named_children()}
-        if parts != _MPT_BLOCK_PARTS:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(parts)}, not MPT's "
-                                      f"{sorted(_MPT_BLOCK_PARTS)}: not supported")
+    require_layer_parts(base.blocks, _MPT_BLOCK_PARTS, "MPT")
     tuples = _check_block_loop(base, tuples=True)  # (its loop reads outputs[0])
     for block in base.blocks:  # the block's own modules, the model's mask and ALiBi (alone, a half refuses)
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)

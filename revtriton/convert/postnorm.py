@@ -20,7 +20,7 @@ from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, _spec_of, p
 from .encoder import _HostEncoderModel, _attention_norm, bert_style_layer
 from .host import (LAYER_TENSORS, _convert_hosted_layers, _first, _HostAttention, _library_forward,
                    _require_hosted_layer_loop, _unpack_host_cond, decoding_inputs)
-from .probe import _loop_source_matches, _require_layer_loop
+from .probe import _loop_source_matches, _require_layer_loop, require_layer_parts
 
 WHOLE_LAYER_MODES = ("meft1", "meft2")
 
@@ -151,11 +151,7 @@ def prepare_whole_layers(model, conversion, layers, parts: set, whose: str, **sp
         raise ValueError(f"revify: {name} has no layers")
     require_whole_layer_mode(conversion, name)
     _require_hosted_layer_loop(name)
-    for i, block in enumerate(layers):
-        found = {part for part, _ in block.named_children()}
-        if found != parts:
-            raise NotImplementedError(f"revify: {type(block).__name__} {i} has parts {sorted(found)}, not {whose}'s "
-                                      f"{sorted(parts)}: not supported")
+    require_layer_parts(layers, parts, whose)
     for block in layers:
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False, **spec)
 

@@ -36,6 +36,16 @@ def _has_layer_parts(layer: nn.Module, parts: tuple, family: str, extras: tuple 
     return True
 
 
+def require_layer_parts(layers, parts: set, whose: str, optional: tuple = ()):
+    """NotImplementedError, naming the first layer whose submodules are not ``parts`` exactly (leaving out
+    the ``optional`` ones it may have), ``whose`` the model the parts are named after."""
+    for i, layer in enumerate(layers):
+        found = {name for name, _ in layer.named_children()} - set(optional)
+        if found != set(parts):
+            raise NotImplementedError(f"revify: {type(layer).__name__} has parts {sorted(found)} (layer {i}), not "
+                                      f"{whose}'s {sorted(parts)}: not supported")
+
+
 def _check_block_loop(base, tuples: bool = False) -> bool:
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
     stand-in returns them), or, with ``tuples``, may read them as ``outputs[0]`` of a layer that

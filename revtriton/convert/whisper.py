@@ -17,6 +17,7 @@ from ..ops.attention import norm_attention_couple
 from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _host_block_mixins, _NormMlpHalf, _parts,
                    _pickled_host_classes)
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedAttentionHalf
+from .probe import require_layer_parts
 
 _LAYER_PARTS = {"self_attn", "self_attn_layer_norm", "fc1", "activation_fn", "fc2", "final_layer_norm"}
 
@@ -89,11 +90,7 @@ def _convert_whisper(model, conversion, found=None):
     if float(getattr(config, "encoder_layerdrop", 0.0) or 0.0) > 0:
         raise NotImplementedError(f"revify: {type(model).__name__} with encoder_layerdrop="
                                   f"{config.encoder_layerdrop}: a reversible stack runs every layer (set it to 0)")
-    for i, layer in enumerate(layers):
-        parts = {name for name, _ in layer.named_children()}
-        if parts != _LAYER_PARTS:
-            raise NotImplementedError(f"revify: {type(layer).__name__} has parts {sorted(parts)} (layer {i}), not "
-                                      f"Whisper's encoder's {sorted(_LAYER_PARTS)}: not supported")
+    require_layer_parts(layers, _LAYER_PARTS, "Whisper's encoder")
     attention = layers[0].self_attn
     spec = LayerSpec(fused_attention=(attention.head_dim * attention.num_heads == config.d_model
                                       and abs(float(attention.scaling) - attention.head_dim**-0.5) <= 1e-12),
