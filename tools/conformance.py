@@ -36,7 +36,10 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
             eos_token_id=2, n_embd=64, n_layer=2, n_head=4, d_model=64, n_positions=64, initializer_range=0.3,
             image_size=32, patch_size=8, num_channels=3, num_labels=3,
-            dim=64, hidden_dim=96, n_layers=2, n_heads=4)  # (DistilBERT's names)
+            dim=64, hidden_dim=96, n_layers=2, n_heads=4,  # (DistilBERT's names)
+            # The BART lineage's: num_hidden_layers sizes its encoder, and a causal LM's cache with it
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=96, decoder_ffn_dim=96)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
 KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification",
          "sequence-classification": "ForSequenceClassification"}
