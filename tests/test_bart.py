@@ -1,0 +1,191 @@
+"""The BART lineage's decoders as causal LMs and the encoders of its seq2seq models (convert/bart.py):
+OPT's layer parts (a decoder's cross-attention runs only with an encoder's states). Pre-norm layers
+(MBart, Pegasus, Blenderbot, BigBird-Pegasus, Whisper's decoder) run OPT's halves; post-norm ones (BART,
+Marian, Blenderbot-Small, TrOCR, MVP, PLBart) convert under meft1 / meft2, the whole layer one half. In
+a seq2seq model the encoder converts and the decoder, which attends to the encoder's states, stays as it
+is."""
+import copy
+
+import pytest
+import torch
+
+from revtriton.convert import revify
+
+from revified import assert_round_trips
+from test_host_forward import (assert_greedy_tokens_are_the_librarys, assert_preserved_on_whole_and_padded_rows,
+                               assert_saves_and_pickles, assert_training_logits_are_the_librarys)
+from test_postnorm import assert_exact_step_equals_its_twin
+from test_revify import DEPTH
+
+transformers = pytest.importorskip("transformers")
+
+PRE_NORM = ["MBart", "Pegasus", "Blenderbot", "BigBirdPegasus", "Whisper"]
+POST_NORM = ["Bart", "Marian", "BlenderbotSmall", "TrOCR", "Mvp", "PLBart"]
+
+
+def bart_lm(kind, seed, **overrides):
+    """A tiny ``{kind}ForCausalLM`` with large weights (every branch shows in the logits), no dropout
+    unless asked. Its encoder as deep as its decoder: transformers 5.25 sizes the causal LM's cache
+    from the encoder's layer count."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, d_model=64, decoder_layers=DEPTH, decoder_attention_heads=4, decoder_ffn_dim=96,
+                  max_position_embeddings=64, pad_token_id=0, init_std=0.3, dropout=0.0, attention_dropout=0.0,
+                  activation_dropout=0.0)
+    if kind != "TrOCR":  # (a decoder-only config)
+        config.update(encoder_layers=DEPTH, encoder_attention_heads=4, encoder_ffn_dim=96)
+    if kind == "BigBirdPegasus":
+        config.update(attention_type="original_full")
+    config = getattr(transformers, f"{kind}Config")(**{**config, **overrides})
+    return getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", PRE_NORM)
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_pre_norm_bart_decoders_keep_the_librarys_function(kind, preserve, seeded):
+    """A preserving conversion computes the library's logits on whole and left-padded rows and its
+    cached greedy generation; the dropout after the MLP's activation is kept (at p = 1: the library's
+    training-mode logits, no random draw deciding them)."""
+    assert_preserved_on_whole_and_padded_rows(bart_lm(kind, seeded), preserve)
+    assert_training_logits_are_the_librarys(bart_lm(kind, seeded, activation_dropout=1.0), preserve)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", POST_NORM)
+@pytest.mark.parametrize("preserve", ["meft1", "meft2"])
+def test_post_norm_bart_decoders_keep_the_librarys_function(kind, preserve, seeded):
+    """The whole post-norm layer as one half (TrOCR's and MVP's loops read each layer's output as
+    ``outputs[0]``): the library's logits on whole and left-padded rows, its cached greedy generation."""
+    assert_preserved_on_whole_and_padded_rows(bart_lm(kind, seeded), preserve)
+
+
+@pytest.mark.parametrize("kind, preserve", [("MBart", None), ("Pegasus", None), ("Blenderbot", None),
+                                            ("BigBirdPegasus", None), ("Whisper", None), ("Bart", "meft1"),
+                                            ("Marian", "meft2"), ("BlenderbotSmall", "meft1"), ("TrOCR", "meft1"),
+                                            ("Mvp", "meft2"), ("PLBart", "meft1")])
+def test_bart_decoders_train_bitwise_their_twins(kind, preserve, seeded):
+    """An exact training step with the branch and activation dropouts on bitwise equals its
+    stored-activation twin (the draws replayed in the rebuild; the unused cross-attention has no
+    gradient in either)."""
+    model = revify(bart_lm(kind, seeded, dropout=0.1, activation_dropout=0.1), preserve=preserve, exact=True)
+    ids = torch.randint(1, 128, (2, 10))
+    assert_exact_step_equals_its_twin(model.train(), preserve, seeded, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("kind, preserve", [("MBart", None), ("TrOCR", "meft1")])
+def test_bart_decoders_save_and_pickle(kind, preserve, seeded, tmp_path):
+    """Save / load, a pickle and a fresh process's unpickling give the converted model back, a pre-norm
+    one and a post-norm one whose loop reads tuples."""
+    model = revify(bart_lm(kind, seeded, dropout=0.1), preserve=preserve, exact=True).train()
+    ids = torch.randint(1, 128, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert_saves_and_pickles(model, ids, tmp_path)
+
+
+def test_what_a_bart_decoder_cannot_convert_is_refused_by_name(seeded):
+    """Encoder states at call time (the cross-attention), layerdrop, MVP's per-layer prompts, and a
+    post-norm decoder under a conversion that couples each branch to a stream are refused, named."""
+    model = revify(bart_lm("MBart", seeded))
+    ids = torch.randint(1, 128, (2, 6))
+    with pytest.raises(NotImplementedError, match="encoder_hidden_states"):
+        model(input_ids=ids, encoder_hidden_states=torch.randn(2, 5, 64))
+    with pytest.raises(NotImplementedError, match="decoder_layerdrop=0.1"):
+        revify(bart_lm("Pegasus", seeded, decoder_layerdrop=0.1))
+    with pytest.raises(NotImplementedError, match="use_prompt=True"):
+        revify(bart_lm("Mvp", seeded, use_prompt=True, prompt_length=2, prompt_mid_dim=8), preserve="meft1")
+    with pytest.raises(NotImplementedError, match="BartForCausalLM has post-norm.*'meft1' or 'meft2'"):
+        revify(bart_lm("Bart", seeded))
+
+
+# (kind, the seq2seq model class's suffix, whether the layers are pre-norm)
+SEQ2SEQ = [("Bart", "ForConditionalGeneration", False), ("MBart", "ForConditionalGeneration", True),
+           ("Pegasus", "ForConditionalGeneration", True), ("Marian", "MTModel", False),
+           ("Blenderbot", "ForConditionalGeneration", True), ("BlenderbotSmall", "ForConditionalGeneration", False),
+           ("PLBart", "ForConditionalGeneration", False), ("M2M100", "ForConditionalGeneration", True)]
+
+
+def seq2seq(kind, head, seed, **overrides):
+    """A tiny seq2seq model of the BART lineage, large weights, no dropout or layerdrop unless asked."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, d_model=64, encoder_layers=DEPTH, decoder_layers=DEPTH, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, init_std=0.3,
+                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+                  decoder_layerdrop=0.0)
+    config = getattr(transformers, f"{kind}Config")(**{**config, **overrides})
+    return getattr(transformers, f"{kind}{head}")(config).eval()
+
+
+def seq2seq_batch():
+    """Source rows (the second left-padded) and decoder inputs."""
+    ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 128, (2, 6)))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind, head, pre_norm", SEQ2SEQ)
+def test_seq2seq_encoders_convert_keeping_the_librarys_function(kind, head, pre_norm, seeded):
+    """revify converts the encoder of a seq2seq model (meft3 for pre-norm layers, meft1 for post-norm
+    ones) and leaves its decoder's layers as they are: the logits and the encoder's hidden states on
+    padded rows within the coupling's term of the library's, and its greedy generation."""
+    original = seq2seq(kind, head, seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3" if pre_norm else "meft1", scale_bits=16,
+                   exact=False).eval()
+    assert type(model.get_encoder().layers).__name__ == "ReversibleStack"
+    assert type(model.get_decoder().layers).__name__ == "ModuleList"
+    batch = seq2seq_batch()
+    with torch.no_grad():
+        theirs, ours = (m(**batch, output_hidden_states=True) for m in (original, model))
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
+    assert len(ours.encoder_hidden_states) == len(theirs.encoder_hidden_states) == DEPTH + 1
+    for a, b in zip(ours.encoder_hidden_states, theirs.encoder_hidden_states):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    source = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    assert_greedy_tokens_are_the_librarys(original, model.generate(**source, max_new_tokens=5, do_sample=False),
+                                          original.generate(**source, max_new_tokens=5, do_sample=False),
+                                          source=source)
+
+
+@pytest.mark.parametrize("kind, preserve", [("MBart", None), ("Bart", "meft1"), ("M2M100", None)])
+def test_seq2seq_models_train_bitwise_their_twins_save_and_pickle(kind, preserve, seeded, tmp_path):
+    """An exact training step of a seq2seq model with a converted encoder (dropouts on: the encoder's
+    replayed in its rebuild) bitwise equals its stored-activation twin; save / load, a pickle and a
+    fresh process give the converted model back."""
+    head = "ForConditionalGeneration"
+    model = revify(seq2seq(kind, head, seeded, dropout=0.1, activation_dropout=0.1), preserve=preserve, exact=True)
+    batch = seq2seq_batch()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_exact_step_equals_its_twin(model.train(), preserve, seeded, **batch, labels=labels)
+    assert_round_trips(model, batch, tmp_path)
+
+
+def test_what_a_seq2seq_encoder_cannot_convert_is_refused_by_name(seeded):
+    """Encoder layerdrop (M2M100's default 0.05) is refused, naming the setting."""
+    with pytest.raises(NotImplementedError, match="encoder_layerdrop=0.05"):
+        revify(seq2seq("M2M100", "ForConditionalGeneration", seeded, encoder_layerdrop=0.05))
+
+
+@pytest.mark.parametrize("seq2seq_model", [False, True])
+def test_a_generated_token_the_library_ranks_clearly_lower_fails_the_greedy_check(seq2seq_model, seeded):
+    """The greedy comparison forgives only near ties: the library's generation with one token replaced
+    by the one its logits rank last there fails it (both a causal LM's and a seq2seq model's)."""
+    if seq2seq_model:
+        model, batch = seq2seq("Bart", "ForConditionalGeneration", seeded), seq2seq_batch()
+        source = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        theirs = model.generate(**source, max_new_tokens=5, do_sample=False)
+    else:
+        model, source = bart_lm("MBart", seeded), None
+        theirs = model.generate(torch.randint(1, 128, (2, 4)), max_new_tokens=5, do_sample=False)
+    assert_greedy_tokens_are_the_librarys(model, theirs, theirs, source=source)
+    at = theirs.shape[1] - 3
+    inputs = (dict(input_ids=theirs[1:, :at]) if source is None else
+              dict(input_ids=source["input_ids"][1:], attention_mask=source["attention_mask"][1:],
+                   decoder_input_ids=theirs[1:, :at]))
+    with torch.no_grad():
+        worst = model(**inputs, use_cache=False).logits[0, -1].argmin()
+    ours = theirs.clone()
+    ours[1, at] = worst
+    with pytest.raises(AssertionError, match=f"row 1: token {int(worst)} at position {at}"):
+        assert_greedy_tokens_are_the_librarys(model, ours, theirs, source=source)
