@@ -29,6 +29,37 @@ def assert_exact_step_equals_twin(model, loss_of, seed=None):
     return twin
 
 
+def assert_seq2seq_step_equals_its_twin(model, loss_of, seed=None, preserve=None,
+                                        encoder_side=("model.encoder.", "model.shared.")):
+    """An exact training step of a seq2seq model with both stacks reversible (``loss_of(model)``, then
+    backward; ``seed`` set before each: the same dropout draws) against its stored-activation twin's:
+    the loss and the decoder's gradients bitwise, the encoder's (``encoder_side``: the names it and a
+    shared embedding start with) within float rounding: the decoder layers' cross-attention gradients
+    reach the encoder's states summed in another order (a layer's projections first, then over the
+    layers; autograd adds each as it comes). meft1's top G adapter has no gradient in the twin, a zero
+    one here."""
+    twin = to_stored_activations(copy.deepcopy(model))
+    losses = []
+    for m in (model, twin):
+        if seed is not None:
+            torch.manual_seed(seed)
+        losses.append(loss_of(m))
+        losses[-1].backward()
+    assert torch.equal(*losses)
+    mine, theirs = dict(model.named_parameters()), dict(twin.named_parameters())
+    encoder = [name for name in mine if name.startswith(encoder_side) and theirs[name].grad is not None]
+    largest = max(theirs[name].grad.abs().max().item() for name in encoder)
+    for name, p in mine.items():
+        q = theirs[name]
+        if q.grad is None:
+            assert p.grad is None or (preserve == "meft1" and not p.grad.any()), name
+        elif name in encoder:  # (relative to the largest: some are about zero by symmetry, a key's bias)
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-5 * largest, msg=name)
+        else:
+            assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    return twin
+
+
 def assert_round_trips(model, inputs: dict, tmp_path, output="logits"):
     """In eval mode, the model's ``output`` on ``inputs`` (keyword inputs), bitwise, from:
     save_pretrained -> revtriton.from_pretrained, a pickle, and a fresh process's unpickling (it must

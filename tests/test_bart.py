@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from revtriton.convert import revify
+from revtriton.models import to_stored_activations
 
-from revified import assert_round_trips
+from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
 from test_host_forward import (assert_greedy_tokens_are_the_librarys, assert_preserved_on_whole_and_padded_rows,
                                assert_saves_and_pickles, assert_training_logits_are_the_librarys)
 from test_postnorm import assert_exact_step_equals_its_twin
@@ -83,12 +84,8 @@ def test_bart_decoders_save_and_pickle(kind, preserve, seeded, tmp_path):
 
 
 def test_what_a_bart_decoder_cannot_convert_is_refused_by_name(seeded):
-    """Encoder states at call time (the cross-attention), layerdrop, MVP's per-layer prompts, and a
-    post-norm decoder under a conversion that couples each branch to a stream are refused, named."""
-    model = revify(bart_lm("MBart", seeded))
-    ids = torch.randint(1, 128, (2, 6))
-    with pytest.raises(NotImplementedError, match="encoder_hidden_states"):
-        model(input_ids=ids, encoder_hidden_states=torch.randn(2, 5, 64))
+    """Layerdrop, MVP's per-layer prompts, and a post-norm decoder under a conversion that couples each
+    branch to a stream are refused, named."""
     with pytest.raises(NotImplementedError, match="decoder_layerdrop=0.1"):
         revify(bart_lm("Pegasus", seeded, decoder_layerdrop=0.1))
     with pytest.raises(NotImplementedError, match="use_prompt=True"):
@@ -126,22 +123,24 @@ def seq2seq_batch():
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("kind, head, pre_norm", SEQ2SEQ)
-def test_seq2seq_encoders_convert_keeping_the_librarys_function(kind, head, pre_norm, seeded):
-    """revify converts the encoder of a seq2seq model (meft3 for pre-norm layers, meft1 for post-norm
-    ones) and leaves its decoder's layers as they are: the logits and the encoder's hidden states on
-    padded rows within the coupling's term of the library's, and its greedy generation."""
+def test_seq2seq_models_convert_both_stacks_keeping_the_librarys_function(kind, head, pre_norm, seeded):
+    """revify converts the encoder and the decoder of a seq2seq model (meft3 for pre-norm layers, meft1
+    for post-norm ones; the decoder's cross-attention reads the encoder's states through the
+    conditioning): the logits and both stacks' hidden states on padded rows within the coupling's
+    term of the library's, and its greedy generation with the library's cache (the cross-attention's
+    keys and values computed once)."""
     original = seq2seq(kind, head, seeded)
     model = revify(copy.deepcopy(original), preserve="meft3" if pre_norm else "meft1", scale_bits=16,
                    exact=False).eval()
-    assert type(model.get_encoder().layers).__name__ == "ReversibleStack"
-    assert type(model.get_decoder().layers).__name__ == "ModuleList"
+    assert type(model.get_encoder().layers).__name__ == type(model.get_decoder().layers).__name__ == "ReversibleStack"
     batch = seq2seq_batch()
     with torch.no_grad():
         theirs, ours = (m(**batch, output_hidden_states=True) for m in (original, model))
     torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
-    assert len(ours.encoder_hidden_states) == len(theirs.encoder_hidden_states) == DEPTH + 1
-    for a, b in zip(ours.encoder_hidden_states, theirs.encoder_hidden_states):
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    for states in ("encoder_hidden_states", "decoder_hidden_states"):
+        assert len(getattr(ours, states)) == len(getattr(theirs, states)) == DEPTH + 1
+        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
     source = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     assert_greedy_tokens_are_the_librarys(original, model.generate(**source, max_new_tokens=5, do_sample=False),
                                           original.generate(**source, max_new_tokens=5, do_sample=False),
@@ -150,21 +149,56 @@ def test_seq2seq_encoders_convert_keeping_the_librarys_function(kind, head, pre_
 
 @pytest.mark.parametrize("kind, preserve", [("MBart", None), ("Bart", "meft1"), ("M2M100", None)])
 def test_seq2seq_models_train_bitwise_their_twins_save_and_pickle(kind, preserve, seeded, tmp_path):
-    """An exact training step of a seq2seq model with a converted encoder (dropouts on: the encoder's
-    replayed in its rebuild) bitwise equals its stored-activation twin; save / load, a pickle and a
-    fresh process give the converted model back."""
-    head = "ForConditionalGeneration"
-    model = revify(seq2seq(kind, head, seeded, dropout=0.1, activation_dropout=0.1), preserve=preserve, exact=True)
+    """An exact training step of a seq2seq model with both stacks converted (dropouts on: each stack's
+    replayed in its rebuild) against its stored-activation twin (see
+    :func:`assert_seq2seq_step_equals_its_twin`); save / load, a pickle and a fresh process give the
+    converted model back."""
+    model = revify(seq2seq(kind, "ForConditionalGeneration", seeded, dropout=0.1, activation_dropout=0.1),
+                   preserve=preserve, exact=True)
     batch = seq2seq_batch()
-    labels = torch.randint(3, 128, (2, 6))
-    assert_exact_step_equals_its_twin(model.train(), preserve, seeded, **batch, labels=labels)
+    assert_seq2seq_step_equals_its_twin(model.train(), lambda m: m(**batch, labels=torch.randint(3, 128, (2, 6))).loss,
+                                        seed=seeded, preserve=preserve)
     assert_round_trips(model, batch, tmp_path)
 
 
-def test_what_a_seq2seq_encoder_cannot_convert_is_refused_by_name(seeded):
-    """Encoder layerdrop (M2M100's default 0.05) is refused, naming the setting."""
-    with pytest.raises(NotImplementedError, match="encoder_layerdrop=0.05"):
-        revify(seq2seq("M2M100", "ForConditionalGeneration", seeded, encoder_layerdrop=0.05))
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # (the function check)
+@pytest.mark.parametrize("kind, preserve", [("MBart", "meft3"), ("Bart", "meft1"), ("TrOCR", "meft2")])
+def test_a_causal_lm_given_an_encoders_states_attends_to_them(kind, preserve, seeded):
+    """A causal LM of the lineage given ``encoder_hidden_states`` (a vision encoder-decoder's TrOCR): the
+    library's logits within the coupling's term; in an exact training step the gradient the encoder's
+    states get is the stored-activation twin's within float rounding (the layers' contributions summed
+    in another order), the layers' gradients bitwise."""
+    original = bart_lm(kind, seeded)
+    ids = torch.randint(1, 128, (2, 7))
+    states = torch.randn(2, 5, 64)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False)
+    with torch.no_grad():
+        theirs = original(input_ids=ids, encoder_hidden_states=states, use_cache=False).logits
+        ours = model(input_ids=ids, encoder_hidden_states=states, use_cache=False).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    model = revify(copy.deepcopy(original), preserve=preserve, exact=True).train()
+    twin = to_stored_activations(copy.deepcopy(model))
+    grads = []
+    for m in (model, twin):
+        given = states.clone().requires_grad_()
+        m(input_ids=ids, encoder_hidden_states=given, labels=ids).loss.backward()
+        grads.append(given.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5 * grads[1].abs().max().item())
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) or (preserve == "meft1" and ".revtriton_adapters.g." in name)
+        assert p.grad is None or q.grad is None or torch.equal(p.grad, q.grad), name
+
+
+def test_what_a_seq2seq_model_cannot_convert_is_refused_by_name(seeded):
+    """Layerdrop (M2M100's default 0.05 in both stacks) is refused, naming the setting: in one stack, that
+    stack stays as it is with a warning and the other converts; in both, revify raises."""
+    with pytest.warns(UserWarning, match=r"left M2M100ForConditionalGeneration\.model\.encoder as it is.*"
+                                         r"encoder_layerdrop=0\.05"):
+        model = revify(seq2seq("M2M100", "ForConditionalGeneration", seeded, encoder_layerdrop=0.05))
+    assert type(model.get_encoder().layers).__name__ == "ModuleList"
+    assert type(model.get_decoder().layers).__name__ == "ReversibleStack"
+    with pytest.raises(NotImplementedError, match="layerdrop=0.05"):
+        revify(seq2seq("M2M100", "ForConditionalGeneration", seeded, encoder_layerdrop=0.05, decoder_layerdrop=0.05))
 
 
 @pytest.mark.parametrize("seq2seq_model", [False, True])

@@ -1,5 +1,6 @@
-"""Whisper under revify (revtriton/convert/whisper.py): its audio encoder a reversible stack run
-through the library's own forward, the decoder (cross-attention, its cache) as it is."""
+"""Whisper under revify: its audio encoder (revtriton/convert/whisper.py) and its decoder (the BART
+lineage's, revtriton/convert/bart.py: its cross-attention reads the encoder's states through the
+conditioning; its cache while decoding) reversible stacks run through the library's own forward."""
 import copy
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 from revtriton import ReversibleStack
 from revtriton.convert import revify
 
-from revified import assert_exact_step_equals_twin, assert_round_trips
+from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
+from test_host_forward import assert_greedy_tokens_are_the_librarys
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,30 +40,37 @@ def _inputs(seed=0):
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 def test_a_preserving_conversion_keeps_whispers_function(seeded):
-    """meft3 converts the encoder only (a stack) and keeps the logits and every encoder hidden state
-    (the last one after the final layer norm, as the library's); greedy generation is the library's."""
+    """meft3 converts the encoder and the decoder (two stacks) and keeps the logits and every hidden
+    state of both (the encoder's last one after the final layer norm, as the library's); greedy
+    generation (the library's cache, the cross-attention's keys and values computed once) is the
+    library's but where its own logits tie within the coupling's term."""
     original = _whisper(seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == [model.model.encoder.layers]
+    stacks = [model.model.encoder.layers, model.model.decoder.layers]
+    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == stacks
     inputs = _inputs(seeded)
     with torch.no_grad():
         theirs = original(**inputs, output_hidden_states=True)
         ours = model(**inputs, output_hidden_states=True)
-    for got, expected in zip([ours.logits, *ours.encoder_hidden_states], [theirs.logits, *theirs.encoder_hidden_states]):
+    for got, expected in zip([ours.logits, *ours.encoder_hidden_states, *ours.decoder_hidden_states],
+                             [theirs.logits, *theirs.encoder_hidden_states, *theirs.decoder_hidden_states]):
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
-    assert len(ours.encoder_hidden_states) == DEPTH + 1
+    assert len(ours.encoder_hidden_states) == DEPTH + 1 and len(ours.decoder_hidden_states) == 3
     features = inputs["input_features"]
-    assert torch.equal(model.generate(features, max_new_tokens=4), original.generate(features, max_new_tokens=4))
+    assert_greedy_tokens_are_the_librarys(original, model.generate(features, max_new_tokens=4),
+                                          original.generate(features, max_new_tokens=4),
+                                          source=dict(input_features=features))
 
 
 def test_whisper_trains_bitwise_its_twin_saves_and_pickles(seeded, tmp_path):
-    """The library's loss on the transcript: an exact training step's loss and every gradient bitwise
-    the stored-activation twin's (the encoder's layers included); save_pretrained ->
+    """The library's loss on the transcript: an exact training step's loss and the decoder's gradients
+    bitwise the stored-activation twin's, the encoder's within float rounding (the cross-attention's
+    contributions to the encoder's states summed in another order); save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the logits."""
     model = revify(_whisper(seeded), exact=True).train()
     inputs = _inputs(seeded)
     labels = inputs.pop("decoder_input_ids")
-    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=labels).loss)
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss)
     assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
     assert_round_trips(model, _inputs(seeded), tmp_path)
 
@@ -104,8 +113,13 @@ def test_the_fused_kernels_run_the_encoders_halves(seeded):
 
 
 def test_encoder_layerdrop_is_refused_naming_it():
-    model = _whisper(0, encoder_layerdrop=0.1)
-    with pytest.raises(NotImplementedError, match="encoder_layerdrop=0.1"):
+    """Layerdrop in the encoder: it stays as it is, with a warning naming it, and the decoder converts;
+    in both stacks, revify raises and converts nothing."""
+    with pytest.warns(UserWarning, match="encoder_layerdrop=0.1"):
+        model = revify(_whisper(0, encoder_layerdrop=0.1))
+    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == [model.model.decoder.layers]
+    model = _whisper(0, encoder_layerdrop=0.1, decoder_layerdrop=0.1)
+    with pytest.raises(NotImplementedError, match="layerdrop=0.1"):
         revify(model)
     assert not [m for m in model.modules() if isinstance(m, ReversibleStack)]
 

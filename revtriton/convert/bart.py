@@ -13,33 +13,63 @@ halves (checked on a probe at conversion), the post-norm ones convert under ``pr
 the layer, unused, as they are in the library's causal LM without an encoder."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _pickled_host_classes
-from .host import _convert_hosted_layers, _HostDecoderModel, _pack_host_cond, _require_hosted_layer_loop
+from .core import Family, LayerSpec, _dropout, _host_block_mixins, _pickled_host_classes
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _pack_host_cond, _require_hosted_layer_loop
 from .opt import _HostOPTBlock, _HostOPTDecoder, _HostOPTOrdinaryBlock, _OPTAttentionHalf, _OPTMlpHalf
 from .postnorm import _PostNormBlock, _PostNormOrdinaryBlock, require_whole_layer_mode
 from .probe import _causal_layer_inputs, _loop_source_matches, _probe_layers, _require_layer_loop, require_layer_parts
 
-# (module, its causal LM class (None: it has none), its encoder class, pre-norm layers); the layers are
-# "<Name>DecoderLayer" in "<Name>Decoder", "<Name>EncoderLayer" in the encoder, <Name> the causal LM's
-# or the encoder's prefix.
-_MODELS = (("bart", "BartForCausalLM", "BartEncoder", False),
-           ("mbart", "MBartForCausalLM", "MBartEncoder", True),
-           ("pegasus", "PegasusForCausalLM", "PegasusEncoder", True),
-           ("marian", "MarianForCausalLM", "MarianEncoder", False),
-           ("blenderbot", "BlenderbotForCausalLM", "BlenderbotEncoder", True),
-           ("blenderbot_small", "BlenderbotSmallForCausalLM", "BlenderbotSmallEncoder", False),
-           ("bigbird_pegasus", "BigBirdPegasusForCausalLM", None, True),
-           ("trocr", "TrOCRForCausalLM", None, False),
-           ("mvp", "MvpForCausalLM", None, False),  # (its encoder's layers take a prompt argument, None or not)
-           ("plbart", "PLBartForCausalLM", "PLBartEncoder", False),
-           ("whisper", "WhisperForCausalLM", None, True),  # (Whisper's encoder: convert.whisper)
-           ("m2m_100", None, "M2M100Encoder", True))
-_ENCODERS = {encoder for *_, encoder, _ in _MODELS if encoder}
-_PRE_NORM = {name: pre_norm for _, causal_lm, encoder, pre_norm in _MODELS for name in (causal_lm, encoder) if name}
-# The parts of every layer: OPT's, and in a decoder's the cross-attention a causal LM without an encoder
-# does not run.
+_ALL = ("ForCausalLM", "Decoder", "Encoder")
+# (module, class prefix, pre-norm layers, the classes revify takes: "<prefix>ForCausalLM" (its decoder's
+# layers), "<prefix>Decoder" and "<prefix>Encoder" (a seq2seq model's parts)). Their layers are
+# "<prefix>DecoderLayer" and "<prefix>EncoderLayer".
+_MODELS = (("bart", "Bart", False, _ALL),
+           ("mbart", "MBart", True, _ALL),
+           ("pegasus", "Pegasus", True, _ALL),
+           ("marian", "Marian", False, _ALL),
+           ("blenderbot", "Blenderbot", True, _ALL),
+           ("blenderbot_small", "BlenderbotSmall", False, _ALL),
+           ("bigbird_pegasus", "BigBirdPegasus", True, ("ForCausalLM", "Decoder")),  # (its encoder: block-sparse)
+           ("trocr", "TrOCR", False, ("ForCausalLM",)),  # (a vision encoder-decoder's decoder is its causal LM)
+           ("mvp", "Mvp", False, ("ForCausalLM", "Decoder")),  # (its encoder's layers take a prompt, None or not)
+           ("plbart", "PLBart", False, _ALL),
+           ("whisper", "Whisper", True, ("ForCausalLM", "Decoder")),  # (Whisper's encoder: convert.whisper)
+           ("m2m_100", "M2M100", True, ("Decoder", "Encoder")))
+# class name -> (what it is: one of _ALL, pre-norm layers)
+_CLASSES = {f"{prefix}{kind}": (kind, pre_norm) for _, prefix, pre_norm, kinds in _MODELS for kind in kinds}
+# The parts of every layer: OPT's, and a decoder's cross-attention (run when the model is given an
+# encoder's states).
 _LAYER_PARTS = {"self_attn", "self_attn_layer_norm", "activation_fn", "fc1", "fc2", "final_layer_norm"}
 _CROSS_ATTENTION_PARTS = {"encoder_attn", "encoder_attn_layer_norm"}
+
+
+class _CrossAttendingHalf(_OPTAttentionHalf):
+    """F of a pre-norm decoder layer: its self-attention branch, then, given an encoder's states (the
+    conditioning carries them and their mask), its cross-attention branch on the sum, so that
+    ``x + F(x)`` is the layer's state before its MLP. While decoding, both attention modules use the
+    model's cache (the cross-attention's keys and values computed once)."""
+
+    def _library_call(self, x, host, extra):
+        attended = super()._library_call(x, host, extra)
+        states = host.layer_tensors.get("encoder_hidden_states")
+        if states is None:  # (a causal LM called without an encoder)
+            return attended
+        b = self.block
+        h = self._input(x, b.encoder_attn_layer_norm.weight) + attended
+        out = b.encoder_attn(hidden_states=b.encoder_attn_layer_norm(h), key_value_states=states,
+                             attention_mask=host.layer_tensors.get("encoder_attention_mask"), **extra)
+        return attended + _dropout(b.dropout, b.training)(_first(out))
+
+
+_HostCrossAttendingBlock, _HostCrossAttendingOrdinaryBlock = _host_block_mixins((_CrossAttendingHalf, _OPTMlpHalf))
+
+
+class _HostBartDecoder(_HostOPTDecoder):
+    """A decoder of the BART lineage (a causal LM's, or a seq2seq model's part): learned or sinusoidal
+    positions added before its loop, a cache while decoding, an encoder's states for its layers'
+    cross-attention where the model is given them."""
+
+    _cross_attention = True
 
 
 class _HostBartEncoder(_HostDecoderModel):
@@ -56,32 +86,32 @@ def _encoder_layer_inputs(x, block):
 
 def _family_class(model) -> str:
     """The name of the model's class among the family's (a user's subclass: the library class it derives from)."""
-    return next(cls.__name__ for cls in type(model).__mro__ if cls.__name__ in _PRE_NORM)
+    return next(cls.__name__ for cls in type(model).__mro__ if cls.__name__ in _CLASSES)
 
 
 def _convert_bart(model, conversion, found=None):
-    """A causal LM (its decoder's layers) or an encoder (found as a seq2seq model's part: the decoder,
-    which attends to the encoder's states, stays as it is)."""
-    encoder = _family_class(model) in _ENCODERS
-    base = model if encoder else model.model.decoder  # (the causal LM's decoder wrapper holds the decoder)
-    name, config, kind = type(model).__name__, base.config, "encoder" if encoder else "decoder"
+    """A causal LM (its decoder's layers), or a seq2seq model's decoder or encoder (found as its parts)."""
+    kind, pre_norm = _CLASSES[_family_class(model)]
+    encoder = kind == "Encoder"
+    base = model.model.decoder if kind == "ForCausalLM" else model  # (the causal LM's wrapper holds the decoder)
+    name, config, role = type(model).__name__, model.config, "encoder" if encoder else "decoder"
     if not len(base.layers):
-        raise ValueError(f"revify: {name} has no {kind} layers")
+        raise ValueError(f"revify: {name} has no {role} layers")
     _require_hosted_layer_loop(name)
     require_layer_parts(base.layers, _LAYER_PARTS if encoder else _LAYER_PARTS | _CROSS_ATTENTION_PARTS, name)
     # TrOCR's and MVP's loops read each layer's output as outputs[0] (the stand-ins then return a tuple)
-    tuples = _loop_source_matches(base, rf"(\w+) = {kind}_layer\((?:.|\n)*?hidden_states = \1\[0\]")
+    tuples = _loop_source_matches(base, rf"(\w+) = {role}_layer\((?:.|\n)*?hidden_states = \1\[0\]")
     if not tuples:
-        _require_layer_loop(base, rf"hidden_states = {kind}_layer\(",
-                            f"take each layer's output as the next hidden states (hidden_states = {kind}_layer(...))")
+        _require_layer_loop(base, rf"hidden_states = {role}_layer\(",
+                            f"take each layer's output as the next hidden states (hidden_states = {role}_layer(...))")
     if getattr(base, "layerdrop", 0.0):
-        raise NotImplementedError(f"revify: {name} with {kind}_layerdrop={base.layerdrop} skips layers at random "
-                                  f"in training, where a reversible stack runs every layer: set {kind}_layerdrop=0")
+        raise NotImplementedError(f"revify: {name} with {role}_layerdrop={base.layerdrop} skips layers at random "
+                                  f"in training, where a reversible stack runs every layer: set {role}_layerdrop=0")
     if getattr(config, "use_prompt", False):  # MVP's prompts: each layer its own, which no half is given
         raise NotImplementedError(f"revify: {name} with use_prompt=True gives each layer prompts of its own: "
                                   f"not supported")
-    host = _HostBartEncoder if encoder else _HostOPTDecoder
-    if not _PRE_NORM[_family_class(model)]:  # post-norm: the whole layer as one half
+    host = _HostBartEncoder if encoder else _HostBartDecoder
+    if not pre_norm:  # post-norm: the whole layer as one half (given the encoder's states, a decoder's)
         require_whole_layer_mode(conversion, name)
         for block in base.layers:
             block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False, attention="self_attn")
@@ -90,33 +120,36 @@ def _convert_bart(model, conversion, found=None):
         return
     for block in base.layers:  # the layer's own modules, the model's mask (alone, a half refuses)
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    # (a probe without an encoder's states: a decoder's cross-attention is not run)
     _probe_layers(base, name, base.layers, (_OPTAttentionHalf, _OPTMlpHalf),
-                  _encoder_layer_inputs if encoder else _causal_layer_inputs(base),
-                  "OPT's pre-norm layer" + ("" if encoder else " (its cross-attention not run)"))
-    _convert_hosted_layers(model, base, "layers", conversion, (_HostOPTBlock, _HostOPTOrdinaryBlock), host,
-                           layer_tuples=tuples)
+                  _encoder_layer_inputs if encoder else _causal_layer_inputs(base), "OPT's pre-norm layer")
+    blocks = (_HostOPTBlock, _HostOPTOrdinaryBlock) if encoder else (_HostCrossAttendingBlock,
+                                                                      _HostCrossAttendingOrdinaryBlock)
+    _convert_hosted_layers(model, base, "layers", conversion, blocks, host, layer_tuples=tuples)
 
 
-def _pickled(module: str, causal_lm: str | None, encoder: str | None, pre_norm: bool) -> dict:
-    blocks = (_HostOPTBlock, _HostOPTOrdinaryBlock) if pre_norm else (_PostNormBlock, _PostNormOrdinaryBlock)
+def _pickled(module: str, prefix: str, pre_norm: bool, kinds: tuple) -> dict:
     module = f"transformers.models.{module}.modeling_{module}"
+    post_norm = (_PostNormBlock, _PostNormOrdinaryBlock)
     out = {}
-    if causal_lm:
-        prefix = causal_lm[:-len("ForCausalLM")]
-        out.update(_pickled_host_classes(module, f"{prefix}DecoderLayer", blocks, f"{prefix}Decoder", _HostOPTDecoder))
-    if encoder:
-        out.update(_pickled_host_classes(module, f"{encoder}Layer", blocks, encoder, _HostBartEncoder))
+    if "ForCausalLM" in kinds or "Decoder" in kinds:
+        blocks = (_HostCrossAttendingBlock, _HostCrossAttendingOrdinaryBlock) if pre_norm else post_norm
+        out.update(_pickled_host_classes(module, f"{prefix}DecoderLayer", blocks, f"{prefix}Decoder",
+                                         _HostBartDecoder))
+    if "Encoder" in kinds:
+        blocks = (_HostOPTBlock, _HostOPTOrdinaryBlock) if pre_norm else post_norm
+        out.update(_pickled_host_classes(module, f"{prefix}EncoderLayer", blocks, f"{prefix}Encoder", _HostBartEncoder))
     return out
 
 
-FAMILY = Family("bart", ("the BART lineage's decoders as causal LMs without an encoder (MBartForCausalLM, "
-                         "PegasusForCausalLM, BlenderbotForCausalLM, BigBirdPegasusForCausalLM, WhisperForCausalLM: "
-                         "pre-norm layers; BartForCausalLM, MarianForCausalLM, BlenderbotSmallForCausalLM, "
-                         "TrOCRForCausalLM, MvpForCausalLM, PLBartForCausalLM: post-norm layers under "
-                         "preserve='meft1' / 'meft2', the whole layer one half), and the encoders of its seq2seq "
-                         "models (BART, mBART, Pegasus, Marian, Blenderbot, Blenderbot-Small, PLBart, M2M100: "
-                         "any head; the decoder, attending to the encoder's states, stays as it is)",),
+FAMILY = Family("bart", ("the BART lineage: its decoders as causal LMs (MBartForCausalLM, PegasusForCausalLM, "
+                         "BlenderbotForCausalLM, BigBirdPegasusForCausalLM, WhisperForCausalLM: pre-norm layers; "
+                         "BartForCausalLM, MarianForCausalLM, BlenderbotSmallForCausalLM, TrOCRForCausalLM, "
+                         "MvpForCausalLM, PLBartForCausalLM: post-norm layers under preserve='meft1' / 'meft2', "
+                         "the whole layer one half), with an encoder's states too (a vision encoder-decoder's "
+                         "TrOCR), and both stacks of its seq2seq models, any head: the encoder and the decoder with "
+                         "its cross-attention (BART, mBART, Pegasus, Marian, Blenderbot, Blenderbot-Small, PLBart, "
+                         "M2M100; the decoder of MVP, BigBird-Pegasus and Whisper)",),
                 _convert_bart, halves="library",
-                classes=tuple(("transformers", name) for _, causal_lm, encoder, _ in _MODELS
-                              for name in (causal_lm, encoder) if name),
+                classes=tuple(("transformers", name) for name in _CLASSES),
                 pickled={name: entry for model in _MODELS for name, entry in _pickled(*model).items()})

@@ -84,9 +84,10 @@ class _BlockSteps(nn.Module):
 _warned_grad_cache = []
 
 
-def _check_hf_inputs(model_name, kwargs):
+def _check_hf_inputs(model_name, kwargs, cross_attention: bool = False):
     unsupported = {
-        "encoder_hidden_states (cross-attention)": kwargs.get("encoder_hidden_states") is not None,
+        "encoder_hidden_states (cross-attention)": (not cross_attention
+                                                    and kwargs.get("encoder_hidden_states") is not None),
         "head_mask": kwargs.get("head_mask") is not None,
         "output_attentions=True": bool(kwargs.get("output_attentions")),
     }
@@ -227,8 +228,10 @@ _HOST_CALL: contextvars.ContextVar = contextvars.ContextVar("revtriton_host_call
 # tensor stands for None.
 # Tensors some models' loops hand every layer as they are, carried by name: BLOOM's ALiBi biases (MPT's,
 # as position_bias), DeBERTa-v2's relative positions and relative embeddings, Data2Vec-vision's shared
-# relative position bias (a parameter's value: its gradient flows).
-LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings", "relative_position_bias")
+# relative position bias (a parameter's value: its gradient flows), a decoder's encoder states and their
+# mask (the cross-attention's keys and values: the encoder's gradient flows).
+LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings", "relative_position_bias",
+                 "encoder_hidden_states", "encoder_attention_mask")
 # BEiT's loop hands every layer the image's resolution (and whether to interpolate position encodings),
 # from which each layer makes its own relative position bias: a CPU int64 tensor (height, width,
 # interpolate), read on the host with no sync.
@@ -658,6 +661,7 @@ class _HostDecoderModel(_NoCheckpointing):
     _caches = True  # a KV cache while decoding (a decoder)
     _tie_last = True  # the last hidden state is the normed output (ViT: the last layer's)
     _packs_rows = True  # restarting position_ids without a mask are packed rows (as transformers 5's masks)
+    _cross_attention = False  # its layers' halves attend to encoder_hidden_states (else a call with them refuses)
 
     def _by_keyword(self, name: str, args: tuple, kwargs: dict) -> tuple:
         """``(args[:1], kwargs)`` with the positional arguments past the first named as the library's forward
@@ -672,7 +676,7 @@ class _HostDecoderModel(_NoCheckpointing):
         name = type(self).__name__
         if len(args) > 1:
             args, kwargs = self._by_keyword(name, args, kwargs)
-        _check_hf_inputs(name, kwargs)
+        _check_hf_inputs(name, kwargs, self._cross_attention)
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(cache_key)
         if cache is not None and not callable(getattr(cache, "get_seq_length", None)):

@@ -1,7 +1,7 @@
 """Hugging Face Whisper's audio encoder (``WhisperEncoder``: inside ``WhisperForConditionalGeneration``,
 ``WhisperModel`` and ``WhisperForAudioClassification``, found as their part): pre-norm layers,
 ``x + dropout(attention(self_attn_layer_norm(x)))`` then ``h + dropout(fc2(act(fc1(final_layer_norm(h)))))``,
-run through the library's own forward. The decoder (cross-attention, a cache) stays as it is. The
+run through the library's own forward. The decoder is the BART lineage's (convert.bart). The
 fused kernels compute the attention (its key projection has no bias: a zero one) and a GELU / ReLU
 MLP; dropout in training runs the layer's own modules. Whisper's fp16 clamp after each layer has no
 reversible form: the halves leave it out (it only acts on values past fp16's range)."""
@@ -103,7 +103,7 @@ def _convert_whisper(model, conversion, found=None):
 
 FAMILY = Family("whisper", ("transformers Whisper's audio encoder (WhisperEncoder, the encoder of "
                             "WhisperForConditionalGeneration / WhisperModel / WhisperForAudioClassification; "
-                            "the decoder stays as it is)",), _convert_whisper,
+                            "the decoder: the bart family)",), _convert_whisper,
                 classes=(("transformers", "WhisperEncoder"),),
                 pickled=_pickled_host_classes("transformers.models.whisper.modeling_whisper", "WhisperEncoderLayer",
                                               (_HostWhisperBlock, _HostWhisperOrdinaryBlock), "WhisperEncoder",
