@@ -1,9 +1,9 @@
-"""The BART lineage's decoders as causal LMs and the encoders of its seq2seq models (convert/bart.py):
-OPT's layer parts (a decoder's cross-attention runs only with an encoder's states). Pre-norm layers
-(MBart, Pegasus, Blenderbot, BigBird-Pegasus, Whisper's decoder) run OPT's halves; post-norm ones (BART,
-Marian, Blenderbot-Small, TrOCR, MVP, PLBart) convert under meft1 / meft2, the whole layer one half. In
-a seq2seq model the encoder converts and the decoder, which attends to the encoder's states, stays as it
-is."""
+"""The BART lineage under revify (convert/bart.py): its decoders as causal LMs (given an encoder's
+states or not) and both stacks of its seq2seq models. OPT's layer parts, and a decoder's cross-attention
+(run when the model is given an encoder's states). Pre-norm layers (MBart, Pegasus, Blenderbot,
+BigBird-Pegasus, M2M100, Whisper's decoder) run OPT's halves, a decoder's F its self- then its
+cross-attention; post-norm ones (BART, Marian, Blenderbot-Small, TrOCR, MVP, PLBart) convert under
+meft1 / meft2, the whole layer one half."""
 import copy
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 from revtriton.convert import revify
 from revtriton.models import to_stored_activations
+from revtriton.profiling import peak_memory
 
 from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
 from test_host_forward import (assert_greedy_tokens_are_the_librarys, assert_preserved_on_whole_and_padded_rows,
@@ -187,6 +188,22 @@ def test_a_causal_lm_given_an_encoders_states_attends_to_them(kind, preserve, se
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None) or (preserve == "meft1" and ".revtriton_adapters.g." in name)
         assert p.grad is None or q.grad is None or torch.equal(p.grad, q.grad), name
+
+
+def test_a_seq2seq_step_keeps_memory_flat_in_both_stacks_depth(seeded):
+    """An mBART training step's peak memory past its parameter gradients does not grow with the depth
+    of its stacks (4 against 8 layers each; the encoder's states, kept once for every decoder layer's
+    cross-attention, do not grow either), where the unconverted model's nearly doubles."""
+    def step_peak(depth, convert):
+        model = seq2seq("MBart", "ForConditionalGeneration", seeded, encoder_layers=depth, decoder_layers=depth,
+                        encoder_ffn_dim=256, decoder_ffn_dim=256, max_position_embeddings=256, init_std=0.02)
+        model = (revify(model) if convert else model).train()
+        ids, labels = torch.randint(3, 128, (2, 128)), torch.randint(3, 128, (2, 128))
+        model(input_ids=ids, labels=labels).loss.backward()  # (the parameter gradients exist before the peak)
+        return peak_memory(lambda: model(input_ids=ids, labels=labels).loss.backward())
+
+    assert step_peak(8, True) <= 1.05 * step_peak(4, True)
+    assert step_peak(8, False) >= 1.5 * step_peak(4, False)  # what the reversible stacks remove
 
 
 def test_what_a_seq2seq_model_cannot_convert_is_refused_by_name(seeded):
