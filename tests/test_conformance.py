@@ -62,6 +62,18 @@ def test_masked_lms_and_image_classifiers(conformance):
     assert verdict == "converted" and "with grad" in detail
 
 
+def test_conditional_generation_models(conformance):
+    """``--kind seq2seq-lm``: a seq2seq model with a left-padded source row and its decoder's inputs (both
+    stacks converted: BART's post-norm layers under meft1), a vision-language model on text (its real
+    tokens compared: a padded position's logits are the library's arbitrary ones), each with the
+    cache and without."""
+    assert conformance.kind_of("BartForConditionalGeneration") == "seq2seq-lm"
+    verdict, detail = conformance.check("BartForConditionalGeneration", 60)
+    assert verdict == "converted" and detail.startswith("meft1:") and "with the cache" in detail
+    assert conformance.check("MBartForConditionalGeneration", 60)[0] == "converted"
+    assert conformance.check("LlavaForConditionalGeneration", 60)[0] == "converted"
+
+
 def test_sub_configs_are_built_tiny_too(conformance):
     """A classifier over CLIP's vision tower has its towers' configs inside its own: both tiny (at
     their defaults CLIP's vision tower takes 224-pixel images and the sweep's 32-pixel ones fail)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Conformance sweep: every causal LM, masked LM, sequence and image classifier class of the installed
-transformers, built at a tiny size, through ``revify(model, preserve="meft3")`` (``"meft1"`` where
+"""Conformance sweep: every causal LM, masked LM, sequence and image classifier and conditional
+generation class of the installed transformers, built at a tiny size, through ``revify(model, preserve="meft3")`` (``"meft1"`` where
 revify names it: post-norm layers, a whole layer a half): either it converts and computes the
 library's logits, or revify refuses it by name (TypeError: no family takes it; NotImplementedError:
 a feature its halves do not reproduce). Anything else is a crash (the conversion's or the converted
@@ -10,7 +10,9 @@ exit status 1.
 Causal LMs are compared on the library path (without grad, with the cache) and the fused halves
 (without the cache); masked LMs on a batch with a padded row (its real tokens' logits), sequence
 classifiers on the same batch and image classifiers on pixels, each without grad and with grad (the
-engine's recording forward).
+engine's recording forward). Conditional generation models (``--kind seq2seq-lm``) as causal LMs: a
+seq2seq model on a left-padded source row and its decoder's inputs (every decoder position's logits),
+a vision-language model on the same rows as text (its real tokens' logits).
 
     python tools/conformance.py                          # every *ForCausalLM class
     python tools/conformance.py --kind masked-lm         # every *ForMaskedLM class
@@ -42,7 +44,8 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             encoder_ffn_dim=96, decoder_ffn_dim=96)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
 KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification",
-         "sequence-classification": "ForSequenceClassification"}
+         "sequence-classification": "ForSequenceClassification", "seq2seq-lm": "ForConditionalGeneration"}
+_DECODES = ("causal-lm", "seq2seq-lm")  # the kinds compared with the library's cache and without
 
 
 def kind_of(name: str) -> str:
@@ -63,12 +66,16 @@ def _inputs(kind: str) -> tuple[dict, torch.Tensor | None]:
         if kind == "sequence-classification":  # (decoders classify at the last token that is not padding)
             return {"input_ids": ids.masked_fill(mask == 0, TINY["pad_token_id"]), "attention_mask": mask}, None
         return {"input_ids": ids, "attention_mask": mask}, mask.bool()
+    if kind == "seq2seq-lm":  # a left-padded source row; the decoder's inputs (dropped where there is no encoder)
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :4] = 0
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": torch.randint(3, 120, (2, 6))}, None
     return {"input_ids": ids}, None
 
 
 def _runs(kind: str):
     """(name, keyword arguments, grad) of the converted model's runs compared with the library's."""
-    if kind == "causal-lm":  # the library's path (decoding with its cache); the fused halves
+    if kind in _DECODES:  # the library's path (decoding with its cache); the fused halves
         return (("with the cache", {"use_cache": True}, False), ("without", {"use_cache": False}, False))
     return (("without grad", {}, False), ("with grad", {}, True))
 
@@ -123,8 +130,11 @@ def check(name: str, timeout: int) -> tuple[str, str]:
                 torch.manual_seed(0)
                 model = _tiny(getattr(transformers, name), variant)
                 inputs, compared = _inputs(kind)
+                if kind == "seq2seq-lm" and not getattr(model.config, "is_encoder_decoder", False):
+                    del inputs["decoder_input_ids"]  # (a vision-language model's text-only forward:
+                    compared = inputs["attention_mask"].bool()  # its real tokens' logits compared)
                 with torch.no_grad():
-                    expected = model(**inputs, **({"use_cache": False} if kind == "causal-lm" else {})).logits
+                    expected = model(**inputs, **({"use_cache": False} if kind in _DECODES else {})).logits
                 if compared is not None:
                     expected = expected[compared]
                 break
@@ -175,7 +185,8 @@ def main(argv=None) -> int:
     parser.add_argument("names", nargs="*", help="transformers classes (default: every class of --kind)")
     parser.add_argument("--kind", choices=(*KINDS, "all"), default="causal-lm",
                         help="the classes swept without names: *ForCausalLM (default), *ForMaskedLM, "
-                             "*ForImageClassification, *ForSequenceClassification, or all of them")
+                             "*ForImageClassification, *ForSequenceClassification, *ForConditionalGeneration "
+                             "(seq2seq models; vision-language models text only), or all of them")
     parser.add_argument("--timeout", type=int, default=30, help="seconds a model may take")
     args = parser.parse_args(argv)
     suffixes = tuple(KINDS.values()) if args.kind == "all" else (KINDS[args.kind],)
