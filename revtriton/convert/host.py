@@ -347,6 +347,9 @@ class _LayerStand:
 
     def __call__(self, hidden, *args, **kwargs):
         out = _host_layer_call(self.call, self.index, hidden, *args, **kwargs)
+        loop_outputs = getattr(self.layer, "_loop_outputs", None)
+        if loop_outputs is not None:  # what else the loop reads of its layers' outputs (T5's position bias)
+            return loop_outputs(out, self.call.layer_kwargs[self.index])
         return (out, None) if self.tuples else out
 
     def __getattr__(self, name):
@@ -367,6 +370,9 @@ def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
         bound = signature.bind(None, hidden, *args, **kwargs).arguments
         named = dict(list(bound.items())[2:])  # after self and the hidden states
         kwargs = {**named, **named.pop(rest, {})}
+    loop_inputs = getattr(stack[i], "_loop_inputs", None)
+    if loop_inputs is not None:  # inputs a layer makes for itself and the loop hands the others (T5's bias)
+        kwargs = loop_inputs(hidden, kwargs)
     if i == 0:
         call.first_input = hidden
     elif hidden is not call.returned:

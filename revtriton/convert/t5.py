@@ -1,0 +1,127 @@
+"""Hugging Face T5 and mT5: both stacks (``T5Stack``: the encoder and the decoder, found as parts of
+``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` and the other heads). Each block is
+pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then ``+ dropout(EncDecAttention(layer_norm(h),
+encoder states))``, then ``+ dropout(DenseReluDense(layer_norm(h)))``.
+F is the attention branch (a decoder's self- then cross-attention), G the feed-forward; both run the
+block's own modules through the library's forward (its mask, its cache while decoding).
+
+The relative position bias is shared: the first block's self-attention makes it (from its
+``relative_attention_bias`` table) and the stack's loop hands it to the others. The first block's
+stand-in makes it before the stack runs (:meth:`_T5Loop._loop_inputs`), so every half reads the same
+bias from the conditioning and its gradient reaches the table. The cross-attention has no relative
+bias (zeros, as the library's). T5's fp16 clamps between the branches have no reversible form: the
+halves leave them out (they act only on values past fp16's range)."""
+from __future__ import annotations
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+
+
+class _T5AttentionHalf(_LibraryAttentionHalf):
+    """F: the self-attention branch with the shared relative position bias, then (given an encoder's
+    states) the cross-attention branch on the sum."""
+
+    def _attention_module(self):
+        return self.block.layer[0].SelfAttention
+
+    def _library_call(self, x, host, extra):
+        # scaled_dot_product_attention picks its kernel by whether its mask (here the bias, with the
+        # causal or padding mask in it) needs grad: the forward runs without grad, the rebuild with it.
+        # One kernel for both, so that the rebuild computes the forward's bits (exact streams check them).
+        with sdpa_kernel(SDPBackend.MATH):
+            return self._branches(x, host, extra)
+
+    def _branches(self, x, host, extra):
+        cache = {"cache": extra["cache"]} if extra.get("cache") is not None else {}  # (while decoding)
+        attention = self.block.layer[0]
+        x = self._input(x, attention.layer_norm.weight)
+        out = attention.SelfAttention(attention.layer_norm(x), mask=host.mask_for(self.block),
+                                      position_bias=host.layer_tensors.get("position_bias"), **cache)
+        attended = attention.dropout(out[0])
+        states = host.layer_tensors.get("encoder_hidden_states")
+        if states is None:  # an encoder's block (or a decoder called without an encoder)
+            return attended
+        cross = self.block.layer[1]
+        out = cross.EncDecAttention(cross.layer_norm(x + attended), key_value_states=states,
+                                    mask=host.layer_tensors.get("encoder_attention_mask"), **cache)
+        return attended + cross.dropout(out[0])
+
+
+class _T5FeedForwardHalf(_LibraryHalf):
+    def _modules(self, x):
+        ff = self.block.layer[-1]
+        return ff.dropout(ff.DenseReluDense(ff.layer_norm(self._input(x, ff.layer_norm.weight))))
+
+
+class _T5Loop:
+    """What T5's loop exchanges with its blocks besides the hidden states: the first block returns the
+    relative position bias it made (the loop hands it to the others) and each returns the
+    cross-attention's (None: each block's cross-attention makes its zeros)."""
+
+    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
+        """The first block's inputs with the relative position bias its self-attention would make (the
+        loop gives it none), for the queries past the cache's tokens while decoding."""
+        if kwargs.get("position_bias") is not None:
+            return kwargs
+        attention = self.layer[0].SelfAttention
+        cache = kwargs.get("cache")
+        past = int(cache.get_seq_length(attention.layer_idx)) if cache is not None else 0
+        tokens = hidden.shape[1]
+        bias = attention.compute_bias(tokens, past + tokens, device=hidden.device, past_seen_tokens=past)
+        return {**kwargs, "position_bias": bias}
+
+    def _loop_outputs(self, out, kwargs: dict) -> tuple:
+        return out, kwargs["position_bias"], None
+
+
+_T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwardHalf))
+_HostT5Block = type("_HostT5Block", (_T5Loop, _T5Block), {})
+_HostT5OrdinaryBlock = type("_HostT5OrdinaryBlock", (_T5Loop, _T5OrdinaryBlock), {})
+
+
+class _HostT5Stack(_HostDecoderModel):
+    """T5Stack: its blocks are ``block``, relative positions (no position ids); a decoder's has a cache
+    while decoding and its blocks attend to the encoder's states."""
+
+    _layers, _rope = "block", False
+
+    @property
+    def _caches(self):
+        return self.is_decoder
+
+    @property
+    def _cross_attention(self):
+        return self.is_decoder
+
+
+def _convert_t5(model, conversion, found=None):
+    name, blocks = type(model).__name__, model.block
+    if not len(blocks):
+        raise ValueError(f"revify: {name} has no blocks")
+    _require_hosted_layer_loop(name)
+    parts = ("LayerSelfAttention", "LayerCrossAttention", "LayerFF") if model.is_decoder else ("LayerSelfAttention",
+                                                                                               "LayerFF")
+    for i, block in enumerate(blocks):
+        found = tuple(type(sub).__name__ for sub in block.layer)
+        if len(found) != len(parts) or not all(got.endswith(part) for got, part in zip(found, parts)):
+            raise NotImplementedError(f"revify: {name} block {i} has sublayers {found}, not T5's {parts}")
+        if block.layer[0].SelfAttention.has_relative_attention_bias != (i == 0):
+            raise NotImplementedError(f"revify: {name} block {i}: only the first block's self-attention may make "
+                                      f"the relative position bias the loop shares (a bias of each block's own is "
+                                      f"not supported)")
+        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    _convert_hosted_layers(model, model, "block", conversion, (_HostT5Block, _HostT5OrdinaryBlock), _HostT5Stack)
+
+
+_STACKS = (("t5", "T5"), ("mt5", "MT5"))
+FAMILY = Family("t5", ("transformers T5 and mT5: both stacks (T5Stack: encoder and decoder, the decoder's "
+                       "cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel and the "
+                       "other heads, the relative position bias shared from the first block",),
+                _convert_t5, halves="library",
+                classes=tuple(("transformers", f"{prefix}Stack") for _, prefix in _STACKS),
+                pickled={name: entry for module, prefix in _STACKS
+                         for name, entry in _pickled_host_classes(
+                             f"transformers.models.{module}.modeling_{module}", f"{prefix}Block",
+                             (_HostT5Block, _HostT5OrdinaryBlock), f"{prefix}Stack", _HostT5Stack).items()})

@@ -1,0 +1,122 @@
+"""T5 and mT5 under revify (revtriton/convert/t5.py): both stacks reversible under the library's own
+forward, the relative position bias the first block makes shared through the conditioning (its
+gradient reaching the table), the decoder's cross-attention reading the encoder's states."""
+import copy
+
+import pytest
+import torch
+
+from revtriton.convert import revify
+from revtriton.profiling import peak_memory
+
+from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
+from test_host_forward import assert_greedy_tokens_are_the_librarys
+from test_revify import DEPTH
+
+transformers = pytest.importorskip("transformers")
+
+
+def t5(kind="T5", head="ForConditionalGeneration", seed=0, **overrides):
+    """A tiny T5-family model at T5's own initialisation (every branch shows in the outputs; three times
+    larger weights amplify the couplings' 2**-16 term past the tests' bound), no dropout unless asked."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=96, num_layers=DEPTH, num_decoder_layers=DEPTH,
+                  num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, dropout_rate=0.0,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    config = getattr(transformers, f"{kind}Config")(**{**config, **overrides})
+    return getattr(transformers, f"{kind}{head}")(config).eval()
+
+
+def batch():
+    """Source rows (the second left-padded) and decoder inputs."""
+    ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 128, (2, 6)))
+
+
+def stacks(model) -> list:
+    return [name for name, module in model.named_modules() if type(module).__name__ == "ReversibleStack"]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind, overrides", [("T5", {}), ("MT5", {}), ("T5", {"feed_forward_proj": "gated-gelu"})])
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, preserve, seeded):
+    """Both stacks convert (T5, mT5, Flan-T5's gated-GELU feed-forward): the logits and both stacks'
+    hidden states on padded source rows within the coupling's term of the library's, and its greedy
+    generation with the library's cache (the decoder's bias for the queries past the cached tokens):
+    its tokens, and each step's logits while the tokens agree."""
+    original = t5(kind, seed=seeded, **overrides)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    assert stacks(model) == ["encoder.block", "decoder.block"]
+    inputs = batch()
+    with torch.no_grad():
+        theirs, ours = (m(**inputs, output_hidden_states=True) for m in (original, model))
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
+    for states in ("encoder_hidden_states", "decoder_hidden_states"):
+        assert len(getattr(ours, states)) == len(getattr(theirs, states)) == DEPTH + 1
+        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    ours, theirs = (m.generate(**source, max_new_tokens=6, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True) for m in (model, original))
+    assert_greedy_tokens_are_the_librarys(original, ours.sequences, theirs.sequences, source=source)
+    for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):  # each step's logits, while the tokens agree
+        if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
+            break
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_t5s_encoder_model_converts_its_stack(seeded):
+    """T5EncoderModel (a text encoder): its one stack, its last hidden state the library's."""
+    original = t5(head="EncoderModel", seed=seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert stacks(model) == ["encoder.block"]
+    inputs = batch()
+    del inputs["decoder_input_ids"]
+    with torch.no_grad():
+        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("kind, preserve", [("T5", None), ("MT5", "meft1")])
+def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, seeded, tmp_path):
+    """An exact training step with dropout on: the loss and the decoder's gradients bitwise the
+    stored-activation twin's, the encoder's within float rounding (the cross-attention's gradients
+    reach the encoder's states summed in another order); the relative position tables get their
+    gradients through the shared bias; save / load, a pickle and a fresh process give the model back."""
+    model = revify(t5(kind, seed=seeded, dropout_rate=0.1), preserve=preserve, exact=True).train()
+    inputs = batch()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
+                                        preserve=preserve, encoder_side=("encoder.", "shared."))
+    for stack in (model.encoder, model.decoder):
+        table = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+        assert table.grad is not None and table.grad.abs().sum() > 0
+    assert_round_trips(model, inputs, tmp_path)
+
+
+def test_a_t5_step_keeps_memory_flat_in_both_stacks_depth(seeded):
+    """A T5 training step's peak memory past its parameter gradients does not grow with the depth of
+    its stacks (4 against 8 blocks each), where the unconverted model's nearly doubles."""
+    def step_peak(depth, convert):
+        model = t5(seed=seeded, num_layers=depth, num_decoder_layers=depth, d_ff=256)
+        model = (revify(model) if convert else model).train()
+        ids, labels = torch.randint(3, 128, (2, 128)), torch.randint(3, 128, (2, 128))
+        model(input_ids=ids, labels=labels).loss.backward()  # (the parameter gradients exist before the peak)
+        return peak_memory(lambda: model(input_ids=ids, labels=labels).loss.backward())
+
+    assert step_peak(8, True) <= 1.05 * step_peak(4, True)
+    assert step_peak(8, False) >= 1.5 * step_peak(4, False)  # what the reversible stacks remove
+
+
+def test_a_block_with_a_relative_bias_of_its_own_is_refused(seeded):
+    """Only the first block may make the bias the loop shares: a later block with a table of its own
+    (UMT5's layout) is refused, naming the block, and nothing is converted."""
+    model = t5(head="EncoderModel", seed=seeded)
+    model.encoder.block[1].layer[0].SelfAttention.has_relative_attention_bias = True
+    with pytest.raises(NotImplementedError, match="block 1: only the first block's self-attention"):
+        revify(model)
+    assert not stacks(model)
