@@ -1,6 +1,7 @@
-"""T5 and mT5 under revify (revtriton/convert/t5.py): both stacks reversible under the library's own
-forward, the relative position bias the first block makes shared through the conditioning (its
-gradient reaching the table), the decoder's cross-attention reading the encoder's states."""
+"""T5, mT5 and UMT5 under revify (revtriton/convert/t5.py): both stacks reversible under the library's
+own forward, T5's relative position bias (the first block makes it) shared through the conditioning
+(its gradient reaching the table), UMT5's made by each block, the decoder's cross-attention reading the
+encoder's states."""
 import copy
 
 import pytest
@@ -40,10 +41,12 @@ def stacks(model) -> list:
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-@pytest.mark.parametrize("kind, overrides", [("T5", {}), ("MT5", {}), ("T5", {"feed_forward_proj": "gated-gelu"})])
+@pytest.mark.parametrize("kind, overrides", [("T5", {}), ("MT5", {}), ("UMT5", {}),
+                                             ("T5", {"feed_forward_proj": "gated-gelu"})])
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, preserve, seeded):
-    """Both stacks convert (T5, mT5, Flan-T5's gated-GELU feed-forward): the logits and both stacks'
+    """Both stacks convert (T5, mT5, UMT5 with a bias table in every block, Flan-T5's gated-GELU
+    feed-forward): the logits and both stacks'
     hidden states on padded source rows within the coupling's term of the library's, and its greedy
     generation with the library's cache (the decoder's bias for the queries past the cached tokens):
     its tokens, and each step's logits while the tokens agree."""
@@ -81,7 +84,7 @@ def test_t5s_encoder_model_converts_its_stack(seeded):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
 
-@pytest.mark.parametrize("kind, preserve", [("T5", None), ("MT5", "meft1")])
+@pytest.mark.parametrize("kind, preserve", [("T5", None), ("MT5", "meft1"), ("UMT5", None)])
 def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, seeded, tmp_path):
     """An exact training step with dropout on: the loss and the decoder's gradients bitwise the
     stored-activation twin's, the encoder's within float rounding (the cross-attention's gradients
@@ -93,8 +96,9 @@ def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, seeded, tm
     assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
                                         preserve=preserve, encoder_side=("encoder.", "shared."))
     for stack in (model.encoder, model.decoder):
-        table = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
-        assert table.grad is not None and table.grad.abs().sum() > 0
+        for block in stack.block[:DEPTH if kind == "UMT5" else 1]:  # (UMT5: a table a block)
+            table = block.layer[0].SelfAttention.relative_attention_bias.weight
+            assert table.grad is not None and table.grad.abs().sum() > 0
     assert_round_trips(model, inputs, tmp_path)
 
 

@@ -1,16 +1,18 @@
-"""Hugging Face T5 and mT5: both stacks (``T5Stack``: the encoder and the decoder, found as parts of
+"""Hugging Face T5, mT5 and UMT5: both stacks (``T5Stack``: the encoder and the decoder, found as parts of
 ``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` and the other heads). Each block is
-pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then ``+ dropout(EncDecAttention(layer_norm(h),
-encoder states))``, then ``+ dropout(DenseReluDense(layer_norm(h)))``.
-F is the attention branch (a decoder's self- then cross-attention), G the feed-forward; both run the
-block's own modules through the library's forward (its mask, its cache while decoding).
+pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then
+``+ dropout(EncDecAttention(layer_norm(h), encoder states))``, then
+``+ dropout(DenseReluDense(layer_norm(h)))``. F is the attention branch (a decoder's self- then
+cross-attention), G the feed-forward; both run the block's own modules through the library's forward
+(its mask, its cache while decoding).
 
 The relative position bias is shared: the first block's self-attention makes it (from its
 ``relative_attention_bias`` table) and the stack's loop hands it to the others. The first block's
 stand-in makes it before the stack runs (:meth:`_T5Loop._loop_inputs`), so every half reads the same
-bias from the conditioning and its gradient reaches the table. The cross-attention has no relative
-bias (zeros, as the library's). T5's fp16 clamps between the branches have no reversible form: the
-halves leave them out (they act only on values past fp16's range)."""
+bias from the conditioning and its gradient reaches the table. The cross-attention has no relative bias
+(zeros, as the library's). UMT5's blocks each make their own bias (a table a block): nothing is shared.
+T5's fp16 clamps between the branches have no reversible form: the halves leave them out (they act only
+on values past fp16's range)."""
 from __future__ import annotations
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,16 +39,33 @@ class _T5AttentionHalf(_LibraryAttentionHalf):
         cache = {"cache": extra["cache"]} if extra.get("cache") is not None else {}  # (while decoding)
         attention = self.block.layer[0]
         x = self._input(x, attention.layer_norm.weight)
-        out = attention.SelfAttention(attention.layer_norm(x), mask=host.mask_for(self.block),
-                                      position_bias=host.layer_tensors.get("position_bias"), **cache)
-        attended = attention.dropout(out[0])
+        attended = attention.dropout(self._self_attention(attention.layer_norm(x), host, cache))
         states = host.layer_tensors.get("encoder_hidden_states")
         if states is None:  # an encoder's block (or a decoder called without an encoder)
             return attended
         cross = self.block.layer[1]
-        out = cross.EncDecAttention(cross.layer_norm(x + attended), key_value_states=states,
-                                    mask=host.layer_tensors.get("encoder_attention_mask"), **cache)
-        return attended + cross.dropout(out[0])
+        mask = host.layer_tensors.get("encoder_attention_mask")
+        return attended + cross.dropout(self._cross_attention(cross.layer_norm(x + attended), states, mask, cache))
+
+    def _self_attention(self, normed, host, cache):
+        out = self.block.layer[0].SelfAttention(normed, mask=host.mask_for(self.block),
+                                                position_bias=host.layer_tensors.get("position_bias"), **cache)
+        return out[0]
+
+    def _cross_attention(self, normed, states, mask, cache):
+        return self.block.layer[1].EncDecAttention(normed, key_value_states=states, mask=mask, **cache)[0]
+
+
+class _UMT5AttentionHalf(_T5AttentionHalf):
+    """UMT5's F: each block's self-attention makes its own relative position bias (its own table); its
+    attention modules name their arguments otherwise."""
+
+    def _self_attention(self, normed, host, cache):
+        return self.block.layer[0].SelfAttention(normed, attention_mask=host.mask_for(self.block), **cache)[0]
+
+    def _cross_attention(self, normed, states, mask, cache):
+        return self.block.layer[1].EncDecAttention(normed, encoder_hidden_states=states, attention_mask=mask,
+                                                   **cache)[0]
 
 
 class _T5FeedForwardHalf(_LibraryHalf):
@@ -79,6 +98,7 @@ class _T5Loop:
 _T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwardHalf))
 _HostT5Block = type("_HostT5Block", (_T5Loop, _T5Block), {})
 _HostT5OrdinaryBlock = type("_HostT5OrdinaryBlock", (_T5Loop, _T5OrdinaryBlock), {})
+_HostUMT5Block, _HostUMT5OrdinaryBlock = _host_block_mixins((_UMT5AttentionHalf, _T5FeedForwardHalf))
 
 
 class _HostT5Stack(_HostDecoderModel):
@@ -96,8 +116,16 @@ class _HostT5Stack(_HostDecoderModel):
         return self.is_decoder
 
 
+# stack class -> (module, its block class, whether the first block's bias is shared, the block mixins)
+_STACKS = {"T5Stack": ("t5", "T5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
+           "MT5Stack": ("mt5", "MT5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
+           "UMT5Stack": ("umt5", "UMT5Block", False, (_HostUMT5Block, _HostUMT5OrdinaryBlock))}
+
+
 def _convert_t5(model, conversion, found=None):
     name, blocks = type(model).__name__, model.block
+    stack = next(cls.__name__ for cls in type(model).__mro__ if cls.__name__ in _STACKS)
+    _, _, shared, mixins = _STACKS[stack]
     if not len(blocks):
         raise ValueError(f"revify: {name} has no blocks")
     _require_hosted_layer_loop(name)
@@ -107,21 +135,19 @@ def _convert_t5(model, conversion, found=None):
         found = tuple(type(sub).__name__ for sub in block.layer)
         if len(found) != len(parts) or not all(got.endswith(part) for got, part in zip(found, parts)):
             raise NotImplementedError(f"revify: {name} block {i} has sublayers {found}, not T5's {parts}")
-        if block.layer[0].SelfAttention.has_relative_attention_bias != (i == 0):
+        if shared and block.layer[0].SelfAttention.has_relative_attention_bias != (i == 0):
             raise NotImplementedError(f"revify: {name} block {i}: only the first block's self-attention may make "
                                       f"the relative position bias the loop shares (a bias of each block's own is "
-                                      f"not supported)")
+                                      f"UMT5's layout, not {stack}'s)")
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    _convert_hosted_layers(model, model, "block", conversion, (_HostT5Block, _HostT5OrdinaryBlock), _HostT5Stack)
+    _convert_hosted_layers(model, model, "block", conversion, mixins, _HostT5Stack)
 
 
-_STACKS = (("t5", "T5"), ("mt5", "MT5"))
-FAMILY = Family("t5", ("transformers T5 and mT5: both stacks (T5Stack: encoder and decoder, the decoder's "
+FAMILY = Family("t5", ("transformers T5, mT5 and UMT5: both stacks (T5Stack: encoder and decoder, the decoder's "
                        "cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel and the "
-                       "other heads, the relative position bias shared from the first block",),
+                       "other heads; T5's relative position bias shared from the first block, UMT5's one a block",),
                 _convert_t5, halves="library",
-                classes=tuple(("transformers", f"{prefix}Stack") for _, prefix in _STACKS),
-                pickled={name: entry for module, prefix in _STACKS
-                         for name, entry in _pickled_host_classes(
-                             f"transformers.models.{module}.modeling_{module}", f"{prefix}Block",
-                             (_HostT5Block, _HostT5OrdinaryBlock), f"{prefix}Stack", _HostT5Stack).items()})
+                classes=tuple(("transformers", stack) for stack in _STACKS),
+                pickled={name: entry for stack, (module, block, _, mixins) in _STACKS.items()
+                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                  block, mixins, stack, _HostT5Stack).items()})
