@@ -218,6 +218,68 @@ def test_what_a_seq2seq_model_cannot_convert_is_refused_by_name(seeded):
         revify(seq2seq("M2M100", "ForConditionalGeneration", seeded, encoder_layerdrop=0.05, decoder_layerdrop=0.05))
 
 
+# Seq2seq models whose encoder another family's attention runs (PEGASUS-X's block-local attention with
+# global tokens, LED's Longformer attention: their decoders convert) or reads audio features (Speech2Text:
+# both stacks): (kind, config, stacks converted, preserve).
+MORE_SEQ2SEQ = {
+    "PegasusX": (dict(max_position_embeddings=64, block_size=8, num_global_tokens=4), ["model.decoder.layers"],
+                 "meft3"),
+    "LED": (dict(max_encoder_position_embeddings=64, max_decoder_position_embeddings=64, attention_window=[8] * DEPTH),
+            ["led.decoder.layers"], "meft1"),
+    "Speech2Text": (dict(max_source_positions=64, max_target_positions=64, input_feat_per_channel=8,
+                         num_conv_layers=2, conv_channels=16, input_channels=1),
+                    ["model.encoder.layers", "model.decoder.layers"], "meft3"),
+}
+
+
+def more_seq2seq(kind, seed, **overrides):
+    config, _, _ = MORE_SEQ2SEQ[kind]
+    return seq2seq(kind, "ForConditionalGeneration", seed, **{**config, **overrides})
+
+
+def more_seq2seq_source(kind):
+    """Speech2Text's: audio features (32 frames of 8); the others': 16 tokens, the second row's last four padding."""
+    if kind == "Speech2Text":
+        return dict(input_features=torch.randn(2, 32, 8))
+    ids = torch.randint(3, 128, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", sorted(MORE_SEQ2SEQ))
+def test_the_decoders_of_other_seq2seq_models_convert_keeping_the_librarys_function(kind, seeded):
+    """PEGASUS-X's and LED's decoders (their encoders stay as they are) and Speech2Text's two stacks:
+    the logits within the coupling's term of the library's, greedy generation with the cache."""
+    _, converted, preserve = MORE_SEQ2SEQ[kind]
+    original = more_seq2seq(kind, seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    assert [name for name, m in model.named_modules() if type(m).__name__ == "ReversibleStack"] == converted
+    source = more_seq2seq_source(kind)
+    decoder_ids = torch.randint(3, 128, (2, 6))
+    with torch.no_grad():
+        theirs = original(**source, decoder_input_ids=decoder_ids).logits
+        ours = model(**source, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    assert_greedy_tokens_are_the_librarys(original, model.generate(**source, max_new_tokens=5, do_sample=False),
+                                          original.generate(**source, max_new_tokens=5, do_sample=False),
+                                          source=source)
+
+
+@pytest.mark.parametrize("kind, preserve", [("Speech2Text", None), ("LED", "meft1")])
+def test_other_seq2seq_models_train_against_their_twins_save_and_pickle(kind, preserve, seeded, tmp_path):
+    """An exact training step (dropout on) against the stored-activation twin (the decoder's gradients
+    bitwise, the encoder's within float rounding); save / load, a pickle and a fresh process."""
+    model = revify(more_seq2seq(kind, seeded, dropout=0.1), preserve=preserve, exact=True).train()
+    inputs = {**more_seq2seq_source(kind), "decoder_input_ids": torch.randint(3, 128, (2, 6))}
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
+                                        preserve=preserve, encoder_side=("model.encoder.", "model.shared.",
+                                                                         "led.encoder.", "led.shared."))
+    assert_round_trips(model, inputs, tmp_path)
+
+
 @pytest.mark.parametrize("seq2seq_model", [False, True])
 def test_a_generated_token_the_library_ranks_clearly_lower_fails_the_greedy_check(seq2seq_model, seeded):
     """The greedy comparison forgives only near ties: the library's generation with one token replaced

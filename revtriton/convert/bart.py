@@ -1,16 +1,17 @@
 """The BART lineage: its decoders as causal LMs (``BartForCausalLM`` and its kin: MBart, Pegasus,
 Blenderbot, BigBird-Pegasus and Whisper's decoder with pre-norm layers; BART, Marian, Blenderbot-Small,
-TrOCR, MVP, PLBart with post-norm ones), and the encoders of its seq2seq models (``BartEncoder`` and its
-kin, found as a part of ``BartForConditionalGeneration``, ``MarianMTModel``, ``M2M100Model``, ...: the
-decoder, whose cross-attention reads the encoder's states at every layer, stays as it is).
+TrOCR, MVP, PLBart with post-norm ones), and both stacks of its seq2seq models (``BartEncoder``,
+``BartDecoder`` and their kin, found as parts of ``BartForConditionalGeneration``, ``MarianMTModel``,
+``M2M100Model``, ``Speech2TextForConditionalGeneration``, ...; the decoders alone of models whose
+encoder another attention runs: PEGASUS-X, LED).
 
 Their layers have OPT's parts (``self_attn``, ``self_attn_layer_norm``, ``fc1``, ``fc2``,
-``final_layer_norm``); a decoder's cross-attention (``encoder_attn``) runs only when the model is given
-an encoder's states, so a causal LM without them computes OPT's layer. The pre-norm layers run OPT's
-halves (checked on a probe at conversion), the post-norm ones convert under ``preserve="meft1"`` /
-``"meft2"``, the whole layer one half (convert.postnorm). A causal LM called with
-``encoder_hidden_states`` refuses (the host model's input check); the cross-attention's weights stay in
-the layer, unused, as they are in the library's causal LM without an encoder."""
+``final_layer_norm``) and a decoder's a cross-attention (``encoder_attn``, ``encoder_attn_layer_norm``),
+run when the model is given an encoder's states: the conditioning carries them (and their mask) to the
+halves, so their gradient reaches the encoder. Pre-norm layers run OPT's halves (checked on a probe at
+conversion, without an encoder's states), a decoder's F its self-attention then its cross-attention on
+the sum (:class:`_CrossAttendingHalf`); post-norm ones convert under ``preserve="meft1"`` / ``"meft2"``,
+the whole layer one half (convert.postnorm)."""
 from __future__ import annotations
 
 from .core import Family, LayerSpec, _dropout, _host_block_mixins, _pickled_host_classes
@@ -34,7 +35,11 @@ _MODELS = (("bart", "Bart", False, _ALL),
            ("mvp", "Mvp", False, ("ForCausalLM", "Decoder")),  # (its encoder's layers take a prompt, None or not)
            ("plbart", "PLBart", False, _ALL),
            ("whisper", "Whisper", True, ("ForCausalLM", "Decoder")),  # (Whisper's encoder: convert.whisper)
-           ("m2m_100", "M2M100", True, ("Decoder", "Encoder")))
+           ("m2m_100", "M2M100", True, ("Decoder", "Encoder")),
+           ("speech_to_text", "Speech2Text", True, ("Decoder", "Encoder")),  # (its encoder reads audio features)
+           ("pegasus_x", "PegasusX", True, ("Decoder",)),  # (its encoder: block-local attention, global tokens)
+           ("led", "LED", False, ("Decoder",)))  # (its encoder: Longformer's attention)
+_AUDIO_ENCODERS = {"Speech2TextEncoder"}
 # class name -> (what it is: one of _ALL, pre-norm layers)
 _CLASSES = {f"{prefix}{kind}": (kind, pre_norm) for _, prefix, pre_norm, kinds in _MODELS for kind in kinds}
 # The parts of every layer: OPT's, and a decoder's cross-attention (run when the model is given an
@@ -79,6 +84,13 @@ class _HostBartEncoder(_HostDecoderModel):
     _rope, _caches = False, False
 
 
+class _HostBartAudioEncoder(_HostBartEncoder):
+    """An encoder of audio features (Speech2Text's): its mask, made from the features', goes to the
+    library's modules as it is."""
+
+    _tokens_input = False
+
+
 def _encoder_layer_inputs(x, block):
     """:func:`_probe_layers`' inputs of an encoder layer: no mask (every token sees every other)."""
     return dict(attention_mask=None), _pack_host_cond(None, None, None, (None, None), True, x)
@@ -110,7 +122,8 @@ def _convert_bart(model, conversion, found=None):
     if getattr(config, "use_prompt", False):  # MVP's prompts: each layer its own, which no half is given
         raise NotImplementedError(f"revify: {name} with use_prompt=True gives each layer prompts of its own: "
                                   f"not supported")
-    host = _HostBartEncoder if encoder else _HostBartDecoder
+    host = (_HostBartAudioEncoder if _family_class(model) in _AUDIO_ENCODERS else _HostBartEncoder) if encoder else \
+        _HostBartDecoder
     if not pre_norm:  # post-norm: the whole layer as one half (given the encoder's states, a decoder's)
         require_whole_layer_mode(conversion, name)
         for block in base.layers:
@@ -138,7 +151,8 @@ def _pickled(module: str, prefix: str, pre_norm: bool, kinds: tuple) -> dict:
                                          _HostBartDecoder))
     if "Encoder" in kinds:
         blocks = (_HostOPTBlock, _HostOPTOrdinaryBlock) if pre_norm else post_norm
-        out.update(_pickled_host_classes(module, f"{prefix}EncoderLayer", blocks, f"{prefix}Encoder", _HostBartEncoder))
+        host = _HostBartAudioEncoder if f"{prefix}Encoder" in _AUDIO_ENCODERS else _HostBartEncoder
+        out.update(_pickled_host_classes(module, f"{prefix}EncoderLayer", blocks, f"{prefix}Encoder", host))
     return out
 
 
@@ -149,7 +163,7 @@ FAMILY = Family("bart", ("the BART lineage: its decoders as causal LMs (MBartFor
                          "the whole layer one half), with an encoder's states too (a vision encoder-decoder's "
                          "TrOCR), and both stacks of its seq2seq models, any head: the encoder and the decoder with "
                          "its cross-attention (BART, mBART, Pegasus, Marian, Blenderbot, Blenderbot-Small, PLBart, "
-                         "M2M100; the decoder of MVP, BigBird-Pegasus and Whisper)",),
+                         "M2M100, Speech2Text; the decoder of MVP, BigBird-Pegasus, Whisper, PEGASUS-X and LED)",),
                 _convert_bart, halves="library",
                 classes=tuple(("transformers", name) for name in _CLASSES),
                 pickled={name: entry for model in _MODELS for name, entry in _pickled(*model).items()})
