@@ -1,4 +1,4 @@
-"""T5, mT5 and UMT5 under revify (revtriton/convert/t5.py): both stacks reversible under the library's
+"""T5, mT5, UMT5 and Pop2Piano under revify (revtriton/convert/t5.py): both stacks reversible under the library's
 own forward, T5's relative position bias (the first block makes it) shared through the conditioning
 (its gradient reaching the table), UMT5's made by each block, the decoder's cross-attention reading the
 encoder's states."""
@@ -69,6 +69,23 @@ def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, 
         if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
             break
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_pop2pianos_stacks_are_t5s(seeded):
+    """Pop2Piano (T5's stacks under its own names): both convert, the logits within the coupling's term,
+    an exact training step against its twin."""
+    original = t5("Pop2Piano", seed=seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert stacks(model) == ["encoder.block", "decoder.block"]
+    inputs = batch()
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    model = revify(t5("Pop2Piano", seed=seeded, dropout_rate=0.1), exact=True).train()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
+                                        encoder_side=("encoder.", "shared."))
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only

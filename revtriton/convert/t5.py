@@ -1,6 +1,6 @@
-"""Hugging Face T5, mT5 and UMT5: both stacks (``T5Stack``: the encoder and the decoder, found as parts of
-``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` and the other heads). Each block is
-pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then
+"""Hugging Face T5, mT5, UMT5 and Pop2Piano: both stacks (``T5Stack``: the encoder and the decoder,
+found as parts of ``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` and the other heads).
+Each block is pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then
 ``+ dropout(EncDecAttention(layer_norm(h), encoder states))``, then
 ``+ dropout(DenseReluDense(layer_norm(h)))``. F is the attention branch (a decoder's self- then
 cross-attention), G the feed-forward; both run the block's own modules through the library's forward
@@ -119,6 +119,7 @@ class _HostT5Stack(_HostDecoderModel):
 # stack class -> (module, its block class, whether the first block's bias is shared, the block mixins)
 _STACKS = {"T5Stack": ("t5", "T5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "MT5Stack": ("mt5", "MT5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
+           "Pop2PianoStack": ("pop2piano", "Pop2PianoBlock", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "UMT5Stack": ("umt5", "UMT5Block", False, (_HostUMT5Block, _HostUMT5OrdinaryBlock))}
 
 
@@ -143,9 +144,10 @@ def _convert_t5(model, conversion, found=None):
     _convert_hosted_layers(model, model, "block", conversion, mixins, _HostT5Stack)
 
 
-FAMILY = Family("t5", ("transformers T5, mT5 and UMT5: both stacks (T5Stack: encoder and decoder, the decoder's "
-                       "cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel and the "
-                       "other heads; T5's relative position bias shared from the first block, UMT5's one a block",),
+FAMILY = Family("t5", ("transformers T5, mT5, UMT5 and Pop2Piano: both stacks (T5Stack: encoder and decoder, the "
+                       "decoder's cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel "
+                       "and the other heads; T5's relative position bias shared from the first block, UMT5's one a "
+                       "block",),
                 _convert_t5, halves="library",
                 classes=tuple(("transformers", stack) for stack in _STACKS),
                 pickled={name: entry for stack, (module, block, _, mixins) in _STACKS.items()
