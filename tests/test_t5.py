@@ -141,3 +141,59 @@ def test_a_block_with_a_relative_bias_of_its_own_is_refused(seeded):
     with pytest.raises(NotImplementedError, match="block 1: only the first block's self-attention"):
         revify(model)
     assert not stacks(model)
+
+
+def t5gemma(head="ForConditionalGeneration", seed=0, **overrides):
+    """A tiny T5Gemma: Gemma 2's sandwich layers, a sliding window of 4 on every other layer, softcapped
+    attention; weights off their small init (every branch shows in the outputs)."""
+    torch.manual_seed(seed)
+    stack = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=4, dropout_rate=0.0, attention_dropout=0.0,
+                 query_pre_attn_scalar=16)
+    stack.update(overrides)
+    config = transformers.T5GemmaConfig(encoder=dict(stack), decoder=dict(stack), vocab_size=128, pad_token_id=0,
+                                        eos_token_id=2, bos_token_id=1, decoder_start_token_id=1)
+    model = getattr(transformers, f"T5Gemma{head}")(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_t5gemma_converts_both_stacks_keeping_the_librarys_function(preserve, seeded):
+    """T5Gemma (revtriton/convert/t5gemma.py): both stacks, the logits and both stacks' hidden states on
+    padded source rows within the coupling's term (sliding-window and full layers each with the
+    library's mask of their kind), greedy generation with the library's cache (its self-attention and
+    cross-attention parts): tokens, and each step's logits while they agree."""
+    original = t5gemma(seed=seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    assert stacks(model) == ["model.encoder.layers", "model.decoder.layers"]
+    assert [block._revtriton_spec.window for block in model.model.encoder.layers] == [4, None, 4][:DEPTH]
+    inputs = batch()
+    with torch.no_grad():
+        theirs, ours = (m(**inputs, output_hidden_states=True) for m in (original, model))
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
+    for states in ("encoder_hidden_states", "decoder_hidden_states"):
+        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    ours, theirs = (m.generate(**source, max_new_tokens=6, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True) for m in (model, original))
+    assert_greedy_tokens_are_the_librarys(original, ours.sequences, theirs.sequences, source=source)
+    for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):
+        if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
+            break
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+
+
+def test_t5gemma_trains_against_its_twin_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with dropout on against the stored-activation twin (the decoder's
+    gradients bitwise, the encoder's within float rounding); save / load, a pickle, a fresh process."""
+    model = revify(t5gemma(seed=seeded, dropout_rate=0.1), exact=True).train()
+    inputs = batch()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded)
+    assert_round_trips(model, inputs, tmp_path)
