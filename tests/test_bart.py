@@ -13,9 +13,9 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 from revtriton.profiling import peak_memory
 
-from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
-from test_host_forward import (assert_greedy_tokens_are_the_librarys, assert_preserved_on_whole_and_padded_rows,
-                               assert_saves_and_pickles, assert_training_logits_are_the_librarys)
+from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
+from test_host_forward import (assert_preserved_on_whole_and_padded_rows, assert_saves_and_pickles,
+                               assert_training_logits_are_the_librarys)
 from test_postnorm import assert_exact_step_equals_its_twin
 from test_revify import DEPTH
 

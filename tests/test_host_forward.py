@@ -18,7 +18,8 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 
 from fresh_process import run_python
-from revified import assert_exact_step_equals_twin, assert_loads_in_a_fresh_process, assert_round_trips
+from revified import (assert_exact_step_equals_twin, assert_greedy_tokens_are_the_librarys,
+                      assert_loads_in_a_fresh_process, assert_round_trips)
 from test_models import check_against_twin
 from test_revify import DEPTH, hf_bigcode, hf_gptj, hf_llama, hf_qwen2, hf_vit
 
@@ -143,30 +144,6 @@ def assert_keeps_the_librarys_function(original, model, ids, *inputs):
     ours = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
     assert_greedy_tokens_are_the_librarys(original, ours, original.generate(prompt, max_new_tokens=6, do_sample=False,
                                                                             use_cache=True))
-
-
-def assert_greedy_tokens_are_the_librarys(original, ours, theirs, relative=2e-3, source=None):
-    """Greedy generations ``ours`` (a converted model's) and ``theirs`` (the library's, from the same
-    prompt) agree, but where the library's own logits tie within the conversion's term (``relative`` to
-    the largest logit): there rounding picks either token (a preserving conversion is the function up
-    to a term of 2**-scale_bits), and each row is compared up to the first such token. A token the
-    library ranks clearly lower fails. ``source``: a seq2seq model's encoder inputs (the generations
-    are then its decoder's tokens)."""
-    assert ours.shape == theirs.shape
-    for row in range(ours.shape[0]):
-        differ = (ours[row] != theirs[row]).nonzero()
-        if not len(differ):
-            continue
-        at = int(differ[0])  # (the prompts are the same: a generated position)
-        prefix = theirs[row:row + 1, :at]
-        inputs = (dict(input_ids=prefix) if source is None else
-                  {**{key: value[row:row + 1] for key, value in source.items()}, "decoder_input_ids": prefix})
-        with torch.no_grad():
-            logits = original(**inputs, use_cache=False).logits[0, -1]
-        gap = (logits.max() - logits[ours[row, at]]).item()
-        assert gap <= relative * logits.abs().max().item(), (
-            f"row {row}: token {int(ours[row, at])} at position {at} where the library's greedy choice is "
-            f"{int(theirs[row, at])}, {gap:.2e} below it (not a tie within the conversion's term)")
 
 
 def _decoder(family, seed, **overrides):

@@ -9,8 +9,7 @@ import torch
 from revtriton import ReversibleStack
 from revtriton.convert import revify
 
-from revified import assert_round_trips, assert_seq2seq_step_equals_its_twin
-from test_host_forward import assert_greedy_tokens_are_the_librarys
+from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
 
 transformers = pytest.importorskip("transformers")
 

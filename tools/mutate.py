@@ -1423,7 +1423,7 @@ MUTANTS = [
            "host,\n                               layer_tuples=tuples)\n        return", "host)\n        return",
            ("tests/test_bart.py", "-k", "post_norm and TrOCR"),
            "TrOCR's and MVP's loops, which read each layer's output as outputs[0], given bare tensors"),
-    Mutant("greedy-check-forgives-any-token", "tests/test_host_forward.py",
+    Mutant("greedy-check-forgives-any-token", "tests/revified.py",
            "        assert gap <= relative * logits.abs().max().item(), (",
            "        assert gap <= float(\"inf\"), (",
            ("tests/test_bart.py", "-k", "ranks_clearly_lower"),
