@@ -11,11 +11,9 @@ from revtriton.models import to_stored_activations
 from fresh_process import run_python
 
 
-def assert_exact_step_equals_twin(model, loss_of, seed=None):
-    """An exact training step (``loss_of(model)``, then backward) of a revified model: the loss and
-    every gradient bitwise those of its stored-activation twin; a parameter without a gradient (a
-    part the loss does not reach) has none in either. ``seed``: set before each step (the same
-    dropout draws in both). Returns the twin."""
+def _steps_with_twin(model, loss_of, seed=None):
+    """A training step (``loss_of``, then backward; ``seed`` set before each) of the model and of its
+    stored-activation twin, their losses bitwise equal. Returns the twin."""
     twin = to_stored_activations(copy.deepcopy(model))
     losses = []
     for m in (model, twin):
@@ -24,6 +22,51 @@ def assert_exact_step_equals_twin(model, loss_of, seed=None):
         losses.append(loss_of(m))
         losses[-1].backward()
     assert torch.equal(*losses)
+    return twin
+
+
+def seq2seq_batch():
+    """A seq2seq model's source rows (the second left-padded) and decoder inputs (vocabulary 128)."""
+    ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 128, (2, 6)))
+
+
+def assert_seq2seq_keeps_the_librarys_function(original, model, inputs, depth=None, relative=2e-3):
+    """A preserving conversion of a seq2seq model on ``inputs`` (:func:`seq2seq_batch`): the logits and
+    both stacks' hidden states (``depth`` + 1 of each when given) within ``relative`` of the largest of
+    the library's, and its greedy generation with the library's cache after the decoder inputs' first
+    four: the tokens (:func:`assert_greedy_tokens_are_the_librarys`) and each step's logits while the
+    tokens agree."""
+    with torch.no_grad():
+        theirs, ours = (m(**inputs, output_hidden_states=True) for m in (original, model))
+    pairs = [(ours.logits, theirs.logits)]
+    for states in ("encoder_hidden_states", "decoder_hidden_states"):
+        if depth is not None:
+            assert len(getattr(ours, states)) == len(getattr(theirs, states)) == depth + 1
+        pairs += zip(getattr(ours, states), getattr(theirs, states))
+    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    # From a prefix of distinct tokens: a tiny random model's greedy choice soon repeats one token, and
+    # over equal keys and values no position (T5's relative bias) would change a logit.
+    prefix = inputs["decoder_input_ids"][:, :4]
+    ours, theirs = (m.generate(**source, decoder_input_ids=prefix, max_new_tokens=6, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True) for m in (model, original))
+    assert_greedy_tokens_are_the_librarys(original, ours.sequences, theirs.sequences, relative, source=source)
+    for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):
+        if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
+            break
+        pairs.append((a, b))
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=0, atol=relative * b.abs().max().item())
+
+
+def assert_exact_step_equals_twin(model, loss_of, seed=None):
+    """An exact training step (``loss_of(model)``, then backward) of a revified model: the loss and
+    every gradient bitwise those of its stored-activation twin; a parameter without a gradient (a
+    part the loss does not reach) has none in either. ``seed``: set before each step (the same
+    dropout draws in both). Returns the twin."""
+    twin = _steps_with_twin(model, loss_of, seed)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
     return twin
@@ -38,14 +81,7 @@ def assert_seq2seq_step_equals_its_twin(model, loss_of, seed=None, preserve=None
     reach the encoder's states summed in another order (a layer's projections first, then over the
     layers; autograd adds each as it comes). meft1's top G adapter has no gradient in the twin, a zero
     one here."""
-    twin = to_stored_activations(copy.deepcopy(model))
-    losses = []
-    for m in (model, twin):
-        if seed is not None:
-            torch.manual_seed(seed)
-        losses.append(loss_of(m))
-        losses[-1].backward()
-    assert torch.equal(*losses)
+    twin = _steps_with_twin(model, loss_of, seed)
     mine, theirs = dict(model.named_parameters()), dict(twin.named_parameters())
     encoder = [name for name in mine if name.startswith(encoder_side) and theirs[name].grad is not None]
     largest = max(theirs[name].grad.abs().max().item() for name in encoder)

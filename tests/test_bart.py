@@ -13,7 +13,8 @@ from revtriton.convert import revify
 from revtriton.models import to_stored_activations
 from revtriton.profiling import peak_memory
 
-from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
+from revified import (assert_greedy_tokens_are_the_librarys, assert_round_trips,
+                      assert_seq2seq_keeps_the_librarys_function, assert_seq2seq_step_equals_its_twin, seq2seq_batch)
 from test_host_forward import (assert_preserved_on_whole_and_padded_rows, assert_saves_and_pickles,
                                assert_training_logits_are_the_librarys)
 from test_postnorm import assert_exact_step_equals_its_twin
@@ -114,14 +115,6 @@ def seq2seq(kind, head, seed, **overrides):
     return getattr(transformers, f"{kind}{head}")(config).eval()
 
 
-def seq2seq_batch():
-    """Source rows (the second left-padded) and decoder inputs."""
-    ids = torch.randint(3, 128, (2, 10))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 128, (2, 6)))
-
-
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("kind, head, pre_norm", SEQ2SEQ)
 def test_seq2seq_models_convert_both_stacks_keeping_the_librarys_function(kind, head, pre_norm, seeded):
@@ -129,23 +122,12 @@ def test_seq2seq_models_convert_both_stacks_keeping_the_librarys_function(kind, 
     for post-norm ones; the decoder's cross-attention reads the encoder's states through the
     conditioning): the logits and both stacks' hidden states on padded rows within the coupling's
     term of the library's, and its greedy generation with the library's cache (the cross-attention's
-    keys and values computed once)."""
+    keys and values computed once): its tokens, and each step's logits while they agree."""
     original = seq2seq(kind, head, seeded)
     model = revify(copy.deepcopy(original), preserve="meft3" if pre_norm else "meft1", scale_bits=16,
                    exact=False).eval()
     assert type(model.get_encoder().layers).__name__ == type(model.get_decoder().layers).__name__ == "ReversibleStack"
-    batch = seq2seq_batch()
-    with torch.no_grad():
-        theirs, ours = (m(**batch, output_hidden_states=True) for m in (original, model))
-    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
-    for states in ("encoder_hidden_states", "decoder_hidden_states"):
-        assert len(getattr(ours, states)) == len(getattr(theirs, states)) == DEPTH + 1
-        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
-            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
-    source = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    assert_greedy_tokens_are_the_librarys(original, model.generate(**source, max_new_tokens=5, do_sample=False),
-                                          original.generate(**source, max_new_tokens=5, do_sample=False),
-                                          source=source)
+    assert_seq2seq_keeps_the_librarys_function(original, model, seq2seq_batch(), DEPTH)
 
 
 @pytest.mark.parametrize("kind, preserve", [("MBart", None), ("Bart", "meft1"), ("M2M100", None)])

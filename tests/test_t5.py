@@ -1,7 +1,7 @@
-"""T5, mT5, UMT5 and Pop2Piano under revify (revtriton/convert/t5.py): both stacks reversible under the library's
-own forward, T5's relative position bias (the first block makes it) shared through the conditioning
-(its gradient reaching the table), UMT5's made by each block, the decoder's cross-attention reading the
-encoder's states."""
+"""T5, mT5, UMT5, Pop2Piano (revtriton/convert/t5.py) and T5Gemma (revtriton/convert/t5gemma.py) under
+revify: both stacks reversible under the library's own forward, T5's relative position bias (the first
+block makes it) shared through the conditioning (its gradient reaching the table), UMT5's made by each
+block, the decoder's cross-attention reading the encoder's states."""
 import copy
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 from revtriton.convert import revify
 from revtriton.profiling import peak_memory
 
-from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
+from revified import (assert_round_trips, assert_seq2seq_keeps_the_librarys_function,
+                      assert_seq2seq_step_equals_its_twin, seq2seq_batch)
 from test_revify import DEPTH
 
 transformers = pytest.importorskip("transformers")
@@ -18,21 +19,19 @@ transformers = pytest.importorskip("transformers")
 
 def t5(kind="T5", head="ForConditionalGeneration", seed=0, **overrides):
     """A tiny T5-family model at T5's own initialisation (every branch shows in the outputs; three times
-    larger weights amplify the couplings' 2**-16 term past the tests' bound), no dropout unless asked."""
+    larger weights amplify the couplings' 2**-16 term past the tests' bound) but for its relative
+    position tables, no dropout unless asked."""
     torch.manual_seed(seed)
     config = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=96, num_layers=DEPTH, num_decoder_layers=DEPTH,
                   num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, dropout_rate=0.0,
                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
     config = getattr(transformers, f"{kind}Config")(**{**config, **overrides})
-    return getattr(transformers, f"{kind}{head}")(config).eval()
-
-
-def batch():
-    """Source rows (the second left-padded) and decoder inputs."""
-    ids = torch.randint(3, 128, (2, 10))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, 128, (2, 6)))
+    model = getattr(transformers, f"{kind}{head}")(config)
+    with torch.no_grad():  # relative position biases that matter (at T5's init they barely move a logit)
+        for name, table in model.named_parameters():
+            if name.endswith("relative_attention_bias.weight"):
+                table.normal_(0.0, 2.0)
+    return model.eval()
 
 
 def stacks(model) -> list:
@@ -45,29 +44,14 @@ def stacks(model) -> list:
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, preserve, seeded):
     """Both stacks convert (T5, mT5, UMT5 with a bias table in every block, Flan-T5's gated-GELU
-    feed-forward): the logits and both stacks'
-    hidden states on padded source rows within the coupling's term of the library's, and its greedy
-    generation with the library's cache (the decoder's bias for the queries past the cached tokens):
-    its tokens, and each step's logits while the tokens agree."""
+    feed-forward): the logits and both stacks' hidden states on padded source rows within the
+    coupling's term of the library's, and its greedy generation with the library's cache (the
+    decoder's bias for the queries past the cached tokens): its tokens, and each step's logits while
+    the tokens agree."""
     original = t5(kind, seed=seeded, **overrides)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert stacks(model) == ["encoder.block", "decoder.block"]
-    inputs = batch()
-    with torch.no_grad():
-        theirs, ours = (m(**inputs, output_hidden_states=True) for m in (original, model))
-    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
-    for states in ("encoder_hidden_states", "decoder_hidden_states"):
-        assert len(getattr(ours, states)) == len(getattr(theirs, states)) == DEPTH + 1
-        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
-            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
-    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-    ours, theirs = (m.generate(**source, max_new_tokens=6, do_sample=False, output_scores=True,
-                               return_dict_in_generate=True) for m in (model, original))
-    assert_greedy_tokens_are_the_librarys(original, ours.sequences, theirs.sequences, source=source)
-    for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):  # each step's logits, while the tokens agree
-        if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
-            break
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    assert_seq2seq_keeps_the_librarys_function(original, model, seq2seq_batch(), DEPTH)
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
@@ -77,7 +61,7 @@ def test_pop2pianos_stacks_are_t5s(seeded):
     original = t5("Pop2Piano", seed=seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert stacks(model) == ["encoder.block", "decoder.block"]
-    inputs = batch()
+    inputs = seq2seq_batch()
     with torch.no_grad():
         theirs, ours = original(**inputs).logits, model(**inputs).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
@@ -93,7 +77,7 @@ def test_t5s_encoder_model_converts_its_stack(seeded):
     original = t5(head="EncoderModel", seed=seeded)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert stacks(model) == ["encoder.block"]
-    inputs = batch()
+    inputs = seq2seq_batch()
     del inputs["decoder_input_ids"]
     with torch.no_grad():
         theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
@@ -107,7 +91,7 @@ def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, seeded, tm
     reach the encoder's states summed in another order); the relative position tables get their
     gradients through the shared bias; save / load, a pickle and a fresh process give the model back."""
     model = revify(t5(kind, seed=seeded, dropout_rate=0.1), preserve=preserve, exact=True).train()
-    inputs = batch()
+    inputs = seq2seq_batch()
     labels = torch.randint(3, 128, (2, 6))
     assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
                                         preserve=preserve, encoder_side=("encoder.", "shared."))
@@ -171,28 +155,14 @@ def test_t5gemma_converts_both_stacks_keeping_the_librarys_function(preserve, se
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert stacks(model) == ["model.encoder.layers", "model.decoder.layers"]
     assert [block._revtriton_spec.window for block in model.model.encoder.layers] == [4, None, 4][:DEPTH]
-    inputs = batch()
-    with torch.no_grad():
-        theirs, ours = (m(**inputs, output_hidden_states=True) for m in (original, model))
-    torch.testing.assert_close(ours.logits, theirs.logits, rtol=0, atol=2e-3 * theirs.logits.abs().max().item())
-    for states in ("encoder_hidden_states", "decoder_hidden_states"):
-        for a, b in zip(getattr(ours, states), getattr(theirs, states)):
-            torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
-    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-    ours, theirs = (m.generate(**source, max_new_tokens=6, do_sample=False, output_scores=True,
-                               return_dict_in_generate=True) for m in (model, original))
-    assert_greedy_tokens_are_the_librarys(original, ours.sequences, theirs.sequences, source=source)
-    for step, (a, b) in enumerate(zip(ours.scores, theirs.scores)):
-        if not torch.equal(ours.sequences[:, :step + 1], theirs.sequences[:, :step + 1]):
-            break
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    assert_seq2seq_keeps_the_librarys_function(original, model, seq2seq_batch(), DEPTH)
 
 
 def test_t5gemma_trains_against_its_twin_saves_and_pickles(seeded, tmp_path):
     """An exact training step with dropout on against the stored-activation twin (the decoder's
     gradients bitwise, the encoder's within float rounding); save / load, a pickle, a fresh process."""
     model = revify(t5gemma(seed=seeded, dropout_rate=0.1), exact=True).train()
-    inputs = batch()
+    inputs = seq2seq_batch()
     labels = torch.randint(3, 128, (2, 6))
     assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded)
     assert_round_trips(model, inputs, tmp_path)
