@@ -61,6 +61,24 @@ def assert_seq2seq_keeps_the_librarys_function(original, model, inputs, depth=No
         torch.testing.assert_close(a, b, rtol=0, atol=relative * b.abs().max().item())
 
 
+def assert_seq2seq_memory_flat_in_depth(build, tokens=128):
+    """A training step's peak memory past its parameter gradients, for a seq2seq model ``build(depth)``
+    (vocabulary 128) with ``depth`` layers in each stack: revified, at 8 layers at most 1.05x its peak
+    at 4; unconverted, at least 1.5x (what the reversible stacks remove)."""
+    from revtriton import revify
+    from revtriton.profiling import peak_memory
+
+    def step_peak(depth, convert):
+        model = build(depth)
+        model = (revify(model) if convert else model).train()
+        ids, labels = torch.randint(3, 128, (2, tokens)), torch.randint(3, 128, (2, tokens))
+        model(input_ids=ids, labels=labels).loss.backward()  # (the parameter gradients exist before the peak)
+        return peak_memory(lambda: model(input_ids=ids, labels=labels).loss.backward())
+
+    assert step_peak(8, True) <= 1.05 * step_peak(4, True)
+    assert step_peak(8, False) >= 1.5 * step_peak(4, False)
+
+
 def assert_exact_step_equals_twin(model, loss_of, seed=None):
     """An exact training step (``loss_of(model)``, then backward) of a revified model: the loss and
     every gradient bitwise those of its stored-activation twin; a parameter without a gradient (a
