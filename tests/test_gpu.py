@@ -696,3 +696,31 @@ def test_a_captured_steps_memory_pool_is_flat_in_depth(schedule):
         del step, stack, optimizer
         torch.cuda.empty_cache()
     assert pools[4] > 0 and pools[8] <= 1.3 * pools[4], pools
+
+
+@pytest.mark.parametrize("kind", ["t5", "mbart"])
+def test_a_revified_seq2seq_step_on_cuda_is_its_twins(kind):
+    """Both stacks of a revified seq2seq model on CUDA (the library's attention modules: T5's with the
+    math kernel pinned, mBART's with SDPA's choice; the decoder's cross-attention reading the encoder's
+    states): an exact training step with dropout, 256 source tokens, against its stored-activation twin
+    (the decoder's gradients bitwise, the encoder's within float rounding), the rebuild's checksums
+    passing."""
+    pytest.importorskip("transformers")
+    from revified import assert_seq2seq_step_equals_its_twin
+
+    from revtriton import revify
+
+    if kind == "t5":
+        from test_t5 import t5
+
+        model, encoder_side = t5(seed=0, dropout_rate=0.1), ("encoder.", "shared.")
+    else:
+        from test_bart import seq2seq
+
+        model = seq2seq("MBart", "ForConditionalGeneration", 0, dropout=0.1, init_std=0.02, max_position_embeddings=512)
+        encoder_side = ("model.encoder.", "model.shared.")
+    model = revify(model, exact=True).cuda().train()
+    ids = torch.randint(3, 128, (2, 256), device="cuda")
+    labels = torch.randint(3, 128, (2, 64), device="cuda")
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(input_ids=ids, labels=labels).loss, seed=0,
+                                        encoder_side=encoder_side)
