@@ -10,6 +10,7 @@ import torch
 from revtriton import revify, to_stored_activations
 from revtriton.profiling import peak_memory
 
+from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
 from test_host_forward import _opt, assert_saves_and_pickles
 from test_models import check_against_twin
 
@@ -307,3 +308,65 @@ def test_post_norm_opt_converts_decodes_with_its_cache_trains_and_pickles(mode, 
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert_saves_and_pickles(model, ids, tmp_path)
+
+
+def _bert_decoder(seed, **overrides):
+    """A tiny BertLMHeadModel configured as a decoder with cross-attention (an EncoderDecoderModel's)."""
+    return hf_encoder("Bert", "LMHeadModel", seed=seed, is_decoder=True, add_cross_attention=True,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("mode", ["meft1", "meft2"])
+def test_bert_style_decoders_keep_their_function_with_and_without_an_encoder(mode, seeded):
+    """BERT's layers as a decoder (is_decoder=True, with cross-attention): the whole layer one half, its
+    causal self-attention's cache while decoding, an encoder's states through the conditioning. The
+    logits with and without encoder states within the coupling's term of the library's, greedy
+    decoding with the cache (the library's own generate with encoder states fails on its cache, so
+    without)."""
+    original = _bert_decoder(seeded)
+    model = revify(copy.deepcopy(original), preserve=mode, scale_bits=16, exact=False).eval()
+    ids, states = torch.randint(1, 128, (2, 9)), torch.randn(2, 5, 64)
+    with torch.no_grad():
+        for extra in ({}, {"encoder_hidden_states": states}):
+            theirs, ours = original(input_ids=ids, **extra).logits, model(input_ids=ids, **extra).logits
+            assert relative(ours, theirs) <= 2e-3
+    assert_greedy_tokens_are_the_librarys(original, model.generate(ids[:, :4], max_new_tokens=5, do_sample=False),
+                                          original.generate(ids[:, :4], max_new_tokens=5, do_sample=False))
+
+
+def _bert2bert(seed, dropout=0.0):
+    torch.manual_seed(seed)
+    encoder = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                      attention_probs_dropout_prob=0.0)
+    decoder = transformers.BertConfig(**{**encoder.to_dict(), "is_decoder": True, "add_cross_attention": True})
+    model = transformers.EncoderDecoderModel(
+        transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+    model.config.decoder_start_token_id = model.generation_config.decoder_start_token_id = 1
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_bert2bert_converts_both_stacks_trains_against_its_twin_and_pickles(seeded, tmp_path):
+    """An EncoderDecoderModel of two BERTs under meft1: both stacks (the decoder's cross-attention
+    reading the encoder's states), the logits within the coupling's term and greedy generation with the
+    library's cache; an exact training step against its twin (the decoder's gradients bitwise, the
+    encoder's within float rounding); save / load, a pickle, a fresh process."""
+    original = _bert2bert(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft1", scale_bits=16, exact=False).eval()
+    assert [n for n, m in model.named_modules() if type(m).__name__ == "ReversibleStack"] == [
+        "encoder.encoder.layer", "decoder.bert.encoder.layer"]
+    ids, decoder_ids = torch.randint(2, 128, (2, 10)), torch.randint(2, 128, (2, 6))
+    with torch.no_grad():
+        theirs = original(input_ids=ids, decoder_input_ids=decoder_ids).logits
+        assert relative(model(input_ids=ids, decoder_input_ids=decoder_ids).logits, theirs) <= 2e-3
+    assert_greedy_tokens_are_the_librarys(original, model.generate(ids, max_new_tokens=5, do_sample=False),
+                                          original.generate(ids, max_new_tokens=5, do_sample=False),
+                                          source=dict(input_ids=ids))
+    model = revify(_bert2bert(seeded, dropout=0.1), preserve="meft1").train()
+    inputs = dict(input_ids=ids, decoder_input_ids=decoder_ids)
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=decoder_ids).loss, seed=seeded,
+                                        preserve="meft1", encoder_side=("encoder.",))
+    assert_round_trips(model, inputs, tmp_path)

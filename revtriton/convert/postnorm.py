@@ -164,17 +164,19 @@ def _convert_postnorm_encoder(model, conversion, base):
     # BERT's own caches only as a decoder, refused by its config).
     decodes = _loop_source_matches(base, r"\buse_cache\b") and not _loop_source_matches(
         base, r"if self\.config\.is_decoder:")
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False) or decodes:
-        raise NotImplementedError(f"revify: {name} as a decoder (is_decoder=True, or a model that decodes with a "
-                                  f"cache: causal self-attention with a KV cache, or cross-attention) is not "
-                                  f"supported; the encoder is")
+    decoder = bool(getattr(config, "is_decoder", False))
+    if decodes and not decoder:
+        raise NotImplementedError(f"revify: {name} as a decoder (a model that decodes with a cache whatever its "
+                                  f"config's is_decoder says: causal self-attention with a KV cache) is not "
+                                  f"supported; the encoder is, and BERT-style decoders (is_decoder=True)")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     if getattr(base.encoder, "conv", None) is not None:
         raise NotImplementedError(f"revify: {name}'s encoder adds a convolution of its input to the first layer's "
                                   f"output (conv_kernel_size={config.conv_kernel_size}, DeBERTa-v2's), which the "
                                   f"stack's layers, each taking the last one's output, do not compose: not supported")
-    for block in base.encoder.layer:
-        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    for block in base.encoder.layer:  # (a decoder's: its self-attention's cache layer while decoding)
+        block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False,
+                                          attention="attention.self" if decoder else None)
     # DeBERTa-v2's loop unpacks (output, attention weights) from each layer, RemBERT's, TAPAS's, MRA's, YOSO's
     # and Nystromformer's read the output as layer_outputs[0]: the stand-ins return a tuple; BERT's loop takes
     # one tensor.
@@ -184,14 +186,25 @@ def _convert_postnorm_encoder(model, conversion, base):
         _require_layer_loop(base.encoder, r"hidden_states = layer_module\(",
                             "take each layer's output as the next hidden states (hidden_states = layer_module(...))")
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
-                           _HostEncoderModel, layer_tuples=tuples)
+                           _HostDecodingEncoderModel if decoder else _HostEncoderModel, layer_tuples=tuples)
+
+
+class _HostDecodingEncoderModel(_HostEncoderModel):
+    """A BERT-style model configured as a decoder (is_decoder=True: BertLMHeadModel, BertGeneration's,
+    an EncoderDecoderModel's decoder): causal self-attention with a cache while decoding, and with
+    ``add_cross_attention`` its layers attend to an encoder's states."""
+
+    _class_prefix = "RevifiedHostDecodingEncoder"
+    _caches, _cross_attention = True, True
 
 
 FAMILY = Family(
     "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa and DeBERTa-v2 "
-                         "with their relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head), "
-                         "under preserve='meft1' or 'meft2'",),
+                         "with their relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head; "
+                         "as decoders too, is_decoder=True with or without cross-attention: their causal LMs, "
+                         "BertGeneration, an EncoderDecoderModel's), under preserve='meft1' or 'meft2'",),
     _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
-                 ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock})
+                 ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock,
+                 ("HostDecodingEncoder", None, "Model"): _HostDecodingEncoderModel})
 
