@@ -11,7 +11,8 @@ import torch
 from revtriton import from_pretrained, ReversibleStack
 from revtriton.convert import revify
 
-from revified import assert_exact_step_equals_twin, assert_round_trips
+from revified import (assert_exact_step_equals_twin, assert_greedy_tokens_are_the_librarys, assert_round_trips,
+                      assert_seq2seq_step_equals_its_twin)
 
 transformers = pytest.importorskip("transformers")
 
@@ -260,22 +261,26 @@ def _image_captioner(seed):
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-def test_a_part_its_family_refuses_stays_as_it_is_with_a_warning(seeded):
-    """An image captioner: the ViT encoder converts; the GPT-2 decoder's cross-attention is not a
-    reversible block's, so the decoder stays as it is and revify warns naming it and why. The
-    preserving conversion keeps the logits; an exact step is bitwise its twin's."""
+def test_an_image_captioner_converts_its_encoder_and_its_cross_attending_decoder(seeded):
+    """An image captioner: the ViT encoder and the GPT-2 decoder that cross-attends to it (its halves
+    read the encoder's states through the conditioning; the fused kernels where no states are given)
+    both convert. The preserving conversion keeps the logits and greedy generation with the library's
+    cache; an exact step against its twin: the decoder's gradients bitwise, the encoder's within float
+    rounding (the cross-attention's contributions summed in another order). (A part its family
+    refuses stays as it is with a warning: tests/test_bart.py, layerdrop in one stack.)"""
     original = _image_captioner(seeded)
-    with pytest.warns(UserWarning, match=r"left VisionEncoderDecoderModel\.decoder as it is \(.*add_cross_attention"):
-        model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    assert _stacks(model) == [model.encoder.layers]
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.encoder.layers, model.decoder.transformer.h]
     inputs = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.randint(1, 100, (2, 6)))
     with torch.no_grad():
         theirs, ours = original(**inputs).logits, model(**inputs).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
-    with pytest.warns(UserWarning, match="left VisionEncoderDecoderModel.decoder"):
-        model = revify(copy.deepcopy(original), exact=True).train()
-    assert_exact_step_equals_twin(model, lambda m: m(**inputs).loss, seed=seeded)  # (the decoder's dropout)
-    assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
+    pixels = dict(pixel_values=inputs["pixel_values"])
+    assert_greedy_tokens_are_the_librarys(original, model.generate(**pixels, max_new_tokens=5, do_sample=False),
+                                          original.generate(**pixels, max_new_tokens=5, do_sample=False),
+                                          source=pixels)
+    model = revify(copy.deepcopy(original), exact=True).train()
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs).loss, seed=seeded, encoder_side=("encoder.",))
 
 
 def test_when_every_part_is_refused_the_refusal_is_raised():

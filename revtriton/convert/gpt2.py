@@ -10,7 +10,7 @@ from ..ops.mlp import norm_mlp_couple
 from ..halves.base import parameter
 from .core import (Family, LayerSpec, _HF_ACTIVATIONS, _Half, _host_block_mixins, _p, _parts,
                    _pickled_host_classes)
-from .host import _convert_hosted_layers, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
+from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
 from .probe import _causal_layer_inputs, _check_block_loop, _has_layer_parts, _library_layers, _probe_layers
 
 
@@ -94,7 +94,7 @@ def _convert_gpt2(model, conversion, found=None):
     base = found if probe else model.transformer if hasattr(model, "transformer") else model
     config, name = base.config, type(model).__name__
     _require_hosted_layer_loop(name)
-    if getattr(config, "add_cross_attention", False):
+    if getattr(config, "add_cross_attention", False) and probe:  # (GPT-2's own: its halves attend, below)
         raise NotImplementedError(f"revify: {name} with add_cross_attention=True is not supported")
     if not len(base.h):
         raise ValueError(f"revify: {name} has no decoder layers")
@@ -148,6 +148,23 @@ class _HostGPT2AttentionHalf(_HostAttention, _GPT2AttentionHalf):
             return torch.zeros_like(x)
         return super()._modules(x)
 
+    def _fuses(self, x, host) -> bool:  # given an encoder's states, the layer's own modules (its cross-attention)
+        return host.layer_tensors.get("encoder_hidden_states") is None and super()._fuses(x, host)
+
+    def _library_call(self, x, host, extra):
+        """The self-attention branch, then (given an encoder's states: add_cross_attention, a vision
+        encoder-decoder's GPT-2) the cross-attention branch on the sum, as GPT2Block runs them."""
+        attended = super()._library_call(x, host, extra)
+        states = host.layer_tensors.get("encoder_hidden_states")
+        if states is None:
+            return attended
+        b = self.block
+        h = self._input(x, b.ln_cross_attn.weight) + attended
+        cache = {"cache": extra["cache"]} if extra.get("cache") is not None else {}  # (while decoding)
+        out = b.crossattention(b.ln_cross_attn(h), attention_mask=host.mask_for(b), encoder_hidden_states=states,
+                               encoder_attention_mask=host.layer_tensors.get("encoder_attention_mask"), **cache)
+        return attended + _first(out)
+
 
 _HostGPT2Block, _HostGPT2OrdinaryBlock = _host_block_mixins((_HostGPT2AttentionHalf, _GPT2MlpHalf))
 # Decoders admitted by GPT-2's layer conventions (GPTBigCode): their own names, found again on unpickling.
@@ -160,6 +177,10 @@ class _HostGPT2Model(_HostDecoderModel):
 
     _layers, _rope = "h", False
 
+    @property
+    def _cross_attention(self):  # (add_cross_attention: its layers attend to an encoder's states)
+        return bool(getattr(self.config, "add_cross_attention", False))
+
 
 class _HostGPT2StyleModel(_HostGPT2Model):
     """A decoder admitted by GPT-2's layer conventions (GPTBigCodeModel)."""
@@ -168,7 +189,8 @@ class _HostGPT2StyleModel(_HostGPT2Model):
 
 
 FAMILY = Family(
-    "gpt2", ("transformers GPT2LMHeadModel", "transformers GPT2Model",
+    "gpt2", ("transformers GPT2LMHeadModel", "transformers GPT2Model (with add_cross_attention too: a vision "
+             "encoder-decoder's decoder)",
              "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode)"), _convert_gpt2,
     classes=(("transformers", "GPT2LMHeadModel"), ("transformers", "GPT2Model")), detect=_gpt2_convention_base,
     pickled=_pickled_host_classes("transformers.models.gpt2.modeling_gpt2", "GPT2Block",
