@@ -66,19 +66,13 @@ def _convert_t5gemma(model, conversion, found=None):
     if not len(layers):
         raise ValueError(f"revify: {name} has no layers")
     _require_hosted_layer_loop(name)
-    decoder = isinstance(model, _decoder_class())
+    decoder = any(cls.__name__ == "T5GemmaDecoder" for cls in type(model).__mro__)  # (a user's subclass too)
     require_layer_parts(layers, _DECODER_PARTS if decoder else _ENCODER_PARTS, name)
     spec = LayerSpec(fused_attention=False, fused_mlp=False)
     for block, window in zip(layers, _sliding_windows(model.config, len(layers))):
         block._revtriton_spec = replace(spec, window=window)
     _convert_hosted_layers(model, model, "layers", conversion, (_HostT5GemmaBlock, _HostT5GemmaOrdinaryBlock),
                            _HostT5GemmaDecoder if decoder else _HostT5GemmaEncoder)
-
-
-def _decoder_class():
-    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaDecoder
-
-    return T5GemmaDecoder
 
 
 _MODULE = "transformers.models.t5gemma.modeling_t5gemma"
