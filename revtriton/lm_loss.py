@@ -6,7 +6,8 @@ causal LM a ``forward`` that, in training with ``labels``, runs the library's fo
 loss, takes the head's input (the final hidden states) instead of its logits, and computes the loss
 with :func:`revtriton.ops.linear_cross_entropy.linear_cross_entropy`: Hugging Face's
 ``ForCausalLMLoss`` (labels shifted, or ``shift_labels``; ``ignore_index``; ``num_items_in_batch``
-for gradient accumulation; Gemma's ``final_logit_softcapping``) without materialised logits.
+for gradient accumulation; Gemma's ``final_logit_softcapping``) without materialised logits. GIT's
+captioner scores its text after the image's tokens, as its own loss does.
 
 Then ``output.logits`` is None (Liger-Kernel's convention); ``return_logits=True`` in the call, or
 ``model.revtriton_fused_loss = False``, gives the library's own path (logits and its loss). Evaluation
@@ -83,6 +84,15 @@ def _after_head(logits, config) -> str:
     return "other"
 
 
+def _text_positions(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's input at the positions the library's loss scores: all of them, but GIT's image tokens
+    (its projected patches come first in the sequence, and GitForCausalLM's loss scores the text after
+    them: ``logits[:, image_patch_tokens:]``)."""
+    if not any(cls.__name__ == "GitForCausalLM" for cls in type(model).__mro__):
+        return hidden
+    return hidden[:, model.git.encoder.layer[0].attention.self.image_patch_tokens:]
+
+
 class FusedLossForward:
     """A causal LM's ``forward`` (an instance attribute: ``model(...)`` and PEFT's ``model.forward(...)``
     both reach it) computing the training loss through the chunked linear + cross-entropy."""
@@ -107,6 +117,8 @@ class FusedLossForward:
         if return_logits or not self.fuses(kwargs):
             return library_forward(model, *args, **kwargs)
         labels = kwargs.pop("labels")
+        if kwargs.get("use_cache") is None and "use_cache" in inspect.signature(library_forward).parameters:
+            kwargs["use_cache"] = False  # (as the library's forward with labels: no cache made while training)
         head = fusable_head(model)
         capture = _HiddenStates()
         head.forward = capture  # an instance attribute: nn.Module.__call__ runs it (hooks included)
@@ -121,7 +133,7 @@ class FusedLossForward:
                               f"fused loss does not reproduce: it keeps the library's loss (with logits)")
         if self.after_head == "other":  # this call again, the library's way (only the first time costs two)
             return library_forward(model, *args, labels=labels, **kwargs)
-        hidden = capture.hidden
+        hidden = _text_positions(model, capture.hidden)
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:  # ForCausalLMLoss: tokens < n predict n, the last one nothing
             shift_labels = labels.new_full(labels.shape, -100)

@@ -114,13 +114,14 @@ def assert_seq2seq_step_equals_its_twin(model, loss_of, seed=None, preserve=None
     return twin
 
 
-def assert_greedy_tokens_are_the_librarys(original, ours, theirs, relative=2e-3, source=None):
+def assert_greedy_tokens_are_the_librarys(original, ours, theirs, relative=2e-3, source=None, beside=None):
     """Greedy generations ``ours`` (a converted model's) and ``theirs`` (the library's, from the same
     prompt) agree, but where the library's own logits tie within the conversion's term (``relative`` to
     the largest logit): there rounding picks either token (a preserving conversion is the function up
     to a term of 2**-scale_bits), and each row is compared up to the first such token. A token the
     library ranks clearly lower fails. ``source``: a seq2seq model's encoder inputs (the generations
-    are then its decoder's tokens)."""
+    are then its decoder's tokens); ``beside``: what else the model reads beside its tokens (GIT's
+    pixel values), by row."""
     assert ours.shape == theirs.shape
     for row in range(ours.shape[0]):
         differ = (ours[row] != theirs[row]).nonzero()
@@ -130,6 +131,7 @@ def assert_greedy_tokens_are_the_librarys(original, ours, theirs, relative=2e-3,
         prefix = theirs[row:row + 1, :at]
         inputs = (dict(input_ids=prefix) if source is None else
                   {**{key: value[row:row + 1] for key, value in source.items()}, "decoder_input_ids": prefix})
+        inputs.update({key: value[row:row + 1] for key, value in (beside or {}).items()})
         with torch.no_grad():
             logits = original(**inputs, use_cache=False).logits[0, -1]
         gap = (logits.max() - logits[ours[row, at]]).item()

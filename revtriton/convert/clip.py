@@ -27,7 +27,10 @@ _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", Fa
            "MetaClip2TextModel": ("metaclip_2", True, True), "MetaClip2VisionModel": ("metaclip_2", False, False),
            # The SigLIP towers of Idefics 3 and SmolVLM (found inside their vision-language models)
            "Idefics3VisionTransformer": ("idefics3", False, False),
-           "SmolVLMVisionTransformer": ("smolvlm", False, False)}
+           "SmolVLMVisionTransformer": ("smolvlm", False, False),
+           # GIT's image encoder: CLIP's vision tower (its modules "copied from" CLIP's; converted with GIT's text
+           # layers, by the postnorm_encoder family)
+           "GitVisionTransformer": ("git", False, False)}
 # The models around the towers (their class taken by revify; their towers are found inside them).
 _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionModelWithProjection",
                       "CLIPForImageClassification"),
@@ -36,7 +39,8 @@ _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionMod
              "metaclip_2": ("MetaClip2Model", "MetaClip2TextModelWithProjection", "MetaClip2VisionModelWithProjection",
                             "MetaClip2ForImageClassification")}
 _LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
-           "metaclip_2": "MetaClip2EncoderLayer", "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer"}
+           "metaclip_2": "MetaClip2EncoderLayer", "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer",
+           "git": "GitVisionEncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -165,7 +169,7 @@ FAMILY = Family("clip", ("transformers CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 tex
                          "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel, "
                          "MetaClip2TextModel, MetaClip2VisionModel), with their projection or classifier, and both "
                          "towers of CLIPModel / SiglipModel / Siglip2Model / MetaClip2Model; the SigLIP vision towers "
-                         "of Idefics 3 and SmolVLM",),
+                         "of Idefics 3 and SmolVLM; GIT's vision tower",),
                 _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())

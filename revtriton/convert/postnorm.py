@@ -17,6 +17,8 @@ from torch import nn
 
 from ..ops.streams import couple_output
 from .core import Family, LayerSpec, _OrdinaryBlock, _RevifiedBlock, _spec_of, preserving_adapters
+from .clip import _convert_clip
+from .clip import _towers as _clip_towers
 from .encoder import _HostEncoderModel, _attention_norm, bert_style_layer
 from .host import (LAYER_TENSORS, _convert_hosted_layers, _first, _HostAttention, _library_forward,
                    _require_hosted_layer_loop, _unpack_host_cond, decoding_inputs)
@@ -165,10 +167,6 @@ def _convert_postnorm_encoder(model, conversion, base):
     decodes = _loop_source_matches(base, r"\buse_cache\b") and not _loop_source_matches(
         base, r"if self\.config\.is_decoder:")
     decoder = bool(getattr(config, "is_decoder", False))
-    if decodes and not decoder:
-        raise NotImplementedError(f"revify: {name} as a decoder (a model that decodes with a cache whatever its "
-                                  f"config's is_decoder says: causal self-attention with a KV cache) is not "
-                                  f"supported; the encoder is, and BERT-style decoders (is_decoder=True)")
     _require_layer_loop(base.encoder, r"\bin (enumerate\()?self\.layer\b", "loop over self.layer")
     if getattr(base.encoder, "conv", None) is not None:
         raise NotImplementedError(f"revify: {name}'s encoder adds a convolution of its input to the first layer's "
@@ -176,7 +174,7 @@ def _convert_postnorm_encoder(model, conversion, base):
                                   f"stack's layers, each taking the last one's output, do not compose: not supported")
     for block in base.encoder.layer:  # (a decoder's: its self-attention's cache layer while decoding)
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False,
-                                          attention="attention.self" if decoder else None)
+                                          attention="attention.self" if decoder or decodes else None)
     # DeBERTa-v2's loop unpacks (output, attention weights) from each layer, RemBERT's, TAPAS's, MRA's, YOSO's
     # and Nystromformer's read the output as layer_outputs[0]: the stand-ins return a tuple; BERT's loop takes
     # one tensor.
@@ -185,8 +183,12 @@ def _convert_postnorm_encoder(model, conversion, base):
     if not tuples:
         _require_layer_loop(base.encoder, r"hidden_states = layer_module\(",
                             "take each layer's output as the next hidden states (hidden_states = layer_module(...))")
+    host = _HostDecodingEncoderModel if decoder else _HostCachingEncoderModel if decodes else _HostEncoderModel
     _convert_hosted_layers(model, base, "encoder.layer", conversion, (_PostNormBlock, _PostNormOrdinaryBlock),
-                           _HostDecodingEncoderModel if decoder else _HostEncoderModel, layer_tuples=tuples)
+                           host, layer_tuples=tuples)
+    image_encoder = getattr(base, "image_encoder", None)
+    if decodes and image_encoder is not None and _clip_towers(image_encoder):  # GIT's: CLIP's vision tower
+        _convert_clip(image_encoder, conversion)
 
 
 class _HostDecodingEncoderModel(_HostEncoderModel):
@@ -198,13 +200,26 @@ class _HostDecodingEncoderModel(_HostEncoderModel):
     _caches, _cross_attention = True, True
 
 
+class _HostCachingEncoderModel(_HostEncoderModel):
+    """A BERT-style model that decodes with a cache whatever its config's is_decoder says (GIT's: the
+    image's tokens first, then the text, under the mask it builds itself): its layers keep their
+    self-attention's cache while decoding, and a call with grad given a filled cache is refused (the
+    stack would ignore it). Its layers' rows are not its ``input_ids``, so the host reads no token
+    layout from them: the layers take the model's own mask."""
+
+    _class_prefix = "RevifiedHostCachingEncoder"
+    _caches, _tokens_input = True, False
+
+
 FAMILY = Family(
     "postnorm_encoder", ("post-norm encoders with BERT's layer parts (BERT, RoBERTa, ELECTRA, DeBERTa and DeBERTa-v2 "
                          "with their relative positions, RemBERT, TAPAS, YOSO, Nystromformer, LayoutLM: any head; "
                          "as decoders too, is_decoder=True with or without cross-attention: their causal LMs, "
-                         "BertGeneration, an EncoderDecoderModel's), under preserve='meft1' or 'meft2'",),
+                         "BertGeneration, an EncoderDecoderModel's; GIT's captioner, its CLIP vision tower by the "
+                         "clip family's halves), under preserve='meft1' or 'meft2'",),
     _convert_postnorm_encoder, detect=_postnorm_encoder_base, halves="whole layer",
     conventions={("PostNorm", None, "Layer"): _PostNormBlock,
                  ("PostNorm", "Ordinary", "Layer"): _PostNormOrdinaryBlock,
-                 ("HostDecodingEncoder", None, "Model"): _HostDecodingEncoderModel})
+                 ("HostDecodingEncoder", None, "Model"): _HostDecodingEncoderModel,
+                 ("HostCachingEncoder", None, "Model"): _HostCachingEncoderModel})
 
