@@ -37,14 +37,21 @@ def stacks(model) -> list:
     return [name for name, module in model.named_modules() if type(module).__name__ == "ReversibleStack"]
 
 
+# LongT5's encoders: each token sees 2 tokens each way (blocks of 3), and transient-global also each 4-token block's
+# mean (a source row of 10 tokens: several blocks)
+LONGT5_LOCAL = {"local_radius": 2}
+LONGT5_GLOBAL = {"local_radius": 2, "encoder_attention_type": "transient-global", "global_block_size": 4}
+
+
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("kind, overrides", [("T5", {}), ("MT5", {}), ("UMT5", {}),
-                                             ("T5", {"feed_forward_proj": "gated-gelu"})])
+                                             ("T5", {"feed_forward_proj": "gated-gelu"}), ("LongT5", LONGT5_LOCAL),
+                                             ("LongT5", LONGT5_GLOBAL)])
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, preserve, seeded):
     """Both stacks convert (T5, mT5, UMT5 with a bias table in every block, Flan-T5's gated-GELU
-    feed-forward): the logits and both stacks' hidden states on padded source rows within the
-    coupling's term of the library's, and its greedy generation with the library's cache (the
+    feed-forward, LongT5 with local and transient-global encoders): the logits and both stacks' hidden
+    states on padded source rows within the coupling's term of the library's, and its greedy generation with the library's cache (the
     decoder's bias for the queries past the cached tokens): its tokens, and each step's logits while
     the tokens agree."""
     original = t5(kind, seed=seeded, **overrides)
@@ -71,9 +78,11 @@ def test_pop2pianos_stacks_are_t5s(seeded):
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
-def test_t5s_encoder_model_converts_its_stack(seeded):
-    """T5EncoderModel (a text encoder): its one stack, its last hidden state the library's."""
-    original = t5(head="EncoderModel", seed=seeded)
+@pytest.mark.parametrize("kind, overrides", [("T5", {}), ("LongT5", LONGT5_LOCAL), ("LongT5", LONGT5_GLOBAL)])
+def test_t5s_encoder_model_converts_its_stack(kind, overrides, seeded):
+    """T5EncoderModel (a text encoder; LongT5's, local and transient-global): its one stack, its last hidden
+    state the library's."""
+    original = t5(kind, head="EncoderModel", seed=seeded, **overrides)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
     assert stacks(model) == ["encoder.block"]
     inputs = seq2seq_batch()
@@ -83,21 +92,24 @@ def test_t5s_encoder_model_converts_its_stack(seeded):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
 
 
-@pytest.mark.parametrize("kind, preserve", [("T5", None), ("MT5", "meft1"), ("UMT5", None)])
-def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, seeded, tmp_path):
+@pytest.mark.parametrize("kind, preserve, overrides", [
+    ("T5", None, {}), ("MT5", "meft1", {}), ("UMT5", None, {}), ("LongT5", None, LONGT5_LOCAL),
+    ("LongT5", "meft1", LONGT5_GLOBAL)])
+def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, overrides, seeded, tmp_path):
     """An exact training step with dropout on: the loss and the decoder's gradients bitwise the
     stored-activation twin's, the encoder's within float rounding (the cross-attention's gradients
     reach the encoder's states summed in another order); the relative position tables get their
     gradients through the shared bias; save / load, a pickle and a fresh process give the model back."""
-    model = revify(t5(kind, seed=seeded, dropout_rate=0.1), preserve=preserve, exact=True).train()
+    model = revify(t5(kind, seed=seeded, dropout_rate=0.1, **overrides), preserve=preserve, exact=True).train()
     inputs = seq2seq_batch()
     labels = torch.randint(3, 128, (2, 6))
     assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
                                         preserve=preserve, encoder_side=("encoder.", "shared."))
     for stack in (model.encoder, model.decoder):
         for block in stack.block[:DEPTH if kind == "UMT5" else 1]:  # (UMT5: a table a block)
-            table = block.layer[0].SelfAttention.relative_attention_bias.weight
-            assert table.grad is not None and table.grad.abs().sum() > 0
+            for name, table in block.layer[0].named_parameters():  # (LongT5's transient-global: two tables)
+                if "relative_attention_bias" in name:
+                    assert table.grad is not None and table.grad.abs().sum() > 0, name
     assert_round_trips(model, inputs, tmp_path)
 
 

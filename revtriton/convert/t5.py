@@ -1,4 +1,4 @@
-"""Hugging Face T5, mT5, UMT5 and Pop2Piano: both stacks (``T5Stack``: the encoder and the decoder,
+"""Hugging Face T5, mT5, UMT5, Pop2Piano and LongT5: both stacks (``T5Stack``: the encoder and the decoder,
 found as parts of ``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` and the other heads).
 Each block is pre-norm: ``x + dropout(SelfAttention(layer_norm(x)))``, in a decoder then
 ``+ dropout(EncDecAttention(layer_norm(h), encoder states))``, then
@@ -11,10 +11,15 @@ The relative position bias is shared: the first block's self-attention makes it 
 stand-in makes it before the stack runs (:meth:`_T5Loop._loop_inputs`), so every half reads the same
 bias from the conditioning and its gradient reaches the table. The cross-attention has no relative bias
 (zeros, as the library's). UMT5's blocks each make their own bias (a table a block): nothing is shared.
+LongT5's decoder is T5's; its encoder attends locally (each token to ``local_radius`` tokens each way,
+block by block) or transient-globally (also to each ``global_block_size`` block's mean token): its
+first block's bias holds the stack's local mask (and the global tokens' part), which the loop hands on
+as T5's, so the stand-in makes it the library's way.
 T5's fp16 clamps between the branches have no reversible form: the halves leave them out (they act only
 on values past fp16's range)."""
 from __future__ import annotations
 
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
@@ -95,10 +100,95 @@ class _T5Loop:
         return out, kwargs["position_bias"], None
 
 
+class _LongT5Loop(_T5Loop):
+    """LongT5's loop also reads a decoder block's cross-attention bias (its outputs: the hidden states,
+    the self-attention's bias and weights, the cross-attention's): None, so that each block's
+    cross-attention makes its zeros, as the first one does for the library."""
+
+    def _loop_outputs(self, out, kwargs: dict) -> tuple:
+        return out, kwargs["position_bias"], None, None, None
+
+
+class _LongT5LocalAttentionHalf(_T5AttentionHalf):
+    """F of LongT5's local-attention encoder: each token attends to the tokens within ``local_radius``,
+    block by block; the first block's bias has the stack's local mask in it (the others take it as is)."""
+
+    _attention = "LocalSelfAttention"
+
+    def _attention_module(self):
+        return getattr(self.block.layer[0], self._attention)
+
+    def _self_attention(self, normed, host, cache):
+        return self._attention_module()(normed, mask=host.mask_for(self.block),
+                                        position_bias=host.layer_tensors.get("position_bias"))[0]
+
+
+class _LongT5GlobalAttentionHalf(_LongT5LocalAttentionHalf):
+    """F of LongT5's transient-global encoder: local attention plus each block's mean tokens (made from
+    the hidden states and the padding mask in every layer); the first block's bias also holds the
+    global tokens' part."""
+
+    _attention = "TransientGlobalSelfAttention"
+
+
+class _LongT5LocalLoop(_LongT5Loop):
+    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
+        """The first block's inputs with the bias its local attention would make: the relative positions'
+        over a block and its two neighbours, plus the stack's local mask (-1e10 where masked)."""
+        if kwargs.get("position_bias") is not None:
+            return kwargs
+        attention = self.layer[0].LocalSelfAttention
+        bias = attention.compute_bias(attention.block_len)
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            bias = bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+        return {**kwargs, "position_bias": bias}
+
+
+class _LongT5GlobalLoop(_LongT5Loop):
+    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
+        """The first block's inputs with the bias its transient-global attention would make: the local
+        bias with the local mask, then the global tokens' (their relative positions and which a token may
+        see), as the library's module computes them."""
+        if kwargs.get("position_bias") is not None:
+            return kwargs
+        from transformers.models.longt5 import modeling_longt5 as library
+
+        attention = self.layer[0].TransientGlobalSelfAttention
+        block_len, mask = attention.block_len, kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2])  # (where the library's module makes it: the CPU)
+            local = None
+        else:
+            local = library._get_local_attention_mask(mask, block_len, hidden.device)
+        _, global_segment_ids = library._make_global_fixed_block_ids(mask, attention.global_block_size)
+        bias = attention.compute_bias(block_len)
+        if local is not None:
+            bias = bias + torch.where(local > 0, 0.0, -1e10).transpose(1, 2)
+        bias = bias.type(hidden.dtype)
+        side = library._split_into_blocks(attention.compute_side_bias(mask, global_segment_ids), block_len, dim=-2)
+        side = side.transpose(1, 2).type(hidden.dtype).to(hidden.device)
+        return {**kwargs, "position_bias": torch.cat([bias, side], dim=-1)}
+
+
 _T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwardHalf))
 _HostT5Block = type("_HostT5Block", (_T5Loop, _T5Block), {})
 _HostT5OrdinaryBlock = type("_HostT5OrdinaryBlock", (_T5Loop, _T5OrdinaryBlock), {})
 _HostUMT5Block, _HostUMT5OrdinaryBlock = _host_block_mixins((_UMT5AttentionHalf, _T5FeedForwardHalf))
+
+
+def _with_loop(loop: type, mixins: tuple) -> tuple:
+    return tuple(type(f"_Host{loop.__name__[1:]}{m.__name__[5:]}", (loop, m), {}) for m in mixins)
+
+
+# LongT5's blocks by their stack's kind (one library class, LongT5Block: their swapped classes named apart)
+_LONGT5_MIXINS = {
+    "decoder": _with_loop(_LongT5Loop, (_T5Block, _T5OrdinaryBlock)),
+    "local": _with_loop(_LongT5LocalLoop, _host_block_mixins((_LongT5LocalAttentionHalf, _T5FeedForwardHalf),
+                                                             "RevifiedHostLocal")),
+    "transient-global": _with_loop(_LongT5GlobalLoop, _host_block_mixins(
+        (_LongT5GlobalAttentionHalf, _T5FeedForwardHalf), "RevifiedHostTransientGlobal")),
+}
 
 
 class _HostT5Stack(_HostDecoderModel):
@@ -120,7 +210,10 @@ class _HostT5Stack(_HostDecoderModel):
 _STACKS = {"T5Stack": ("t5", "T5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "MT5Stack": ("mt5", "MT5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "Pop2PianoStack": ("pop2piano", "Pop2PianoBlock", True, (_HostT5Block, _HostT5OrdinaryBlock)),
-           "UMT5Stack": ("umt5", "UMT5Block", False, (_HostUMT5Block, _HostUMT5OrdinaryBlock))}
+           "UMT5Stack": ("umt5", "UMT5Block", False, (_HostUMT5Block, _HostUMT5OrdinaryBlock)),
+           "LongT5Stack": ("longt5", "LongT5Block", True, None)}  # (its blocks' mixins: _LONGT5_MIXINS)
+_SELF_ATTENTION_PARTS = {"decoder": "LayerSelfAttention", "local": "LayerLocalSelfAttention",
+                         "transient-global": "LayerTransientGlobalSelfAttention"}
 
 
 def _convert_t5(model, conversion, found=None):
@@ -130,13 +223,17 @@ def _convert_t5(model, conversion, found=None):
     if not len(blocks):
         raise ValueError(f"revify: {name} has no blocks")
     _require_hosted_layer_loop(name)
-    parts = ("LayerSelfAttention", "LayerCrossAttention", "LayerFF") if model.is_decoder else ("LayerSelfAttention",
-                                                                                               "LayerFF")
+    attention = "LayerSelfAttention"
+    if mixins is None:  # LongT5: a decoder, or an encoder of local or transient-global attention
+        kind = "decoder" if model.is_decoder else model.config.encoder_attention_type
+        mixins, attention = _LONGT5_MIXINS[kind], _SELF_ATTENTION_PARTS[kind]
+    parts = (attention, "LayerCrossAttention", "LayerFF") if model.is_decoder else (attention, "LayerFF")
     for i, block in enumerate(blocks):
         found = tuple(type(sub).__name__ for sub in block.layer)
         if len(found) != len(parts) or not all(got.endswith(part) for got, part in zip(found, parts)):
             raise NotImplementedError(f"revify: {name} block {i} has sublayers {found}, not T5's {parts}")
-        if shared and block.layer[0].SelfAttention.has_relative_attention_bias != (i == 0):
+        own = next(module for module in block.layer[0].children() if hasattr(module, "has_relative_attention_bias"))
+        if shared and own.has_relative_attention_bias != (i == 0):
             raise NotImplementedError(f"revify: {name} block {i}: only the first block's self-attention may make "
                                       f"the relative position bias the loop shares (a bias of each block's own is "
                                       f"UMT5's layout, not {stack}'s)")
@@ -144,12 +241,13 @@ def _convert_t5(model, conversion, found=None):
     _convert_hosted_layers(model, model, "block", conversion, mixins, _HostT5Stack)
 
 
-FAMILY = Family("t5", ("transformers T5, mT5, UMT5 and Pop2Piano: both stacks (T5Stack: encoder and decoder, the "
-                       "decoder's cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel "
+FAMILY = Family("t5", ("transformers T5, mT5, UMT5, Pop2Piano and LongT5: both stacks (T5Stack: encoder and decoder, "
+                       "the decoder's cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel "
                        "and the other heads; T5's relative position bias shared from the first block, UMT5's one a "
-                       "block",),
+                       "block; LongT5's encoders of local or transient-global attention",),
                 _convert_t5, halves="library",
                 classes=tuple(("transformers", stack) for stack in _STACKS),
                 pickled={name: entry for stack, (module, block, _, mixins) in _STACKS.items()
+                         for pair in ((mixins,) if mixins is not None else tuple(_LONGT5_MIXINS.values()))
                          for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  block, mixins, stack, _HostT5Stack).items()})
+                                                                  block, pair, stack, _HostT5Stack).items()})
