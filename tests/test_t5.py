@@ -51,9 +51,9 @@ LONGT5_GLOBAL = {"local_radius": 2, "encoder_attention_type": "transient-global"
 def test_t5_converts_both_stacks_keeping_the_librarys_function(kind, overrides, preserve, seeded):
     """Both stacks convert (T5, mT5, UMT5 with a bias table in every block, Flan-T5's gated-GELU
     feed-forward, LongT5 with local and transient-global encoders): the logits and both stacks' hidden
-    states on padded source rows within the coupling's term of the library's, and its greedy generation with the library's cache (the
-    decoder's bias for the queries past the cached tokens): its tokens, and each step's logits while
-    the tokens agree."""
+    states on padded source rows within the coupling's term of the library's, and its greedy generation
+    with the library's cache (the decoder's bias for the queries past the cached tokens): its tokens,
+    and each step's logits while the tokens agree."""
     original = t5(kind, seed=seeded, **overrides)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert stacks(model) == ["encoder.block", "decoder.block"]
