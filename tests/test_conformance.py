@@ -100,6 +100,14 @@ def test_a_converted_model_whose_forward_fails_is_a_crash(conformance, monkeypat
     assert verdict == "CRASH" and "forward" in detail
 
 
+def test_a_run_the_librarys_own_model_fails_is_not_the_conversions(conformance):
+    """Switch Transformers' own model fails with use_cache=True (its encoder refuses the cache): that
+    run is named the library's, the run without the cache compared."""
+    verdict, detail = conformance.check("SwitchTransformersForConditionalGeneration", 60)
+    assert verdict == "converted" and "(the library's own forward fails) with the cache" in detail
+    assert "e-0" in detail.split("with the cache")[1]  # (the other run's error, measured)
+
+
 def test_running_out_of_time_in_the_conversion_is_a_timeout(conformance, monkeypatch):
     """(Gemma 3's classifier ran past the sweep's 30 s inside revify: counted a crash before.)"""
     import revtriton

@@ -113,6 +113,56 @@ def test_t5_trains_bitwise_its_twin_saves_and_pickles(kind, preserve, overrides,
     assert_round_trips(model, inputs, tmp_path)
 
 
+# Switch Transformers: 4 experts in every other block (the second and fourth of 4), each token to one expert, at most 8
+# a sequence an expert (a row of 10 source tokens overflows some)
+SWITCH = dict(num_layers=4, num_decoder_layers=4, num_experts=4, expert_capacity=8, encoder_sparse_step=2,
+              decoder_sparse_step=2)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_switch_transformers_convert_both_stacks_keeping_the_librarys_function(preserve, seeded):
+    """Switch Transformers (T5's stacks with experts' feed-forward in every other block): both stacks
+    convert, the logits, hidden states and cached greedy generation within the coupling's term of the
+    library's; the routers' logits recorded without grad the library's, and refused with grad (the
+    router losses made of them would get no gradient)."""
+    original = t5("SwitchTransformers", seed=seeded, **SWITCH)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    assert stacks(model) == ["encoder.block", "decoder.block"]
+    inputs = seq2seq_batch()
+    assert_seq2seq_keeps_the_librarys_function(original, model, inputs, SWITCH["num_layers"])
+    # (asked of the stacks: the library's own model fails to unpack them in transformers 5.25)
+    source = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], output_router_logits=True)
+    logits = []
+    with torch.no_grad():
+        for m in (model, original):
+            encoded = m.encoder(**source)
+            decoded = m.decoder(input_ids=inputs["decoder_input_ids"], encoder_hidden_states=encoded.last_hidden_state,
+                                encoder_attention_mask=inputs["attention_mask"], output_router_logits=True)
+            logits.append((*encoded.router_logits, *decoded.router_logits))
+    assert len(logits[0]) == len(logits[1]) == 4  # (the sparse blocks': two a stack)
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3 * b.abs().max().item())
+    with pytest.raises(NotImplementedError, match="output_router_logits=True with grad enabled"):
+        model.encoder(**source)
+
+
+def test_switch_transformers_train_bitwise_their_twin_save_and_pickle(seeded, tmp_path):
+    """An exact training step with dropout and the routers' jitter noise (both drawn again in the
+    rebuild): the loss and the decoder's gradients bitwise the twin's, the encoder's within float
+    rounding; every expert a token reached has its gradient; save / load, a pickle and a fresh process."""
+    model = revify(t5("SwitchTransformers", seed=seeded, dropout_rate=0.1, router_jitter_noise=0.1, **SWITCH),
+                   exact=True).train()
+    inputs = seq2seq_batch()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded,
+                                        encoder_side=("encoder.", "shared."))
+    routers = [name for name, p in model.named_parameters() if ".router." in name]
+    assert routers and all(p.grad is not None and p.grad.abs().sum() > 0
+                           for name, p in model.named_parameters() if name in routers)
+    assert_round_trips(model, inputs, tmp_path)
+
+
 def test_a_t5_step_keeps_memory_flat_in_both_stacks_depth(seeded):
     """A T5 training step's peak memory past its parameter gradients does not grow with the depth of
     its stacks (4 against 8 blocks each), where the unconverted model's nearly doubles."""

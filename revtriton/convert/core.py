@@ -206,7 +206,21 @@ def _swapped_class(name: str, mixin: type, cls: type) -> type:
     new_cls = type(name, (mixin, cls), {"__module__": SWAPPED_MODULE, "__qualname__": name})
     if getattr(mixin, "_keeps_class_name", False):
         new_cls.__name__ = cls.__name__
+    _record_outputs_as(new_cls, cls, getattr(mixin, "_recorded_outputs", ()))
     return new_cls
+
+
+def _record_outputs_as(new_cls: type, cls: type, names: tuple):
+    """transformers 5 records some outputs of a model's modules by hooks (``capture_outputs``: Switch
+    Transformers' router logits), looked up by the model's class name: the swapped class records
+    ``names`` of them as the library's class does (only those its mixin says its forward keeps right)."""
+    recordable = {key: spec for key, spec in (getattr(cls, "_can_record_outputs", None) or {}).items() if key in names}
+    if not recordable:
+        return
+    from transformers.utils import output_capturing
+
+    registry = output_capturing._CAN_RECORD_REGISTRY  # keyed by str(the model's class) (its __setitem__ takes a model)
+    dict.__setitem__(registry, str(new_cls), recordable)
 
 
 def _swap_class(module: nn.Module, mixin: type):

@@ -14,7 +14,10 @@ bias from the conditioning and its gradient reaches the table. The cross-attenti
 LongT5's decoder is T5's; its encoder attends locally (each token to ``local_radius`` tokens each way,
 block by block) or transient-globally (also to each ``global_block_size`` block's mean token): its
 first block's bias holds the stack's local mask (and the global tokens' part), which the loop hands on
-as T5's, so the stand-in makes it the library's way.
+as T5's, so the stand-in makes it the library's way. Switch Transformers' stacks are T5's with a
+feed-forward of experts in every ``sparse_step``-th block (a top-1 router; its jitter noise drawn again
+in the rebuild as dropout is); the library records the routers' logits by hooks, which the swapped
+stack keeps, and only without grad (their losses' gradients would not reach the routers).
 T5's fp16 clamps between the branches have no reversible form: the halves leave them out (they act only
 on values past fp16's range)."""
 from __future__ import annotations
@@ -77,6 +80,15 @@ class _T5FeedForwardHalf(_LibraryHalf):
     def _modules(self, x):
         ff = self.block.layer[-1]
         return ff.dropout(ff.DenseReluDense(ff.layer_norm(self._input(x, ff.layer_norm.weight))))
+
+
+class _SwitchFeedForwardHalf(_LibraryHalf):
+    """G of Switch Transformers: the block's feed-forward, a dense one or (every ``sparse_step`` blocks) a
+    top-1 router over experts, each token to one expert within its capacity."""
+
+    def _modules(self, x):
+        ff = self.block.layer[-1]
+        return ff.dropout(ff.mlp(ff.layer_norm(self._input(x, ff.layer_norm.weight))))
 
 
 class _T5Loop:
@@ -175,6 +187,8 @@ _T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwar
 _HostT5Block = type("_HostT5Block", (_T5Loop, _T5Block), {})
 _HostT5OrdinaryBlock = type("_HostT5OrdinaryBlock", (_T5Loop, _T5OrdinaryBlock), {})
 _HostUMT5Block, _HostUMT5OrdinaryBlock = _host_block_mixins((_UMT5AttentionHalf, _T5FeedForwardHalf))
+_HostSwitchBlock, _HostSwitchOrdinaryBlock = (type(f"_HostSwitch{m.__name__[5:]}", (_T5Loop, m), {})
+                                              for m in _host_block_mixins((_T5AttentionHalf, _SwitchFeedForwardHalf)))
 
 
 def _with_loop(loop: type, mixins: tuple) -> tuple:
@@ -206,12 +220,31 @@ class _HostT5Stack(_HostDecoderModel):
         return self.is_decoder
 
 
+class _HostSwitchStack(_HostT5Stack):
+    """SwitchTransformersStack: T5's, its routers' logits recorded as the library records them. With grad
+    they are refused: the halves run without grad in the stack's forward, so the router losses made of
+    them (z-loss, load balancing) would not reach the routers."""
+
+    _recorded_outputs = ("router_logits",)  # (by the library's hooks on the routers, in the stack's forward)
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("output_router_logits") and torch.is_grad_enabled():
+            raise NotImplementedError(f"revified {type(self).__name__}: output_router_logits=True with grad enabled "
+                                      f"is not supported: the router losses would get no gradient (the reversible "
+                                      f"stack's forward records the router logits without grad); train without "
+                                      f"them, or ask for them under torch.no_grad()")
+        return super().forward(*args, **kwargs)
+
+
 # stack class -> (module, its block class, whether the first block's bias is shared, the block mixins)
 _STACKS = {"T5Stack": ("t5", "T5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "MT5Stack": ("mt5", "MT5Block", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "Pop2PianoStack": ("pop2piano", "Pop2PianoBlock", True, (_HostT5Block, _HostT5OrdinaryBlock)),
            "UMT5Stack": ("umt5", "UMT5Block", False, (_HostUMT5Block, _HostUMT5OrdinaryBlock)),
-           "LongT5Stack": ("longt5", "LongT5Block", True, None)}  # (its blocks' mixins: _LONGT5_MIXINS)
+           "LongT5Stack": ("longt5", "LongT5Block", True, None),  # (its blocks' mixins: _LONGT5_MIXINS)
+           "SwitchTransformersStack": ("switch_transformers", "SwitchTransformersBlock", True,
+                                       (_HostSwitchBlock, _HostSwitchOrdinaryBlock))}
+_HOSTS = {"SwitchTransformersStack": _HostSwitchStack}  # (the others: _HostT5Stack)
 _SELF_ATTENTION_PARTS = {"decoder": "LayerSelfAttention", "local": "LayerLocalSelfAttention",
                          "transient-global": "LayerTransientGlobalSelfAttention"}
 
@@ -238,16 +271,18 @@ def _convert_t5(model, conversion, found=None):
                                       f"the relative position bias the loop shares (a bias of each block's own is "
                                       f"UMT5's layout, not {stack}'s)")
         block._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    _convert_hosted_layers(model, model, "block", conversion, mixins, _HostT5Stack)
+    _convert_hosted_layers(model, model, "block", conversion, mixins, _HOSTS.get(stack, _HostT5Stack))
 
 
-FAMILY = Family("t5", ("transformers T5, mT5, UMT5, Pop2Piano and LongT5: both stacks (T5Stack: encoder and decoder, "
-                       "the decoder's cross-attention included) of T5ForConditionalGeneration, T5Model, T5EncoderModel "
-                       "and the other heads; T5's relative position bias shared from the first block, UMT5's one a "
-                       "block; LongT5's encoders of local or transient-global attention",),
+FAMILY = Family("t5", ("transformers T5, mT5, UMT5, Pop2Piano, LongT5 and Switch Transformers: both stacks (T5Stack: "
+                       "encoder and decoder, the decoder's cross-attention included) of T5ForConditionalGeneration, "
+                       "T5Model, T5EncoderModel and the other heads; T5's relative position bias shared from the first "
+                       "block, UMT5's one a block; LongT5's encoders of local or transient-global attention; Switch "
+                       "Transformers' experts' feed-forward (their router logits only without grad)",),
                 _convert_t5, halves="library",
                 classes=tuple(("transformers", stack) for stack in _STACKS),
                 pickled={name: entry for stack, (module, block, _, mixins) in _STACKS.items()
                          for pair in ((mixins,) if mixins is not None else tuple(_LONGT5_MIXINS.values()))
                          for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  block, pair, stack, _HostT5Stack).items()})
+                                                                  block, pair, stack,
+                                                                  _HOSTS.get(stack, _HostT5Stack)).items()})
