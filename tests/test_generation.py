@@ -112,8 +112,11 @@ def test_the_default_use_cache_returns_a_cache_to_continue_from(seeded):
     import revtriton.convert.host
 
     revtriton.convert.host._warned_grad_cache.clear()
+    with warnings.catch_warnings():  # in training, as a seq2seq model hands its decoder config.use_cache: silent
+        warnings.simplefilter("error")
+        model.train()(input_ids=ids, use_cache=True)
     with pytest.warns(UserWarning, match="returns no KV cache with grad enabled"):
-        model(input_ids=ids, use_cache=True)
+        model.eval()(input_ids=ids, use_cache=True)
 
 
 def test_two_threads_decode_with_one_model(seeded):

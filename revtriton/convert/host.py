@@ -701,7 +701,8 @@ class _HostDecoderModel(_NoCheckpointing):
             if filled:
                 raise NotImplementedError(f"revified {name} keeps no KV cache with grad enabled: decode under "
                                           f"torch.no_grad() / torch.inference_mode()")
-            if kwargs.get("use_cache") is True and not _warned_grad_cache:
+            # (not in training: a seq2seq model hands its decoder config.use_cache, labels or not)
+            if kwargs.get("use_cache") is True and not self.training and not _warned_grad_cache:
                 _warned_grad_cache.append(True)
                 import warnings
 
