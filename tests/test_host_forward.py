@@ -272,6 +272,12 @@ SANDWICH_FAMILIES = {
     # GraniteMoE-Shared: a shared MLP beside the experts
     "GraniteMoeShared": dict(residual_multiplier=0.5, num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=48),
+    # AFMoE: Gemma 2's sandwich under other names (pre_mlp_layernorm / post_mlp_layernorm around the MLP), a
+    # dense first layer then experts with a shared one, sliding layers but every second
+    "Afmoe": dict(num_dense_layers=1, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                  moe_intermediate_size=48, sliding_window=4, global_attn_every_n_layers=2, layer_types=None),
+    # HyperCLOVA X: post_norm1 / post_norm2 after the branches, its residual_multiplier on both (0.5: shows)
+    "HyperCLOVAX": dict(residual_multiplier=0.5),
 }
 
 
@@ -279,7 +285,8 @@ SANDWICH_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(SANDWICH_FAMILIES))
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, seeded):
-    """Gemma 2, Gemma 3, OLMo 2 and GLM-4 (``x + post_norm(attn(norm(x)))``, then the MLP's), Apertus and
+    """Gemma 2, Gemma 3, OLMo 2, GLM-4, AFMoE and HyperCLOVA X (``x + post_norm(attn(norm(x)))``, then the
+    MLP's), Apertus and
     VaultGemma (no norm after a branch, the norms named otherwise than LLaMA's), GraniteMoE and JetMoE (the
     branches named otherwise): a preserving conversion computes their logits on whole and left-padded
     rows, and their cached greedy generation (Gemma 3: each attention kind with its own RoPE)."""

@@ -58,8 +58,8 @@ def check_against_twin(model, twin, loss, twin_loss, exact, float_bound=1e-5):
     gradient error <= ``float_bound``)."""
     if exact:
         assert torch.equal(loss, twin_loss)
-        differ = [n for (n, p), q in zip(model.named_parameters(), twin.parameters())
-                  if not torch.equal(p.grad, q.grad)]
+        differ = [n for (n, p), q in zip(model.named_parameters(), twin.parameters())  # (a frozen one: None in both)
+                  if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad))]
         assert not differ, f"gradients not bitwise equal to the stored-activation twin: {differ}"
     else:
         assert torch.allclose(loss, twin_loss, rtol=1e-6, atol=0)

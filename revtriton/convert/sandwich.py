@@ -8,8 +8,9 @@ norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``h + post_feedforward_layernorm(mlp(h))``. GLM-4 (and Kolibri 1): the same norms named otherwise,
 ``x + post_self_attn_layernorm(attn(input_layernorm(x)))`` then
 ``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
-MLP's norm before, as LLaMA's). Apertus and VaultGemma: LLaMA's pre-norm layer, its two norms named
-otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with its branches named otherwise
+MLP's norm before, as LLaMA's); AFMoE and HyperCLOVA X the same under their names (HyperCLOVA X's
+residual_multiplier on both branches, as GraniteMoE's). Apertus and VaultGemma: LLaMA's pre-norm
+layer, its two norms named otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with its branches named otherwise
 (``block_sparse_moe``, ``self_attention``), GraniteMoE's residual_multiplier on both (GraniteMoE-Shared
 adds a ``shared_mlp`` beside its experts). A norm after a
 branch is still an additive residual:
@@ -32,12 +33,16 @@ from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_l
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                 "post_feedforward_layernorm")
 _GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+_AFMOE_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm")
+_HYPERCLOVAX_NORMS = ("input_layernorm", "post_norm1", "post_attention_layernorm", "post_norm2")
 _LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
 # The layers this family takes, by their parts exactly -> their norms' names.
 _NORMS_BY_PARTS = {
     frozenset({"self_attn", "mlp", *_GEMMA_NORMS}): _GEMMA_NORMS,  # Gemma 2, Gemma 3
     frozenset({"self_attn", "mlp", *_GEMMA_NORMS[1::2]}): (None, _GEMMA_NORMS[1], None, _GEMMA_NORMS[3]),  # OLMo 2
     frozenset({"self_attn", "mlp", *_GLM4_NORMS}): _GLM4_NORMS,  # GLM-4, Kolibri 1
+    frozenset({"self_attn", "mlp", *_AFMOE_NORMS}): _AFMOE_NORMS,  # AFMoE
+    frozenset({"self_attn", "mlp", *_HYPERCLOVAX_NORMS}): _HYPERCLOVAX_NORMS,  # HyperCLOVA X (residual_multiplier)
     # LLaMA's pre-norm layer with its norms named otherwise (no norm after a branch): Apertus, VaultGemma
     frozenset({"self_attn", "mlp", "attention_layernorm", "feedforward_layernorm"}):
         ("attention_layernorm", None, "feedforward_layernorm", None),
@@ -144,7 +149,9 @@ FAMILY = Family(
     "sandwich", ("decoders whose layers normalise each branch's output (self_attn, mlp, post_attention_layernorm, "
                  "post_feedforward_layernorm, with or without input_layernorm / pre_feedforward_layernorm before "
                  "the branches: Gemma 2, Gemma 3, OLMo 2; GLM-4's names, post_self_attn_layernorm / "
-                 "post_mlp_layernorm after the branches: GLM-4, Kolibri 1), and LLaMA's pre-norm layers with "
+                 "post_mlp_layernorm after the branches: GLM-4, Kolibri 1; AFMoE's pre_mlp_layernorm / "
+                 "post_mlp_layernorm around the MLP; HyperCLOVA X's post_norm1 / post_norm2 after the branches, "
+                 "its residual_multiplier on both), and LLaMA's pre-norm layers with "
                  "their norms or branches named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
                  "input_layernorm / pre_feedforward_layernorm: VaultGemma; block_sparse_moe: GraniteMoE, with "
                  "a shared_mlp: GraniteMoE-Shared; self_attention: JetMoE)",), _convert_sandwich,
