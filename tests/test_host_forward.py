@@ -290,7 +290,18 @@ def test_sandwich_norm_decoders_compute_the_librarys_function(family, preserve, 
     VaultGemma (no norm after a branch, the norms named otherwise than LLaMA's), GraniteMoE and JetMoE (the
     branches named otherwise): a preserving conversion computes their logits on whole and left-padded
     rows, and their cached greedy generation (Gemma 3: each attention kind with its own RoPE)."""
-    assert_preserved_on_whole_and_padded_rows(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), preserve)
+    assert_preserved_on_whole_and_padded_rows(_sandwich_decoder(family, seeded), preserve)
+
+
+def _sandwich_decoder(family, seed):
+    """:func:`_decoder` with its norms' weights off their init of ones, so that a norm taken for another
+    (before or after a branch, the attention's or the MLP's) shows in the logits."""
+    model = _decoder(family, seed, **SANDWICH_FAMILIES[family])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def assert_preserved_on_whole_and_padded_rows(original, preserve):
@@ -309,7 +320,7 @@ def test_a_sandwich_norm_decoder_trains_saves_and_pickles(family, seeded, tmp_pa
     """An exact training step bitwise equals its stored-activation twin; save / load and a fresh
     process's unpickling give the converted model back; a half called alone refuses (its RoPE is
     the model's)."""
-    model = revify(_decoder(family, seeded, **SANDWICH_FAMILIES[family]), exact=True).train()
+    model = revify(_sandwich_decoder(family, seeded), exact=True).train()
     ids = torch.randint(1, 128, (2, 10))
     if family == "JetMoe":  # (the library's own save / load of JetMoE is not bitwise: its logits come back
         # about 3e-6 off, unconverted too; the exact step and a pickle are)
