@@ -156,7 +156,9 @@ def _decoder(family, seed, **overrides):
 
 
 CONVENTION_FAMILIES = {
-    "Granite": {},  # attention_multiplier as the attention's scaling: the library path
+    # attention_multiplier as the attention's scaling: the library path; residual_multiplier on both branches
+    # (granite-3's 0.22: before, the probe refused it)
+    "Granite": dict(residual_multiplier=0.22),
     "Olmo": {},  # LayerNorm without weights
     "SmolLM3": dict(no_rope_layer_interval=2),  # layer 1 without RoPE: its attention keeps the library path
     "Helium": {},  # interleaved rotary: the library path
@@ -243,7 +245,7 @@ def test_a_decoder_found_by_its_conventions_trains_saves_and_pickles(seeded, tmp
     (what it computes differently, Granite's score scaling, only the layer's module does)."""
     from revtriton.convert import _convention_class
 
-    model = revify(_decoder("Granite", seeded), exact=True).train()
+    model = revify(_decoder("Granite", seeded, residual_multiplier=0.22), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path)
     with pytest.raises(RuntimeError, match="call the model"):  # Granite's score scaling: its own module only
         model.model.layers[0].coupling_halves()[0](torch.randn(1, 4, 64))
@@ -375,10 +377,18 @@ class _WrappedGraniteModel(transformers.GraniteModel):
         return super().forward(*args, **kwargs)
 
 
+class _HalvedGraniteLayer(transformers.models.granite.modeling_granite.GraniteDecoderLayer):
+    """LLaMA's layer parts, another function: its output halved."""
+
+    __module__ = "transformers.models.granite.modeling_granite"
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs) * 0.5
+
+
 def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
     """A layer with other parts (LLaMA's and a norm after the attention) is named; a layer whose parts
-    match but whose function does not (Granite's residual multiplier) fails the probe; the model is
-    unchanged."""
+    match but whose function does not (its output halved) fails the probe; the model is unchanged."""
     extra = _decoder("Granite", seeded)  # admitted by its layers' parts, not its class
     for layer in extra.model.layers:
         layer.attention_out_norm = torch.nn.LayerNorm(64)
@@ -388,7 +398,9 @@ def test_layers_that_are_not_llamas_raise_and_leave_the_model_as_it_was(seeded):
     wrapped.model.__class__ = _WrappedGraniteModel
     with pytest.raises(NotImplementedError, match=r"does not run its layers as one slice \(self.layers\[...\]\) or a"):
         revify(wrapped)
-    original = _decoder("Granite", seeded, residual_multiplier=0.5)
+    original = _decoder("Granite", seeded)
+    for layer in original.model.layers:
+        layer.__class__ = _HalvedGraniteLayer
     model = copy.deepcopy(original)
     with pytest.raises(NotImplementedError, match="does not compute LLaMA's pre-norm layer"):
         revify(model)

@@ -116,6 +116,14 @@ class _LlamaAttentionHalf(_LlamaHalf):
         return out(a.o_proj(o))
 
 
+def _multiplied(block, branch):
+    """``branch`` (a branch's output module), then Granite's ``residual_multiplier`` where the layer has one
+    (each branch's output times it before the residual add). The fused kernels add a branch as it is: the
+    probe at conversion finds them off for such a layer, which keeps its modules."""
+    multiplier = float(vars(block).get("residual_multiplier", 1.0))
+    return branch if multiplier == 1.0 else (lambda out: branch(out) * multiplier)
+
+
 def _mlp_branch_dropout_name(block) -> str:
     """The name of the dropout on the MLP branch's output: Phi-3's ``resid_mlp_dropout``, StableLM's
     ``dropout`` (its ``hidden_dropout``; the attention branch has none there)."""
@@ -158,7 +166,7 @@ class _LlamaMlpHalf(_LlamaHalf):
         # (a mixture of experts may return its router's scores too: GPT-OSS's, which the layer drops)
         h = _first(b.mlp(b.post_attention_layernorm(self._input(x, getattr(b.post_attention_layernorm, "weight",
                                                                                 None)))))
-        return _mlp_branch_dropout(b)(h)
+        return _multiplied(b, _mlp_branch_dropout(b))(h)
 
 
 def _sliding_windows(config, depth) -> list:
@@ -253,6 +261,9 @@ class _HostLlamaAttentionHalf(_HostAttention, _LlamaAttentionHalf):
     def _branch_dropout(self):
         return _residual_dropout(self.block, "resid_attn_dropout")
 
+    def _branch_output(self):
+        return _multiplied(self.block, self._branch_dropout())
+
 
 _HostLlamaBlock, _HostLlamaOrdinaryBlock = _host_block_mixins((_HostLlamaAttentionHalf, _LlamaMlpHalf))
 
@@ -274,7 +285,8 @@ def _pickled_by_class() -> dict:
 FAMILY = Family(
     "llama", ("transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
               "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
-              "post_attention_layernorm) and compute its pre-norm layer (Granite, OLMo, SmolLM3, ...; "
+              "post_attention_layernorm) and compute its pre-norm layer (Granite, its residual_multiplier on both "
+              "branches; OLMo, SmolLM3, ...; "
               "mixture-of-experts MLPs too: Mixtral, Qwen2-MoE, DeepSeek-V3, GPT-OSS)"),
     _convert_llama, classes=tuple(("transformers", f"{prefix}{kind}") for prefix in _BY_CLASS.values()
                                   for kind in ("ForCausalLM", "Model")),
