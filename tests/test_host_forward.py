@@ -159,6 +159,9 @@ CONVENTION_FAMILIES = {
     # attention_multiplier as the attention's scaling: the library path; residual_multiplier on both branches
     # (granite-3's 0.22: before, the probe refused it)
     "Granite": dict(residual_multiplier=0.22),
+    # MiniCPM3: DeepSeek-V2's latent attention (kv heads as many as the heads) and residual_scale on both branches
+    "MiniCPM3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                     v_head_dim=16),
     "Olmo": {},  # LayerNorm without weights
     "SmolLM3": dict(no_rope_layer_interval=2),  # layer 1 without RoPE: its attention keeps the library path
     "Helium": {},  # interleaved rotary: the library path

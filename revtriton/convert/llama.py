@@ -117,10 +117,12 @@ class _LlamaAttentionHalf(_LlamaHalf):
 
 
 def _multiplied(block, branch):
-    """``branch`` (a branch's output module), then Granite's ``residual_multiplier`` where the layer has one
-    (each branch's output times it before the residual add). The fused kernels add a branch as it is: the
-    probe at conversion finds them off for such a layer, which keeps its modules."""
-    multiplier = float(vars(block).get("residual_multiplier", 1.0))
+    """``branch`` (a branch's output module), then Granite's ``residual_multiplier`` (MiniCPM3's
+    ``residual_scale``) where the layer has one: each branch's output times it before the residual add.
+    The fused kernels add a branch as it is: the probe at conversion finds them off for such a layer,
+    which keeps its modules."""
+    own = vars(block)
+    multiplier = float(own.get("residual_multiplier", own.get("residual_scale", 1.0)))
     return branch if multiplier == 1.0 else (lambda out: branch(out) * multiplier)
 
 
@@ -286,7 +288,7 @@ FAMILY = Family(
     "llama", ("transformers LlamaForCausalLM / LlamaModel and the Mistral, Qwen2, Qwen3, Gemma and Phi3 equivalents",
               "other decoders whose layers have LLaMA's parts (self_attn, mlp, input_layernorm, "
               "post_attention_layernorm) and compute its pre-norm layer (Granite, its residual_multiplier on both "
-              "branches; OLMo, SmolLM3, ...; "
+              "branches; MiniCPM3, its residual_scale; OLMo, SmolLM3, ...; "
               "mixture-of-experts MLPs too: Mixtral, Qwen2-MoE, DeepSeek-V3, GPT-OSS)"),
     _convert_llama, classes=tuple(("transformers", f"{prefix}{kind}") for prefix in _BY_CLASS.values()
                                   for kind in ("ForCausalLM", "Model")),
