@@ -41,7 +41,11 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             dim=64, hidden_dim=96, n_layers=2, n_heads=4,  # (DistilBERT's names)
             # The BART lineage's: num_hidden_layers sizes its encoder, and a causal LM's cache with it
             encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-            encoder_ffn_dim=96, decoder_ffn_dim=96)
+            encoder_ffn_dim=96, decoder_ffn_dim=96,
+            # Multipliers off their neutral defaults, as real checkpoints have them (granite-3's residual_multiplier
+            # 0.22: the probe refused every Granite but the default's 1.0, which the sweep never saw)
+            residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.2, logits_scaling=2.0,
+            scale_depth=2.0)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
 KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification",
          "sequence-classification": "ForSequenceClassification", "seq2seq-lm": "ForConditionalGeneration"}
