@@ -151,7 +151,8 @@ def _decoder(family, seed, **overrides):
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
                   initializer_range=0.3)  # large weights: every branch shows in the logits
-    config_class = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
+    config_class = getattr(transformers, {"Gemma3": "Gemma3TextConfig", "Llama4": "Llama4TextConfig"}.get(
+        family, f"{family}Config"))
     return getattr(transformers, f"{family}ForCausalLM")(config_class(**{**config, **overrides})).eval()
 
 
@@ -283,6 +284,11 @@ SANDWICH_FAMILIES = {
                   moe_intermediate_size=48, sliding_window=4, global_attn_every_n_layers=2, layer_types=None),
     # HyperCLOVA X: post_norm1 / post_norm2 after the branches, its residual_multiplier on both (0.5: shows)
     "HyperCLOVAX": dict(residual_multiplier=0.5),
+    # Llama 4: LLaMA's layers, the MLP named feed_forward (experts with a shared one, every layer: their router's
+    # scores and flattened rows dropped as the layer does); chunked attention (chunks of 4 tokens: the rows of 10
+    # span three) on the RoPE layers, full attention without RoPE on every second
+    "Llama4": dict(attention_chunk_size=4, no_rope_layer_interval=2, num_local_experts=4, intermediate_size_mlp=96,
+                   intermediate_size=48),
 }
 
 

@@ -171,18 +171,24 @@ class _LlamaMlpHalf(_LlamaHalf):
         return _multiplied(b, _mlp_branch_dropout(b))(h)
 
 
-def _sliding_windows(config, depth) -> list:
+def _sliding_windows(config, depth, chunked: bool = False) -> list:
     """Each layer's sliding window (None: full attention), as the library's masks apply them:
     ``layer_types`` when the config has them (Qwen2 / Qwen3), else ``sliding_window`` for every layer
-    (Mistral; LLaMA has none)."""
+    (Mistral; LLaMA has none). ``chunked``: Llama 4's chunked-attention layers (attending within
+    chunks of ``attention_chunk_size``) are the other kind too, for halves that run the library's
+    modules with the mask of their kind (a window tells the kinds apart; no kernel reads it)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         return [window] * depth
-    kinds = set(layer_types) - {"full_attention", "sliding_attention"}
-    if kinds:
-        raise NotImplementedError(f"revify: attention layer types {sorted(kinds)} are not supported")
-    return [window if kind == "sliding_attention" else None for kind in layer_types]
+    known = {"full_attention", "sliding_attention", *(("chunked_attention",) if chunked else ())}
+    kinds = set(layer_types) - known
+    if kinds or {"sliding_attention", "chunked_attention"} <= set(layer_types):
+        raise NotImplementedError(f"revify: attention layer types {sorted(kinds or set(layer_types))} are not "
+                                  f"supported")
+    chunk = getattr(config, "attention_chunk_size", None)
+    return [window if kind == "sliding_attention" else chunk if kind == "chunked_attention" else None
+            for kind in layer_types]
 
 
 def _fused_parts(block, plain_attention: bool, silu_mlp: bool) -> dict:

@@ -10,9 +10,11 @@ norms before the branches, ``x + post_attention_layernorm(attn(x))`` and
 ``h + post_mlp_layernorm(mlp(post_attention_layernorm(h)))`` (its post_attention_layernorm is the
 MLP's norm before, as LLaMA's); AFMoE and HyperCLOVA X the same under their names (HyperCLOVA X's
 residual_multiplier on both branches, as GraniteMoE's). Apertus and VaultGemma: LLaMA's pre-norm
-layer, its two norms named otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with its branches named otherwise
-(``block_sparse_moe``, ``self_attention``), GraniteMoE's residual_multiplier on both (GraniteMoE-Shared
-adds a ``shared_mlp`` beside its experts). A norm after a
+layer, its two norms named otherwise (no norm after a branch); GraniteMoE and JetMoE: LLaMA's with
+its branches named otherwise (``block_sparse_moe``, ``self_attention``), GraniteMoE's
+residual_multiplier on both (GraniteMoE-Shared adds a ``shared_mlp`` beside its experts; Llama 4
+names its MLP ``feed_forward``, its chunked-attention layers a kind of their own with the library's
+mask, as Gemma's sliding ones). A norm after a
 branch is still an additive residual:
 each branch with its norms is a coupling half (attention F, MLP G). Both run the layer's own
 modules (the library path: its attention with the library's mask, rotary embedding, soft-capping
@@ -25,7 +27,7 @@ from dataclasses import replace
 from torch import nn
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf
-from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, _library_layers, _probe_layers, _rotary_layer_inputs
 
@@ -55,6 +57,8 @@ _NORMS_BY_PARTS = {
     frozenset({"self_attn", "block_sparse_moe", "shared_mlp", "input_layernorm", "post_attention_layernorm"}):
         _LLAMA_NORMS,
     frozenset({"self_attention", "mlp", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
+    # Llama 4's feed_forward (a dense MLP or experts with a shared one)
+    frozenset({"self_attn", "feed_forward", "input_layernorm", "post_attention_layernorm"}): _LLAMA_NORMS,
 }
 
 
@@ -101,7 +105,8 @@ class _SandwichMlpHalf(_LibraryHalf):
         after = _norm(b, 3)
         x = self._input(x, getattr(after, "weight", None))
         h = _norm(b, 2)(x)
-        out = _branch(b, ("mlp", "block_sparse_moe"))(h)
+        # (Llama 4's experts return their router's scores too, and their rows flattened)
+        out = _first(_branch(b, ("mlp", "block_sparse_moe", "feed_forward"))(h)).view(h.shape)
         shared = b._modules.get("shared_mlp")
         if shared is not None:  # (GraniteMoE-Shared's, beside its experts)
             out = out + shared(h)
@@ -133,7 +138,8 @@ def _convert_sandwich(model, conversion, found):
         raise ValueError(f"revify: {name} has no decoder layers")
     _require_hosted_layer_loop(name)
     spec = LayerSpec(fused_attention=False, fused_mlp=False, library_rope=True)
-    for i, (block, window) in enumerate(zip(base.layers, _sliding_windows(base.config, len(base.layers)))):
+    for i, (block, window) in enumerate(zip(base.layers, _sliding_windows(base.config, len(base.layers),
+                                                                                        chunked=True))):
         names = _NORMS_BY_PARTS.get(_parts_of(block))
         if names is None:
             raise NotImplementedError(f"revify: {name} layer {i} has parts {sorted(_parts_of(block))}, not those of "
@@ -154,7 +160,8 @@ FAMILY = Family(
                  "its residual_multiplier on both), and LLaMA's pre-norm layers with "
                  "their norms or branches named otherwise (attention_layernorm / feedforward_layernorm: Apertus; "
                  "input_layernorm / pre_feedforward_layernorm: VaultGemma; block_sparse_moe: GraniteMoE, with "
-                 "a shared_mlp: GraniteMoE-Shared; self_attention: JetMoE)",), _convert_sandwich,
+                 "a shared_mlp: GraniteMoE-Shared; self_attention: JetMoE; feed_forward: Llama 4, its chunked "
+                 "attention layers with their mask)",), _convert_sandwich,
     detect=_sandwich_convention,
     halves="library",
     conventions={("HostSandwich", None, "DecoderLayer"): _HostSandwichBlock,
