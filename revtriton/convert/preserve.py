@@ -85,18 +85,18 @@ class _WholeLayer:
         self.attention, self.mlp, self.adapter, self.parallel = attention, mlp, adapter, parallel
 
     @property
-    def takes_cond(self) -> bool:  # the attention half takes the model's layer inputs
-        return self.attention.takes_cond
+    def takes_cond(self) -> bool:  # the attention half takes the model's layer inputs (NLLB-MoE's MLP too)
+        return self.attention.takes_cond or getattr(self.mlp, "takes_cond", False)
 
     def parameters(self):
         return self.attention.parameters()
 
     def __call__(self, x, cond=None):
         if self.parallel:
-            out = x + half_output(self.attention, x, cond) + self.mlp(x)
+            out = x + half_output(self.attention, x, cond) + half_output(self.mlp, x, cond)
         else:
             mid = x + half_output(self.attention, x, cond)
-            out = mid + self.mlp(mid)
+            out = mid + half_output(self.mlp, mid, cond)
         return out if self.adapter is None else out + self.adapter(x)
 
     def couple(self, res, x, sign, frac_bits=None, scale=None, cond=None):
