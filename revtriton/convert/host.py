@@ -757,6 +757,22 @@ class _HostDecoderModel(_NoCheckpointing):
         raise RuntimeError(f"revified {type(self).__name__} has no reversible stack at {' or '.join(paths)}")
 
 
+class _RecordsRouterLogits:
+    """Mixin of a host model whose routers' logits the library records by hooks (Switch Transformers',
+    NLLB-MoE's): the hooks fire in the stack's forward, which runs its halves without grad, so they are
+    given only without grad (with it, the router losses made of them would get no gradient)."""
+
+    _recorded_outputs = ("router_logits",)  # (core._record_outputs_as: the swapped class records them)
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("output_router_logits") and torch.is_grad_enabled():
+            raise NotImplementedError(f"revified {type(self).__name__}: output_router_logits=True with grad enabled "
+                                      f"is not supported: the router losses would get no gradient (the reversible "
+                                      f"stack's forward records the router logits without grad); train without "
+                                      f"them, or ask for them under torch.no_grad()")
+        return super().forward(*args, **kwargs)
+
+
 def _check_layer_inputs(name, tokens, kwargs, cache):
     """position_ids [batch or 1, tokens] and a 2-D attention_mask [batch, past + tokens] (a 4-D mask,
     or a dict of them by attention kind, goes to the library's attention as it is)."""

@@ -11,10 +11,9 @@ F does (the mask of the layer's inputs). The routers' logits are recorded by the
 without grad (as Switch Transformers': their losses' gradients would not reach the routers)."""
 from __future__ import annotations
 
-import torch
-
 from .core import Family, LayerSpec, _host_block_mixins, _pickled_host_classes
-from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .host import (_convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _RecordsRouterLogits,
+                   _require_hosted_layer_loop)
 from .probe import require_layer_parts
 
 _ENCODER_PARTS = {"self_attn", "attn_dropout", "self_attn_layer_norm", "ffn", "ff_layer_norm", "ff_dropout"}
@@ -59,13 +58,12 @@ class _NllbMoeFeedForwardHalf(_LibraryAttentionHalf):
 _HostNllbMoeBlock, _HostNllbMoeOrdinaryBlock = _host_block_mixins((_NllbMoeAttentionHalf, _NllbMoeFeedForwardHalf))
 
 
-class _HostNllbMoeStack(_HostDecoderModel):
+class _HostNllbMoeStack(_RecordsRouterLogits, _HostDecoderModel):
     """NllbMoeEncoder / NllbMoeDecoder: sinusoidal positions added before the loop; a decoder's cache while
     decoding and its layers' cross-attention to the encoder's states; the routers' logits recorded
     without grad only."""
 
     _rope = False
-    _recorded_outputs = ("router_logits",)
 
     @property
     def _caches(self):
@@ -74,14 +72,6 @@ class _HostNllbMoeStack(_HostDecoderModel):
     @property
     def _cross_attention(self):
         return self._caches
-
-    def forward(self, *args, **kwargs):
-        if kwargs.get("output_router_logits") and torch.is_grad_enabled():
-            raise NotImplementedError(f"revified {type(self).__name__}: output_router_logits=True with grad enabled "
-                                      f"is not supported: the router losses would get no gradient (the reversible "
-                                      f"stack's forward records the router logits without grad); train without "
-                                      f"them, or ask for them under torch.no_grad()")
-        return super().forward(*args, **kwargs)
 
 
 _STACKS = {"NllbMoeEncoder": ("encoder", _ENCODER_PARTS), "NllbMoeDecoder": ("decoder", _DECODER_PARTS)}

@@ -26,7 +26,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .host import (_convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _RecordsRouterLogits,
+                   _require_hosted_layer_loop)
 
 
 class _T5AttentionHalf(_LibraryAttentionHalf):
@@ -220,20 +221,9 @@ class _HostT5Stack(_HostDecoderModel):
         return self.is_decoder
 
 
-class _HostSwitchStack(_HostT5Stack):
-    """SwitchTransformersStack: T5's, its routers' logits recorded as the library records them. With grad
-    they are refused: the halves run without grad in the stack's forward, so the router losses made of
-    them (z-loss, load balancing) would not reach the routers."""
-
-    _recorded_outputs = ("router_logits",)  # (by the library's hooks on the routers, in the stack's forward)
-
-    def forward(self, *args, **kwargs):
-        if kwargs.get("output_router_logits") and torch.is_grad_enabled():
-            raise NotImplementedError(f"revified {type(self).__name__}: output_router_logits=True with grad enabled "
-                                      f"is not supported: the router losses would get no gradient (the reversible "
-                                      f"stack's forward records the router logits without grad); train without "
-                                      f"them, or ask for them under torch.no_grad()")
-        return super().forward(*args, **kwargs)
+class _HostSwitchStack(_RecordsRouterLogits, _HostT5Stack):
+    """SwitchTransformersStack: T5's, its routers' logits recorded as the library records them, without
+    grad only."""
 
 
 # stack class -> (module, its block class, whether the first block's bias is shared, the block mixins)
