@@ -45,7 +45,9 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             # Multipliers off their neutral defaults, as real checkpoints have them (granite-3's residual_multiplier
             # 0.22: the probe refused every Granite but the default's 1.0, which the sweep never saw)
             residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.2, logits_scaling=2.0,
-            scale_depth=2.0)
+            scale_depth=2.0,
+            # No layerdrop (which revify refuses by name, a random skip of layers in training): the function compared
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0, layerdrop=0.0)
 BOUND = 2e-3  # the largest logit difference allowed, relative to the largest logit (meft3 at 2**-16)
 KINDS = {"causal-lm": "ForCausalLM", "masked-lm": "ForMaskedLM", "image-classification": "ForImageClassification",
          "sequence-classification": "ForSequenceClassification", "seq2seq-lm": "ForConditionalGeneration"}
