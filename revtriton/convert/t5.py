@@ -184,16 +184,16 @@ class _LongT5GlobalLoop(_LongT5Loop):
         return {**kwargs, "position_bias": torch.cat([bias, side], dim=-1)}
 
 
-_T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwardHalf))
-_HostT5Block = type("_HostT5Block", (_T5Loop, _T5Block), {})
-_HostT5OrdinaryBlock = type("_HostT5OrdinaryBlock", (_T5Loop, _T5OrdinaryBlock), {})
-_HostUMT5Block, _HostUMT5OrdinaryBlock = _host_block_mixins((_UMT5AttentionHalf, _T5FeedForwardHalf))
-_HostSwitchBlock, _HostSwitchOrdinaryBlock = (type(f"_HostSwitch{m.__name__[5:]}", (_T5Loop, m), {})
-                                              for m in _host_block_mixins((_T5AttentionHalf, _SwitchFeedForwardHalf)))
-
-
 def _with_loop(loop: type, mixins: tuple) -> tuple:
+    """The block mixins (reversible, ordinary) with ``loop``'s exchange with the stack's loop first."""
     return tuple(type(f"_Host{loop.__name__[1:]}{m.__name__[5:]}", (loop, m), {}) for m in mixins)
+
+
+_T5Block, _T5OrdinaryBlock = _host_block_mixins((_T5AttentionHalf, _T5FeedForwardHalf))
+_HostT5Block, _HostT5OrdinaryBlock = _with_loop(_T5Loop, (_T5Block, _T5OrdinaryBlock))
+_HostUMT5Block, _HostUMT5OrdinaryBlock = _host_block_mixins((_UMT5AttentionHalf, _T5FeedForwardHalf))
+_HostSwitchBlock, _HostSwitchOrdinaryBlock = _with_loop(
+    _T5Loop, _host_block_mixins((_T5AttentionHalf, _SwitchFeedForwardHalf)))
 
 
 # LongT5's blocks by their stack's kind (one library class, LongT5Block: their swapped classes named apart)
