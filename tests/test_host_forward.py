@@ -485,13 +485,15 @@ class _HalvedBlock(transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCo
 
 
 def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seeded):
-    """GPT-Neo's layer loop reads outputs[0] (a stand-in returns the hidden states): named; a block
-    whose parts match but whose function does not (its output scaled, as a residual multiplier would)
-    fails the probe, unchanged; cross-attention is named."""
-    neo = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
-        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]]))
-    with pytest.raises(NotImplementedError, match="does not take each layer's output"):
-        revify(neo)
+    """OpenAI GPT's post-norm blocks have GPT-2's part names, called otherwise: named by the probe,
+    unchanged; a block whose parts match but whose function does not (its output scaled, as a residual
+    multiplier would) fails the probe, unchanged; cross-attention is named."""
+    gpt = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(vocab_size=128, n_positions=64, n_embd=64,
+                                                                          n_layer=2, n_head=4))
+    with pytest.raises(NotImplementedError, match="OpenAIGPTLMHeadModel layer 0 .Block. does not compute GPT-2's"):
+        revify(gpt)
+    assert type(gpt.transformer.h) is torch.nn.ModuleList
+    assert not any(hasattr(block, "_revtriton_spec") for block in gpt.transformer.h)
     original = _bigcode(seeded)
     for block in original.transformer.h:
         block.__class__ = _HalvedBlock
@@ -505,6 +507,91 @@ def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seede
         assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
     with pytest.raises(NotImplementedError, match="ln_cross_attn"):
         revify(_bigcode(seeded, add_cross_attention=True, multi_query=False))
+
+
+def _gpt_neo(seed, **overrides):
+    """A tiny GPT-Neo: global and local layers (a window of 3, shorter than the test's rows), no scaling of
+    its scores, a GELU MLP of nn.Linear; norms off their init (a norm taken for another would show)."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=128, hidden_size=64, num_layers=DEPTH, num_heads=4, window_size=3,
+                  attention_types=[[["global", "local"], DEPTH // 2], [["global"], DEPTH % 2]],
+                  max_position_embeddings=64, intermediate_size=96, embed_dropout=0.0, attention_dropout=0.0,
+                  resid_dropout=0.0, pad_token_id=0, bos_token_id=None, eos_token_id=None, initializer_range=0.3)
+    config["attention_types"] = [kinds for kinds in config["attention_types"] if kinds[1]]
+    model = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(**{**config, **overrides})).eval()
+    _norms_off_their_init(model)
+    return model
+
+
+def _image_gpt(seed, **overrides):
+    """A tiny ImageGPT: GPT-2's layers with its own norm (no bias, no centring), a loop reading outputs[0]."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=129, n_positions=64, n_embd=64, n_layer=DEPTH, n_head=4, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3)
+    model = transformers.ImageGPTForCausalImageModeling(transformers.ImageGPTConfig(**{**config, **overrides}))
+    _norms_off_their_init(model.eval())
+    return model
+
+
+def _norms_off_their_init(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".ln_" in name:
+                parameter.uniform_(0.5, 1.5) if name.endswith("weight") else parameter.normal_(0.0, 0.3)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_gpt_neo_keeps_the_librarys_function(preserve, seeded):
+    """GPT-Neo, admitted by GPT-2's layer parts (its loop reads outputs[0]): its attention module (local
+    layers' windows, unscaled scores, the model's cache while decoding) runs as it is, its MLP on the fused
+    kernels (the probe found them equal); a preserving conversion computes the library's logits on whole
+    and left-padded rows and its cached greedy generation."""
+    original = _gpt_neo(seeded)
+    assert_preserved_on_whole_and_padded_rows(original, preserve)
+    spec = revify(copy.deepcopy(original), preserve=preserve).transformer.h[0]._revtriton_spec
+    assert not spec.fused_attention and spec.fused_mlp
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_gpt_neo_drops_what_its_dropout_drops(seeded):
+    """GPT-Neo's resid_dropout sits on each branch's output inside its modules: at p = 1 both branches are
+    zero in training, so a preserving conversion computes the library's training-mode logits."""
+    assert_training_logits_are_the_librarys(_gpt_neo(seeded, resid_dropout=1.0), "meft3")
+
+
+@pytest.mark.parametrize("kind", ["GPTNeo", "ImageGPT"])
+def test_gpt_neo_and_image_gpt_train_save_and_pickle(kind, seeded, tmp_path):
+    """An exact training step with their dropouts bitwise equals its stored-activation twin; save / load
+    and a fresh process's unpickling give the converted model back (their swapped classes found again by
+    name); a half called alone refuses (the mask is the model's)."""
+    from revtriton.convert import _convention_class
+
+    make, block, base = ((_gpt_neo, "GPTNeoBlock", "GPTNeoModel") if kind == "GPTNeo" else
+                         (_image_gpt, "ImageGPTBlock", "ImageGPTModel"))
+    dropouts = (dict(embed_dropout=0.1, attention_dropout=0.1, resid_dropout=0.1) if kind == "GPTNeo" else
+                dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    model = revify(make(seeded, **dropouts), exact=True).train()
+    assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)
+    module = f"transformers.models.{'gpt_neo' if kind == 'GPTNeo' else 'imagegpt'}.modeling_" \
+             f"{'gpt_neo' if kind == 'GPTNeo' else 'imagegpt'}"
+    assert _convention_class(f"RevifiedHostGPT2StyleOrdinary{block}")[:2] == (module, block)
+    assert _convention_class(f"RevifiedHostGPT2Style{base}")[:2] == (module, base)
+    with pytest.raises(RuntimeError, match="call the model"):
+        model.transformer.h[0].coupling_halves()[0](torch.randn(1, 4, 64))
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_image_gpt_keeps_the_librarys_function(seeded):
+    """ImageGPT, admitted by GPT-2's layer parts: its norm is not LayerNorm, so both halves run its layer's
+    own modules (the probe found the fused ones differ); a preserving conversion computes the library's
+    logits and its cached greedy generation."""
+    original = _image_gpt(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    spec = model.transformer.h[0]._revtriton_spec
+    assert not spec.fused_attention and not spec.fused_mlp
+    ids = torch.randint(1, 128, (2, 10))
+    assert_keeps_the_librarys_function(original, model, ids, dict(input_ids=ids))
 
 
 def _parallel_decoder(family, seed, **overrides):  # one norm, attention and MLP in parallel

@@ -8,7 +8,7 @@ By class: timm ``VisionTransformer`` (standard ``Block``) and ``Eva``; Hugging F
 Phi-3). By their layer conventions, each layer probed at conversion against its own forward: any
 decoder whose layers have LLaMA's parts and compute its pre-norm layer (Granite, OLMo, SmolLM3,
 Helium, Starcoder2, ...), sandwich-norm decoders (Gemma 2, Gemma 3, OLMo 2), decoders with GPT-2's
-layers (GPTBigCode), with parallel layers (GPT-J, CodeGen, Phi, Cohere, StableLM, Falcon), and
+layers (GPTBigCode, GPT-Neo, ImageGPT), with parallel layers (GPT-J, CodeGen, Phi, Cohere, StableLM, Falcon), and
 pre-norm encoders with BERT's layer parts (RoBERTa-PreLayerNorm, XLM-RoBERTa-XL); post-norm
 encoders (BERT, RoBERTa, ELECTRA) under ``preserve="meft1"`` / ``"meft2"``.
 

@@ -1,5 +1,5 @@
 """Hugging Face GPT-2 and the decoders with its layer conventions (``h`` of blocks with ln_1, attn,
-ln_2, mlp: GPTBigCode), run through the library's own forward."""
+ln_2, mlp: GPTBigCode, GPT-Neo, ImageGPT), run through the library's own forward."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +24,9 @@ class _GPT2AttentionHalf(_Half):
     def _beyond_fused(self, x):  # scores not scaled by head_dim ** -0.5 (converted with the library's forward)
         return not self._spec().fused_attention
 
-    def _dropouts(self):
+    def _dropouts(self):  # (not fused: the layer's own modules anyway; GPT-Neo's keep theirs deeper)
+        if not self._spec().fused_attention:
+            return ()
         return _p(self.block.attn.attn_dropout), _p(self.block.attn.resid_dropout)
 
     couple_op = norm_attention_couple
@@ -84,7 +86,7 @@ class _GPT2MlpHalf(_Half):
 
 def _convert_gpt2(model, conversion, found=None):
     """GPT-2 and the decoders that share its layer conventions (``h`` of blocks with ln_1, attn, ln_2,
-    mlp: GPTBigCode). The fused kernels run GPT-2's own projections (transformers' Conv1D, q/k/v
+    mlp: GPTBigCode, GPT-Neo, ImageGPT). The fused kernels run GPT-2's own projections (transformers' Conv1D, q/k/v
     side by side) with head_dim ** -0.5 scores and a GELU / ReLU MLP; anything else runs the layer's
     own modules. ``found``: the base model of a decoder admitted by its conventions
     (:func:`_gpt2_convention_base`), each layer checked against its own forward (:func:`_probe_layers`)."""
@@ -110,13 +112,15 @@ def _convert_gpt2(model, conversion, found=None):
         gpt2_mlp = all(isinstance(getattr(m, part, None), (Conv1D, nn.Linear)) for part in ("c_fc", "c_proj"))
         block._revtriton_spec = LayerSpec(fused_attention=plain_scaling and gpt2_attention, gpt2_layout=gpt2_attention,
                                           fused_mlp=gpt2_mlp and activation is not None, activation=activation)
+    # GPT-Neo's loop reads each layer's output as outputs[0] (its layers return the attention weights too)
+    tuples = probe and _check_block_loop(base, tuples=True)
     if probe:
         _probe_layers(base, name, base.h, (_HostGPT2AttentionHalf, _GPT2MlpHalf), _causal_layer_inputs(base),
                       "GPT-2's pre-norm layer x + attn(ln_1(x)), then + mlp(ln_2(h))")
     mixins, model_mixin = (_HostGPT2StyleBlock, _HostGPT2StyleOrdinaryBlock), _HostGPT2StyleModel
     if not probe:
         mixins, model_mixin = (_HostGPT2Block, _HostGPT2OrdinaryBlock), _HostGPT2Model
-    _convert_hosted_layers(model, base, "h", conversion, mixins, model_mixin)
+    _convert_hosted_layers(model, base, "h", conversion, mixins, model_mixin, layer_tuples=tuples)
 
 
 _GPT2_LAYER_PARTS = ("ln_1", "attn", "ln_2", "mlp")
@@ -126,11 +130,11 @@ def _gpt2_convention_base(model: nn.Module):
     """The base model of a Hugging Face decoder whose layers look like GPT-2's (``h`` of blocks with
     exactly ln_1, attn, ln_2 and mlp), whatever its class, or None. Raises NotImplementedError naming
     what differs for one that nearly does (other parts; a layer loop that does not take each layer's
-    output as the next hidden states, GPT-Neo's ``outputs[0]``)."""
+    output as the next hidden states, directly or as ``outputs[0]`` as GPT-Neo's does)."""
     found = _library_layers(model, "transformer", "h")
     if found is None or not _has_layer_parts(found[1][0], _GPT2_LAYER_PARTS, "GPT-2"):
         return None
-    _check_block_loop(found[0])
+    _check_block_loop(found[0], tuples=True)
     return found[0]
 
 
@@ -191,7 +195,8 @@ class _HostGPT2StyleModel(_HostGPT2Model):
 FAMILY = Family(
     "gpt2", ("transformers GPT2LMHeadModel", "transformers GPT2Model (with add_cross_attention too: a vision "
              "encoder-decoder's decoder)",
-             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode)"), _convert_gpt2,
+             "decoders with GPT-2's layers (ln_1, attn, ln_2, mlp: GPTBigCode, GPT-Neo with its local attention "
+             "layers, ImageGPT)"), _convert_gpt2,
     classes=(("transformers", "GPT2LMHeadModel"), ("transformers", "GPT2Model")), detect=_gpt2_convention_base,
     pickled=_pickled_host_classes("transformers.models.gpt2.modeling_gpt2", "GPT2Block",
                                   (_HostGPT2Block, _HostGPT2OrdinaryBlock), "GPT2Model", _HostGPT2Model),

@@ -645,7 +645,9 @@ def decoding_inputs(block, attention) -> dict:
     cache = _layer_cache(live)
     if cache is None:
         return {}
-    call.keep_cache_layer(cache, attention.layer_idx)
+    # (GPT-Neo's attention names its cache layer layer_id)
+    index = attention.layer_idx if hasattr(attention, "layer_idx") else attention.layer_id
+    call.keep_cache_layer(cache, index)
     return {key: value for key, value in live.items()
             if key not in ("attention_mask", "position_embeddings", "position_ids", *LAYER_TENSORS)}
 

@@ -49,9 +49,9 @@ def require_layer_parts(layers, parts: set, whose: str, optional: tuple = ()):
 def _check_block_loop(base, tuples: bool = False) -> bool:
     """The base model's loop over ``h`` must take each block's output as the next hidden states (a
     stand-in returns them), or, with ``tuples``, may read them as ``outputs[0]`` of a layer that
-    returns (hidden states, attention weights) (Falcon's loop; GPT-Neo's and ImageGPT's read it too,
-    and their families refuse them). Returns whether the loop reads ``outputs[0]`` (the stand-ins
-    must then return a tuple: :func:`host._host_layer_tuple_calls`)."""
+    returns (hidden states, attention weights) (Falcon's loop; GPT-Neo's and ImageGPT's too). Returns
+    whether the loop reads ``outputs[0]`` (the stand-ins must then return a tuple:
+    :func:`host._host_layer_tuple_calls`)."""
     if tuples and _loop_source_matches(base, r"outputs = block\((?:.|\n)*?hidden_states = outputs\[0\]"):
         return True
     _require_layer_loop(base, r"hidden_states = block\(",
@@ -152,8 +152,14 @@ def _probe_each_layer(base, name, layers, halves, layer_inputs, layer_kind, para
                 fused = spec.fused_attention, spec.fused_mlp
                 spec.fused_attention = spec.fused_mlp = False  # the layer's own modules first
                 attention, mlp = (half(block) for half in halves)
-                a = attention(x, cond)
-                m = mlp(x if parallel else x + a)
+                try:
+                    a = attention(x, cond)
+                    m = mlp(x if parallel else x + a)
+                except Exception as error:  # parts of the family's names that are called otherwise (OpenAI GPT's)
+                    raise NotImplementedError(
+                        f"revify: {name} layer {i} ({type(block).__name__}) does not compute {layer_kind}: its "
+                        f"parts fail when called as that layer's ({type(error).__name__}: {error}): not "
+                        f"supported") from error
                 error = _relative_error(x + a + m - x, out - x)  # against the layer's update, not x + update
                 if not error <= tolerance:
                     raise NotImplementedError(
