@@ -1,4 +1,4 @@
-"""T5, mT5, UMT5, Pop2Piano (revtriton/convert/t5.py) and T5Gemma (revtriton/convert/t5gemma.py) under
+"""T5, mT5, UMT5, Pop2Piano (revtriton/convert/t5.py) and T5Gemma, T5Gemma 2 (revtriton/convert/t5gemma.py) under
 revify: both stacks reversible under the library's own forward, T5's relative position bias (the first
 block makes it) shared through the conditioning (its gradient reaching the table), UMT5's made by each
 block, the decoder's cross-attention reading the encoder's states."""
@@ -210,6 +210,58 @@ def test_t5gemma_converts_both_stacks_keeping_the_librarys_function(preserve, se
     assert stacks(model) == ["model.encoder.layers", "model.decoder.layers"]
     assert [block._revtriton_spec.window for block in model.model.encoder.layers] == [4, None, 4][:DEPTH]
     assert_seq2seq_keeps_the_librarys_function(original, model, seq2seq_batch(), DEPTH)
+
+
+def t5gemma2(head="ForConditionalGeneration", seed=0, **overrides):
+    """A tiny T5Gemma 2: T5Gemma's sandwich layers, sliding-window (4) and full attention layers, the decoder's
+    self- and cross-attention merged; a one-layer SigLIP vision tower beside the text encoder."""
+    torch.manual_seed(seed)
+    kinds = ["sliding_attention", "full_attention", "sliding_attention"][:DEPTH]
+    stack = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=DEPTH, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=4, layer_types=kinds, dropout_rate=0.0,
+                 attention_dropout=0.0, query_pre_attn_scalar=16)
+    stack.update(overrides)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.T5Gemma2Config(encoder=dict(text_config=dict(stack), vision_config=vision),
+                                         decoder=dict(stack), vocab_size=128, pad_token_id=0, eos_token_id=2,
+                                         bos_token_id=1, decoder_start_token_id=1)
+    model = getattr(transformers, f"T5Gemma2{head}")(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+T5GEMMA2_STACKS = ["model.encoder.text_model.layers", "model.encoder.vision_tower.encoder.layers",
+                   "model.decoder.layers"]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_t5gemma2_converts_its_text_encoder_and_decoder_keeping_the_librarys_function(preserve, seeded):
+    """T5Gemma 2: its text encoder, its decoder (each layer's merged self- and cross-attention on the
+    encoder's states, under the merged mask of its attention kind) and its vision tower (the clip
+    family's) convert; the logits and both text stacks' hidden states on padded source rows within the
+    coupling's term of the library's, and greedy generation with the library's cache: tokens, and each
+    step's logits while they agree."""
+    original = t5gemma2(seed=seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    assert stacks(model) == T5GEMMA2_STACKS
+    assert [block._revtriton_spec.window for block in model.model.decoder.layers] == [4, None, 4][:DEPTH]
+    assert_seq2seq_keeps_the_librarys_function(original, model, seq2seq_batch(), DEPTH)
+
+
+def test_t5gemma2_trains_against_its_twin_saves_and_pickles(seeded, tmp_path):
+    """An exact training step with dropout on against the stored-activation twin (the decoder's merged
+    attention reads the encoder's states from the conditioning: their gradient reaches the encoder);
+    save / load, a pickle, a fresh process."""
+    model = revify(t5gemma2(seed=seeded, dropout_rate=0.1), exact=True).train()
+    inputs = seq2seq_batch()
+    labels = torch.randint(3, 128, (2, 6))
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, seed=seeded)
+    assert_round_trips(model, inputs, tmp_path)
 
 
 def test_t5gemma_trains_against_its_twin_saves_and_pickles(seeded, tmp_path):
