@@ -4,6 +4,7 @@ whole, but their vision tower (CLIP, SigLIP) and language model (LLaMA, Gemma by
 own forward (image features spliced into the token embeddings, PaliGemma's prefix mask) and generate
 run over them."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -329,3 +330,28 @@ def test_a_part_that_nearly_has_a_familys_layers_stays_as_it_is(seeded):
     with pytest.warns(UserWarning, match=left):
         revify(model)
     assert _stacks(model) == [model.model.vision_tower.encoder.layers]
+
+
+def test_a_library_part_no_family_takes_is_named_when_the_others_convert(seeded):
+    """A model of two library parts, one a family converts (GPT-2) and one no family takes (Mamba's
+    layers, as LFM2-VL's hybrid language model beside its SigLIP): the first converts, and the other
+    is named in a warning with its layers (before, it stayed as it is without a word); a model whose
+    parts all convert warns nothing of the kind."""
+    torch.manual_seed(seeded)
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4,
+                                                                           vocab_size=100))
+            self.ssm = transformers.MambaModel(transformers.MambaConfig(vocab_size=100, hidden_size=32,
+                                                                        num_hidden_layers=2, state_size=4))
+
+    model = Pair()
+    with pytest.warns(UserWarning, match=r"left Pair\.ssm as it is \(no family converts MambaModel: its layers "
+                                         r"\(layers: 2 x MambaBlock"):
+        revify(model)
+    assert _stacks(model) == [model.lm.transformer.h]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*left .* as it is")
+        revify(_model("llava", seeded))

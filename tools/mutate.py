@@ -1585,6 +1585,11 @@ MUTANTS = [
            "                          merged_attention_mask=host.masks[0],",
            ("tests/test_t5.py", "-k", "t5gemma2_converts"),
            "T5Gemma 2's sliding-window decoder layers given the full layers' merged mask"),
+    Mutant("library-part-left-silently", "revtriton/convert/__init__.py",
+           "                and _repeated_layers(module) is not None):",
+           "                and False):",
+           ("tests/test_vision_language.py", "-k", "no_family_takes"),
+           "a library part no family takes (a VLM's hybrid language model) left as it is without a word"),
     # ---- the forward couples' row operands (issue 44)
     Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
            "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",

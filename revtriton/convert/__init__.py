@@ -160,22 +160,29 @@ def revify(model: nn.Module, *, exact: bool = True, frac_bits: int = 16, anchor_
                     f"supported: {', '.join(SUPPORTED)}")
 
 
-def _unmatched_layers(model: nn.Module) -> str:
-    """Why no family took ``model``, for revify's error: its layer list (the longest list of one
-    layer class), with the parts no family's conventions match, or that it has none; and what to do."""
+def _repeated_layers(model: nn.Module) -> tuple | None:
+    """``(path, layers)``: the longest list of more than one layer of one class in ``model``, or None."""
     best = None
     for path, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
             classes = {type(layer) for layer in module}
             if len(classes) == 1 and (best is None or len(module) > len(best[1])):
                 best = (path, module)
+    return best
+
+
+def _unmatched_layers(model: nn.Module, supported: str = "the supported list ends this message") -> str:
+    """Why no family took ``model``, for revify's error: its layer list (the longest list of one
+    layer class), with the parts no family's conventions match, or that it has none; and what to do
+    (``supported``: where the families are listed)."""
+    best = _repeated_layers(model)
     if best is None:
         return "it has no list of repeated layers (a transformer's layer stack) to make reversible"
     path, layers = best
     parts = ", ".join(name for name, _ in layers[0].named_children()) or "none"
     return (f"its layers ({path or 'the model'}: {len(layers)} x {type(layers[0]).__name__}, with parts {parts}) are "
-            f"not those of a family revify converts (the supported list ends this message: each family's model "
-            f"classes or layer parts); "
+            f"not those of a family revify converts ({supported}: each family's model classes or layer "
+            f"parts); "
             f"a layer made of two residual branches x + F(x), then h + G(h), converts by hand as "
             f"revtriton.ReversibleBlock(F, G) in a ReversibleStack")
 
@@ -228,12 +235,34 @@ def _convert_components(model: nn.Module, components: list, conversion) -> list:
             refused.append((paths[id(component)], error))
     if len(refused) == len(components):
         raise refused[0][1]
-    for path, error in refused:
-        import warnings
+    import warnings
 
+    for path, error in refused:
         warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is ({error}); its other parts are "
                       f"reversible stacks", stacklevel=3)
+    for path, part in _parts_no_family_takes(model, paths, components):
+        warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is (no family converts "
+                      f"{type(part).__name__}: {_unmatched_layers(part, 'revtriton.convert.SUPPORTED')}); its other parts "
+                      f"are reversible stacks",
+                      stacklevel=3)
     return converted
+
+
+def _parts_no_family_takes(model: nn.Module, paths: dict, components: list) -> list:
+    """``[(path, sub-model)]``: the outermost library sub-models of ``model`` (a vision-language model's
+    language model, ...) with a list of repeated layers that hold no part :func:`_components` found: no
+    family took them, and none refused them by name (LFM2-VL's hybrid language model beside its SigLIP)."""
+    found = [paths[id(component)] for component, _, _ in components]
+    left = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(f"{seen}.") for seen, _ in left):
+            continue
+        library_model = type(module).__module__.startswith("transformers.") and any(
+            cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+        if (library_model and not any(f"{p}.".startswith(f"{path}.") or path.startswith(f"{p}.") for p in found)
+                and _repeated_layers(module) is not None):
+            left.append((path, module))
+    return left
 
 
 def _refuse_per_layer_config(model: nn.Module):
