@@ -197,8 +197,9 @@ def test_lora_on_both_towers_in_either_order(seeded):
 
 
 def _qwen2_vl(seed, version="2"):
-    """Qwen2-VL / Qwen2.5-VL: its own vision transformer (no family's: it stays as it is) and a text
-    model with LLaMA's layer parts and multimodal RoPE (a temporal, height and width position a token)."""
+    """Qwen2-VL / Qwen2.5-VL: its own vision transformer (the qwen_vision family's: the images' patches in
+    one row, Qwen2.5-VL's windowed blocks beside its full ones) and a text model with LLaMA's layer parts
+    and multimodal RoPE (a temporal, height and width position a token)."""
     torch.manual_seed(seed)
     text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
                 num_key_value_heads=2, pad_token_id=0, head_dim=8,
@@ -231,13 +232,13 @@ def _qwen2_vl_inputs():
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
 @pytest.mark.parametrize("version", ["2", "2.5"])
 def test_qwen2_vl_converts_its_language_model_with_multimodal_rope(version, seeded, tmp_path):
-    """Qwen2-VL's text model (its loop: ``for i, layer in enumerate(self.layers)``) converts; its
-    multimodal RoPE (the image's tokens at 2-D positions) runs on the model's rotary embedding, so a
-    preserving conversion keeps the logits, an exact training step is bitwise its twin's, and it saves,
-    loads and pickles (its swapped classes found by name in a fresh process)."""
+    """Qwen2-VL's text model (its loop: ``for i, layer in enumerate(self.layers)``) and vision tower
+    convert; its multimodal RoPE (the image's tokens at 2-D positions) runs on the model's rotary
+    embedding, so a preserving conversion keeps the logits, an exact training step is bitwise its
+    twin's, and it saves, loads and pickles (its swapped classes found by name in a fresh process)."""
     original = _qwen2_vl(seeded, version)
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    assert _stacks(model) == [model.model.language_model.layers]
+    assert _stacks(model) == [model.model.visual.blocks, model.model.language_model.layers]
     assert all(layer._revtriton_spec.library_rope for layer in model.model.language_model.layers)
     inputs = _qwen2_vl_inputs()
     with torch.no_grad():
@@ -355,3 +356,48 @@ def test_a_library_part_no_family_takes_is_named_when_the_others_convert(seeded)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*left .* as it is")
         revify(_model("llava", seeded))
+
+
+def _qwen2_vl_two_images():
+    """Two images in one row of patches (8 x 8 and 4 x 8 patches: 16 and 8 tokens once merged), each
+    attending to itself only (the tower's cu_seqlens), inside one 32-token sequence."""
+    ids = torch.randint(1, 120, (1, 32))
+    ids[0, 1], ids[0, 2:18], ids[0, 18] = 125, IMAGE_ID, 126
+    ids[0, 20], ids[0, 21:29], ids[0, 29] = 125, IMAGE_ID, 126
+    return dict(input_ids=ids, pixel_values=torch.randn(64 + 32, 3 * 2 * 4 * 4),
+                image_grid_thw=torch.tensor([[1, 8, 8], [1, 4, 8]]), attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=(ids == IMAGE_ID).long())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen2_vl_vision_towers_keep_the_librarys_function(version, seeded):
+    """The vision towers under a preserving conversion: two images of different sizes packed in one row,
+    each attending to itself (Qwen2.5-VL's windowed blocks to their windows: the other attention kind,
+    with its own boundaries and longest length in the conditioning); the logits within the coupling's
+    term of the library's, and the tower's output too. Each block's attention gets the boundaries and
+    the longest length (what flash attention reads; given precomputed here) the library's loop gives it."""
+    original = _qwen2_vl(seeded, version)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    windows = [block._revtriton_spec.window is not None for block in model.model.visual.blocks]
+    assert windows == ([False, False] if version == "2" else [True, False])  # (fullatt_block_indexes=[1])
+    inputs = _qwen2_vl_two_images()
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+        pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+        seen = {}
+        for name, tower in (("theirs", original.model.visual), ("ours", model.model.visual)):
+            seen[name] = []
+            hooks = [block.attn.register_forward_pre_hook(
+                lambda module, args, kwargs, calls=seen[name]: calls.append(
+                    (kwargs["cu_seqlens"].tolist(), kwargs["max_seqlen"])), with_kwargs=True)
+                for block in tower.blocks]
+            out = tower(pixels, grid_thw=grid, max_seqlen=64, max_window_seqlen=4).last_hidden_state
+            for hook in hooks:
+                hook.remove()
+            seen[name + " out"] = out
+        torch.testing.assert_close(seen["ours out"], seen["theirs out"], rtol=0,
+                                   atol=2e-3 * seen["theirs out"].abs().max().item())
+        assert seen["ours"] == seen["theirs"] and {length for _, length in seen["ours"]} == (
+            {64} if version == "2" else {64, 4})

@@ -235,9 +235,13 @@ LAYER_TENSORS = ("alibi", "position_bias", "relative_pos", "rel_embeddings", "re
 # BEiT's loop hands every layer the image's resolution (and whether to interpolate position encodings),
 # from which each layer makes its own relative position bias: a CPU int64 tensor (height, width,
 # interpolate), read on the host with no sync.
+# Vision towers that pack their images into one row (Qwen2-VL's) hand every layer the longest image's
+# length (max_seqlen, an int: a window's in Qwen2.5-VL's windowed layers), which flash attention reads:
+# one per attention kind, a CPU int64 tensor too.
 _COND_SLOTS = ("positions", "segments", "cos", "sin", "sliding_cos", "sliding_sin", "position_ids", "full_mask",
-               "sliding_mask", *LAYER_TENSORS, "resolution", "fusable")
+               "sliding_mask", *LAYER_TENSORS, "max_seqlens", "resolution", "fusable")
 _SHARED = _COND_SLOTS.index(LAYER_TENSORS[0])  # where the layer tensors' slots start
+_SHARED_END = _SHARED + len(LAYER_TENSORS)
 
 
 @dataclass(frozen=True)
@@ -250,10 +254,15 @@ class _HostCond:
     sliding_position_embeddings: tuple | None = None  # sliding attention's own (Gemma 3's local RoPE), or None
     layer_tensors: dict = field(default_factory=dict)  # LAYER_TENSORS the loop gave its layers, by name
     resolution: tuple | None = None  # (height, width, interpolate_pos_encoding) the loop gave its layers (BEiT)
+    max_seqlens: tuple = (None, None)  # (full attention's, the other kind's) max_seqlen the loop gave its layers
 
     def mask_for(self, block) -> torch.Tensor | None:
         """The library's mask of the block's attention kind (full, or sliding window)."""
         return self.masks[_spec_of(block).window is not None]
+
+    def max_seqlen_for(self, block) -> int | None:
+        """The max_seqlen the loop gave the block's attention kind (a vision tower's packed images), or None."""
+        return self.max_seqlens[_spec_of(block).window is not None]
 
     def rotary_for(self, block):
         """The rotary embedding of the block's attention kind: the sliding layers' own where the model
@@ -268,10 +277,11 @@ def _none_if_empty(t):
 
 
 def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, like, sliding_rotary=None,
-                    layer_tensors=None, resolution=None) -> tuple:
+                    layer_tensors=None, resolution=None, max_seqlens=(None, None)) -> tuple:
     """The halves' conditioning (``_COND_SLOTS``); ``sliding_rotary``: the sliding layers' own rotary
     embedding, where it is not ``position_embeddings``; ``layer_tensors``: {name in LAYER_TENSORS: tensor};
-    ``resolution``: (height, width, interpolate_pos_encoding) or None."""
+    ``resolution``: (height, width, interpolate_pos_encoding) or None; ``max_seqlens``: an int or None
+    per attention kind."""
     layer_tensors = layer_tensors or {}
     empty = like.new_empty(0)
     positions, segments = (empty, empty) if layout is None else layout
@@ -285,6 +295,8 @@ def _pack_host_cond(layout, position_embeddings, position_ids, masks, fusable, l
             empty if position_ids is None else position_ids,
             *(empty if mask is None else mask for mask in masks),
             *(empty if layer_tensors.get(name) is None else layer_tensors[name] for name in LAYER_TENSORS),
+            torch.empty(0, dtype=torch.long) if max_seqlens == (None, None) else
+            torch.tensor([-1 if v is None else int(v) for v in max_seqlens]),
             torch.empty(0, dtype=torch.long) if resolution is None else torch.tensor([int(v) for v in resolution]),
             torch.tensor(bool(fusable)))
 
@@ -294,7 +306,7 @@ def _unpack_host_cond(cond) -> _HostCond:
         raise RuntimeError("revtriton: a revified model's attention half ran without its model's layer inputs; "
                            "call the model (its own forward builds them), not the stack or a block alone")
     positions, segments, cos, sin, sliding_cos, sliding_sin, position_ids, full_mask, sliding_mask = cond[:_SHARED]
-    resolution, fusable = cond[-2:]
+    max_seqlens, resolution, fusable = cond[_SHARED_END:]
     layout = None if _none_if_empty(positions) is None else (positions, segments)
 
     def rotary(cos, sin):
@@ -303,8 +315,11 @@ def _unpack_host_cond(cond) -> _HostCond:
     return _HostCond(layout, rotary(cos, sin), _none_if_empty(position_ids),
                      (_none_if_empty(full_mask), _none_if_empty(sliding_mask)), bool(fusable),
                      rotary(sliding_cos, sliding_sin),
-                     {name: t for name, t in zip(LAYER_TENSORS, cond[_SHARED:-2]) if _none_if_empty(t) is not None},
-                     None if resolution.numel() == 0 else tuple(resolution.tolist()))
+                     {name: t for name, t in zip(LAYER_TENSORS, cond[_SHARED:_SHARED_END])
+                      if _none_if_empty(t) is not None},
+                     None if resolution.numel() == 0 else tuple(resolution.tolist()),
+                     (None, None) if max_seqlens.numel() == 0 else
+                     tuple(None if v < 0 else v for v in max_seqlens.tolist()))
 
 
 def _blocks(stack) -> list:
@@ -408,7 +423,7 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
     all, one mask and one rotary embedding per attention kind (full / sliding window: Gemma 3 gives
     each kind its own RoPE; other models one for all)."""
     stack, first = call.stack, call.layer_kwargs[layers[0]]
-    masks, rotaries = [None, None], [None, None]
+    masks, rotaries, max_seqlens = [None, None], [None, None], [None, None]
     seen = [False, False]
     for i in layers:
         kwargs = call.layer_kwargs[i]
@@ -428,12 +443,15 @@ def _host_cond(call: _HostCall, layers, like) -> tuple:
         if seen[kind] and rotary is not rotaries[kind]:
             raise NotImplementedError("revified model: layers of one attention kind got different rotary embeddings "
                                       "(per-layer rotary embeddings are not supported)")
-        masks[kind], rotaries[kind], seen[kind] = mask, rotary, True
+        max_seqlen = kwargs.get("max_seqlen")
+        if seen[kind] and max_seqlen != max_seqlens[kind]:
+            raise NotImplementedError("revified model: layers of one attention kind got different max_seqlen")
+        masks[kind], rotaries[kind], max_seqlens[kind], seen[kind] = mask, rotary, max_seqlen, True
     full, sliding = rotaries if seen[0] else (rotaries[1], None)
     return _pack_host_cond(call.layout, full, first.get("position_ids"), masks, call.fusable, like,
                            sliding_rotary=None if sliding is full else sliding,
                            layer_tensors={name: first.get(name) for name in LAYER_TENSORS},
-                           resolution=_resolution(first))
+                           resolution=_resolution(first), max_seqlens=tuple(max_seqlens))
 
 
 def _resolution(kwargs) -> tuple | None:
@@ -535,7 +553,7 @@ class _HostAttention:
         cut to them where it has a row a sample, kept where it has one for all or is empty; None (the
         half then runs whole) where the loop gives its layers tensors of other layouts (ALiBi's,
         relative positions) or an input has another leading dim."""
-        if any(_none_if_empty(t) is not None for t in cond[_SHARED:-2]):
+        if any(_none_if_empty(t) is not None for t in cond[_SHARED:_SHARED_END]):
             return None
         shared = []
         for t in cond[:_SHARED]:

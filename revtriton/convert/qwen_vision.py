@@ -1,0 +1,85 @@
+"""The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``) and Qwen2.5-VL
+(``Qwen2_5_VisionTransformerPretrainedModel``), found as the ``visual`` part of their vision-language
+models: pre-norm blocks ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches
+packed in one row (``[patches, dim]``). Each image attends to itself: the loop hands every block the
+images' boundaries (``cu_seqlens``) and the longest one's length (``max_seqlen``), and Qwen2.5-VL's
+windowed blocks (all but ``fullatt_block_indexes``) the windows' instead; the 2-D rotary embedding is
+the tower's. Both halves run the block's own modules; the conditioning carries the boundaries of each
+block's kind (full, windowed) as its mask, so the rebuild in backward sees what the forward saw."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .probe import require_layer_parts
+
+_BLOCK_PARTS = {"norm1", "norm2", "attn", "mlp"}
+
+
+class _QwenVisionAttentionHalf(_LibraryAttentionHalf):
+    def _attention_module(self):
+        return self.block.attn
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.norm1.weight)
+        return b.attn(b.norm1(x), cu_seqlens=host.mask_for(b), max_seqlen=host.max_seqlen_for(b),
+                      position_embeddings=host.rotary_for(b))
+
+
+class _QwenVisionMlpHalf(_LibraryHalf):
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.norm2(self._input(x, b.norm2.weight)))
+
+
+class _QwenVisionLoop:
+    """The tower's loop hands each block its images' (or windows') boundaries as ``cu_seqlens``: the
+    conditioning carries them as the block's attention mask, one per attention kind."""
+
+    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
+        kwargs = dict(kwargs)
+        kwargs["attention_mask"] = kwargs.pop("cu_seqlens")
+        return kwargs
+
+
+_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock = (
+    type(f"_HostQwenVision{m.__name__[5:]}", (_QwenVisionLoop, m), {})
+    for m in _host_block_mixins((_QwenVisionAttentionHalf, _QwenVisionMlpHalf)))
+
+
+class _HostQwenVisionModel(_HostDecoderModel):
+    """A Qwen vision tower: patches in (no token ids, no cache), its blocks ``blocks``."""
+
+    _layers = "blocks"
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_qwen_vision(model, conversion, found=None):
+    name, blocks = type(model).__name__, model.blocks
+    if not len(blocks):
+        raise ValueError(f"revify: {name} has no blocks")
+    _require_hosted_layer_loop(name)
+    require_layer_parts(blocks, _BLOCK_PARTS, name)
+    full = set(getattr(model, "fullatt_block_indexes", range(len(blocks))))  # (Qwen2-VL's: every block)
+    spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    window = getattr(model.config, "window_size", None)
+    for i, block in enumerate(blocks):  # windowed blocks are the other attention kind (their own boundaries)
+        block._revtriton_spec = replace(spec, window=None if i in full else window)
+    _convert_hosted_layers(model, model, "blocks", conversion, (_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock),
+                           _HostQwenVisionModel)
+
+
+# (module, block class, tower class)
+_TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedModel"),
+           ("qwen2_5_vl", "Qwen2_5_VLVisionBlock", "Qwen2_5_VisionTransformerPretrainedModel"))
+FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL and Qwen2.5-VL (its windowed blocks "
+                                "too), the images' patches packed in one row",),
+                _convert_qwen_vision, halves="library",
+                classes=tuple(("transformers", tower) for _, _, tower in _TOWERS),
+                pickled={name: entry for module, block, tower in _TOWERS
+                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                  block, (_HostQwenVisionBlock,
+                                                                          _HostQwenVisionOrdinaryBlock),
+                                                                  tower, _HostQwenVisionModel).items()})
