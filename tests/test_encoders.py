@@ -165,7 +165,7 @@ def test_megatron_bert_computes_the_librarys_encoder(seeded, tmp_path):
     an exact training step equals its stored-activation twin; it saves, loads and pickles."""
     original = hf_megatron(seeded, initializer_range=0.3).eval()
     model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
-    assert type(model.bert).__name__.startswith("RevifiedHostUnpackedEncoder")
+    assert type(model.bert).__qualname__.startswith("RevifiedHostUnpackedEncoder")
     assert_the_librarys_encoder(original, model, sequences())
     model = revify(hf_megatron(seeded, hidden_dropout_prob=0.1), exact=True).train()
     assert_trains_saves_and_pickles(model, torch.randint(1, 128, (2, 10)), tmp_path, seed=seeded)

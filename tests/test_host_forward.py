@@ -509,6 +509,21 @@ def test_gpt2_style_layers_that_differ_raise_and_leave_the_model_as_it_was(seede
         revify(_bigcode(seeded, add_cross_attention=True, multi_query=False))
 
 
+def test_a_base_model_converted_alone_loads_back_by_its_library_class(seeded, tmp_path):
+    """save_pretrained writes the model's class name into its config's architectures: a base model
+    converted alone (GPT2Model, as an embedding model's) writes the library's name, not the swapped
+    class's, so revtriton.from_pretrained finds its class without model_class= (before: a ValueError);
+    a pickle and a fresh process find the swapped class by its qualified name."""
+    import json
+
+    torch.manual_seed(seeded)
+    model = revify(transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100)))
+    loaded = assert_round_trips(model, dict(input_ids=torch.randint(0, 100, (2, 6))), tmp_path,
+                                output="last_hidden_state")
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GPT2Model"]
+    assert type(loaded).__qualname__ == type(model).__qualname__ == "RevifiedHostGPT2Model"
+
+
 def _gpt_neo(seed, **overrides):
     """A tiny GPT-Neo: global and local layers (a window of 3, shorter than the test's rows), no scaling of
     its scores, a GELU MLP of nn.Linear; norms off their init (a norm taken for another would show)."""

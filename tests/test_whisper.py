@@ -2,6 +2,7 @@
 lineage's, revtriton/convert/bart.py: its cross-attention reads the encoder's states through the
 conditioning; its cache while decoding) reversible stacks run through the library's own forward."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch
 from revtriton import ReversibleStack
 from revtriton.convert import revify
 
-from revified import assert_greedy_tokens_are_the_librarys, assert_round_trips, assert_seq2seq_step_equals_its_twin
+from revified import (assert_exact_step_equals_twin, assert_greedy_tokens_are_the_librarys, assert_round_trips,
+                      assert_seq2seq_step_equals_its_twin)
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,3 +130,77 @@ def test_the_audio_classifier_converts_its_encoder(seeded):
     assert isinstance(model.encoder.layers, ReversibleStack)
     model(input_features=_inputs(seeded)["input_features"], labels=torch.tensor([0, 2])).loss.backward()
     assert model.encoder.layers[0].fc1.weight.grad is not None
+
+
+# The audio towers with Whisper's layers (the audio-language models' encoders): (class, its config class)
+AUDIO_TOWERS = {"Qwen2AudioEncoder": "Qwen2AudioEncoderConfig", "VoxtralEncoder": "VoxtralEncoderConfig",
+                "AudioFlamingo3Encoder": "AudioFlamingo3EncoderConfig"}
+
+
+def _audio_tower(name, seed, **overrides):
+    torch.manual_seed(seed)
+    config = getattr(transformers, AUDIO_TOWERS[name])(**{**dict(
+        d_model=32, encoder_layers=DEPTH, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=8,
+        max_source_positions=FRAMES // 2), **overrides})
+    model = getattr(transformers, name)(config)
+    with torch.no_grad():  # weights off their small init: every branch shows in the outputs
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _audio_inputs(name, seed=0):
+    """Two clips of mel features; Audio Flamingo 3's encoder takes their frames' mask (the second clip
+    padded past 3 / 4 of its frames)."""
+    features = torch.randn(2, 8, FRAMES, generator=torch.Generator().manual_seed(seed))
+    if name != "AudioFlamingo3Encoder":
+        return dict(input_features=features)
+    mask = torch.ones(2, FRAMES, dtype=torch.long)
+    mask[1, 3 * FRAMES // 4:] = 0
+    return dict(input_features=features, input_features_mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("name", sorted(AUDIO_TOWERS))
+def test_audio_towers_with_whispers_layers_keep_the_librarys_function(name, seeded):
+    """Qwen2-Audio's, Voxtral's and Audio Flamingo 3's audio towers (their key projections without a
+    bias, as Whisper's): a preserving conversion keeps their output (Audio Flamingo 3's with its padded
+    frames masked); the fused kernels run their halves as Whisper's."""
+    original = _audio_tower(name, seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == [model.layers]
+    assert model.layers[0]._revtriton_spec.fused_attention
+    inputs = _audio_inputs(name, seeded)
+    with torch.no_grad():
+        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("name", sorted(AUDIO_TOWERS))
+def test_audio_towers_with_whispers_layers_train_bitwise_their_twin_save_and_pickle(name, seeded, tmp_path):
+    """An exact training step with their dropouts (a loss on the tower's output) bitwise its
+    stored-activation twin's; save_pretrained -> revtriton.from_pretrained, a pickle and a fresh
+    process give the output back."""
+    model = revify(_audio_tower(name, seeded, dropout=0.1, attention_dropout=0.1, activation_dropout=0.1),
+                   exact=True).train()
+    inputs = _audio_inputs(name, seeded)
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)
+    assert_round_trips(model, inputs, tmp_path, output="last_hidden_state")
+
+
+def test_an_audio_language_model_converts_its_audio_tower_and_its_language_model(seeded):
+    """Qwen2-Audio found part by part: its Whisper-style audio tower and its Qwen2 language model, one
+    stack each, and no part left with a warning."""
+    torch.manual_seed(seeded)
+    config = transformers.Qwen2AudioConfig(
+        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=8,
+                          max_source_positions=FRAMES // 2),
+        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2))
+    model = transformers.Qwen2AudioForConditionalGeneration(config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*left .* as it is")
+        revify(model)
+    assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == [
+        model.model.audio_tower.layers, model.model.language_model.layers]

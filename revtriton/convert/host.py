@@ -681,6 +681,10 @@ class _HostDecoderModel(_NoCheckpointing):
     block's readout."""
 
     _class_prefix = "RevifiedHost"
+    # save_pretrained writes the model's class name into the config's architectures, which
+    # revtriton.from_pretrained reads back: a base model converted alone (GPT2Model, WhisperEncoder) keeps
+    # the library's name (pickle finds the swapped class by its qualified name, RevifiedHost...)
+    _keeps_class_name = True
     _layers = "layers"  # the attribute (path) of its layer list (the stack), or candidates (a tuple)
     _rope = True  # position ids drive RoPE (else they enter with position embeddings before the loop)
     _tokens_input = True  # input_ids / inputs_embeds and padding masks (not an image encoder)

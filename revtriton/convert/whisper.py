@@ -1,5 +1,7 @@
 """Hugging Face Whisper's audio encoder (``WhisperEncoder``: inside ``WhisperForConditionalGeneration``,
-``WhisperModel`` and ``WhisperForAudioClassification``, found as their part): pre-norm layers,
+``WhisperModel`` and ``WhisperForAudioClassification``, found as their part), and the audio towers of
+the audio-language models with its layers (Qwen2-Audio's, Voxtral's, Audio Flamingo 3's and Music
+Flamingo's: ``Qwen2AudioEncoder``, ``VoxtralEncoder``, ``AudioFlamingo3Encoder``): pre-norm layers,
 ``x + dropout(attention(self_attn_layer_norm(x)))`` then ``h + dropout(fc2(act(fc1(final_layer_norm(h)))))``,
 run through the library's own forward. The decoder is the BART lineage's (convert.bart). The
 fused kernels compute the attention (its key projection has no bias: a zero one) and a GELU / ReLU
@@ -20,6 +22,11 @@ from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedA
 from .probe import require_layer_parts
 
 _LAYER_PARTS = {"self_attn", "self_attn_layer_norm", "fc1", "activation_fn", "fc2", "final_layer_norm"}
+# The encoders with Whisper's layers, by class: (the library's module, their layer class).
+_ENCODERS = {"WhisperEncoder": ("whisper", "WhisperEncoderLayer"),
+             "Qwen2AudioEncoder": ("qwen2_audio", "Qwen2AudioEncoderLayer"),
+             "VoxtralEncoder": ("voxtral", "VoxtralEncoderLayer"),
+             "AudioFlamingo3Encoder": ("audioflamingo3", "AudioFlamingo3EncoderLayer")}
 
 
 def _dropout(x, p, training):
@@ -43,6 +50,11 @@ class _WhisperAttentionHalf(_ProjectedAttentionHalf):
         b_qkv = torch.cat([q_bias, torch.zeros_like(q_bias), v_bias])  # the key projection has no bias
         return ((parameter(norm, "weight"), parameter(norm, "bias"), w_qkv, b_qkv, parameter(out, "weight"),
                  parameter(out, "bias")), dict(heads=a.num_heads, causal=False, norm="layer", eps=norm.eps))
+
+    def _fuses(self, x, host) -> bool:
+        """Where no mask reaches the layers: Audio Flamingo 3's encoder masks its padded frames (a mask it
+        makes from ``input_features_mask``), which only the library's attention sees."""
+        return super()._fuses(x, host) and host.mask_for(self.block) is None
 
     def _library_call(self, x, host, extra):
         b = self.block
@@ -103,8 +115,10 @@ def _convert_whisper(model, conversion, found=None):
 
 FAMILY = Family("whisper", ("transformers Whisper's audio encoder (WhisperEncoder, the encoder of "
                             "WhisperForConditionalGeneration / WhisperModel / WhisperForAudioClassification; "
-                            "the decoder: the bart family)",), _convert_whisper,
-                classes=(("transformers", "WhisperEncoder"),),
-                pickled=_pickled_host_classes("transformers.models.whisper.modeling_whisper", "WhisperEncoderLayer",
-                                              (_HostWhisperBlock, _HostWhisperOrdinaryBlock), "WhisperEncoder",
-                                              _HostWhisperEncoder))
+                            "the decoder: the bart family), and the audio towers with its layers of Qwen2-Audio, "
+                            "Voxtral, Audio Flamingo 3 and Music Flamingo",), _convert_whisper,
+                classes=tuple(("transformers", name) for name in _ENCODERS),
+                pickled={name: entry for encoder, (module, layer) in _ENCODERS.items()
+                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                  layer, (_HostWhisperBlock, _HostWhisperOrdinaryBlock),
+                                                                  encoder, _HostWhisperEncoder).items()})
