@@ -46,9 +46,9 @@ from torch import nn
 from ..lm_loss import prepare_causal_lm
 from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
-from . import (bart, beit, bloom, clip, dinov2, distilbert, encoder, gpt2, hf_vit, llama, modernbert, mpnet, mpt,
-               neox, nllb_moe, nomic, opt, parallel, postnorm, qwen_vision, sandwich, t5, t5gemma, timm_eva, timm_vit,
-               whisper)
+from . import (bart, beit, bloom, clip, dinov2, distilbert, encoder, gpt2, hf_vit, internvl, llama, modernbert, mpnet,
+               mpt, neox, nllb_moe, nomic, opt, parallel, pixtral, postnorm, qwen_vision, sandwich, t5, t5gemma,
+               timm_eva, timm_vit, whisper)
 from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls, _host_layer_tuple_calls  # noqa: F401 (a stack's layers_view pickles by name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
@@ -60,10 +60,11 @@ __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MO
 # of the families that detect them, in this order (LLaMA's layers before parallel ones, GPT-2's, then
 # pre-norm encoders'). Adding a family: a module with its FAMILY (see core.Family), listed here.
 # Detectors run in this order: sandwich before llama (whose detector names Gemma 2's extra norms).
-FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, beit.FAMILY, clip.FAMILY, qwen_vision.FAMILY,
-            whisper.FAMILY, neox.FAMILY, sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY,
-            bart.FAMILY, t5.FAMILY, t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, modernbert.FAMILY,
-            distilbert.FAMILY, mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
+FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, beit.FAMILY, clip.FAMILY,
+            qwen_vision.FAMILY, pixtral.FAMILY, internvl.FAMILY, whisper.FAMILY, neox.FAMILY,
+            sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bart.FAMILY, t5.FAMILY,
+            t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, modernbert.FAMILY, distilbert.FAMILY,
+            mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
 
@@ -242,10 +243,9 @@ def _convert_components(model: nn.Module, components: list, conversion) -> list:
         warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is ({error}); its other parts are "
                       f"reversible stacks", stacklevel=3)
     for path, part in _parts_no_family_takes(model, paths, components):
+        why = _unmatched_layers(part, "revtriton.convert.SUPPORTED")
         warnings.warn(f"revtriton: revify left {type(model).__name__}.{path} as it is (no family converts "
-                      f"{type(part).__name__}: {_unmatched_layers(part, 'revtriton.convert.SUPPORTED')}); its other parts "
-                      f"are reversible stacks",
-                      stacklevel=3)
+                      f"{type(part).__name__}: {why}); its other parts are reversible stacks", stacklevel=3)
     return converted
 
 

@@ -760,7 +760,7 @@ class _HostDecoderModel(_NoCheckpointing):
         call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
         token = _HOST_CALL.set(call)
         try:
-            out = super().forward(*args, output_hidden_states=False, return_dict=True, **kwargs)
+            out = super().forward(*args, **self._output_options(), **kwargs)
         finally:
             _HOST_CALL.reset(token)
         if wanted:
@@ -768,6 +768,11 @@ class _HostDecoderModel(_NoCheckpointing):
             out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
                                                     self._tie_last if tie_last is None else tie_last)
         return out if return_dict else out.to_tuple()
+
+    def _output_options(self) -> dict:
+        """No hidden states from the library's forward (the stack's are given instead), a dict out; none
+        for a loop that takes neither (InternVL's vision encoder: the hidden states alone)."""
+        return dict(output_hidden_states=False, return_dict=True) if _takes_output_options(type(self)) else {}
 
     def _layer_stack(self) -> ReversibleStack:
         paths = self._layers if isinstance(self._layers, tuple) else (self._layers,)
@@ -779,6 +784,16 @@ class _HostDecoderModel(_NoCheckpointing):
             if isinstance(stack, ReversibleStack):
                 return stack
         raise RuntimeError(f"revified {type(self).__name__} has no reversible stack at {' or '.join(paths)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_output_options(cls: type) -> bool:
+    """Whether the library forward a host model's forward calls (the next one after _HostDecoderModel's in
+    ``cls``'s MRO) takes output_hidden_states and return_dict (by name, or any keyword)."""
+    mro = cls.__mro__
+    forward = next(k.forward for k in mro[mro.index(_HostDecoderModel) + 1:] if "forward" in vars(k))
+    parameters = inspect.signature(forward).parameters
+    return any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or "return_dict" in parameters
 
 
 class _RecordsRouterLogits:

@@ -1,0 +1,61 @@
+"""Pixtral's vision tower (``PixtralVisionModel``: Pixtral's, and the vision tower of Mistral 3's and
+LightOnOCR's vision-language models, found as their part): pre-norm layers
+``x + attention(attention_norm(x))`` then ``h + feed_forward(ffn_norm(h))`` over every image's patches
+in one row, each image attending to itself (the tower's block-diagonal mask) with 2-D rotary
+embeddings. Its loop is ``transformer`` (``PixtralTransformer``), which the host mixin takes; both
+halves run the layer's own modules with the loop's mask and rotary embedding."""
+from __future__ import annotations
+
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .probe import require_layer_parts
+
+_LAYER_PARTS = {"attention_norm", "attention", "ffn_norm", "feed_forward"}
+
+
+class _PixtralAttentionHalf(_LibraryAttentionHalf):
+    def _attention_module(self):
+        return self.block.attention
+
+    def _library_call(self, x, host, extra):
+        b = self.block
+        x = self._input(x, b.attention_norm.weight)
+        return _first(b.attention(hidden_states=b.attention_norm(x), attention_mask=host.mask_for(b),
+                                  position_embeddings=host.rotary_for(b)))
+
+
+class _PixtralMlpHalf(_LibraryHalf):
+    def _modules(self, x):
+        b = self.block
+        return b.feed_forward(b.ffn_norm(self._input(x, b.ffn_norm.weight)))
+
+
+_HostPixtralBlock, _HostPixtralOrdinaryBlock = _host_block_mixins((_PixtralAttentionHalf, _PixtralMlpHalf))
+
+
+class _HostPixtralTransformer(_HostDecoderModel):
+    """PixtralTransformer (the tower's loop): patch embeddings in, its mask and rotary embedding made by
+    the tower, no cache; its last hidden state is the last layer's."""
+
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_pixtral(model, conversion, found=None):
+    name, loop = type(model).__name__, model.transformer
+    if not len(loop.layers):
+        raise ValueError(f"revify: {name} has no layers")
+    _require_hosted_layer_loop(name)
+    require_layer_parts(loop.layers, _LAYER_PARTS, name)
+    for layer in loop.layers:
+        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    _convert_hosted_layers(model, loop, "layers", conversion, (_HostPixtralBlock, _HostPixtralOrdinaryBlock),
+                           _HostPixtralTransformer)
+
+
+_MODULE = "transformers.models.pixtral.modeling_pixtral"
+FAMILY = Family("pixtral", ("transformers PixtralVisionModel: Pixtral's vision tower, and Mistral 3's and "
+                            "LightOnOCR's (the images' patches in one row, a block-diagonal mask)",),
+                _convert_pixtral, halves="library", classes=(("transformers", "PixtralVisionModel"),),
+                pickled=_pickled_host_classes(_MODULE, "PixtralAttentionLayer", (_HostPixtralBlock,
+                                                                                 _HostPixtralOrdinaryBlock),
+                                              "PixtralTransformer", _HostPixtralTransformer))

@@ -1,0 +1,116 @@
+"""The vision towers of vision-language models under revify, each a family of its own: Pixtral's
+(Mistral 3's, LightOnOCR's; revtriton/convert/pixtral.py) and InternVL's (revtriton/convert/internvl.py).
+Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
+found as a part, beside the language model."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from revtriton import ReversibleStack
+from revtriton.convert import revify
+
+from revified import assert_exact_step_equals_twin, assert_round_trips
+from test_revify import DEPTH
+
+transformers = pytest.importorskip("transformers")
+
+
+def _stacks(model):
+    return [m for m in model.modules() if isinstance(m, ReversibleStack)]
+
+
+def _off_their_init(model):
+    """Weights off their small init, norms' and layer scales' off one: every branch shows in the output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+            else:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _pixtral(seed, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.PixtralVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, head_dim=8,
+        image_size=32, patch_size=8), **overrides})
+    return _off_their_init(transformers.PixtralVisionModel(config))
+
+
+def _internvl(seed, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.InternVLVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=[32, 32],
+        patch_size=[8, 8]), **overrides})
+    return _off_their_init(transformers.InternVLVisionModel(config))
+
+
+TOWERS = {"pixtral": _pixtral, "internvl": _internvl}
+
+
+def _inputs(kind, seed=0):
+    """Two images; Pixtral's of two sizes (32 x 32 and 16 x 32 pixels: 16 and 8 patches in one row, each
+    attending to itself under the tower's block-diagonal mask)."""
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    if kind == "pixtral":
+        return dict(pixel_values=pixels, image_sizes=torch.tensor([[32, 32], [16, 32]]))
+    return dict(pixel_values=pixels)
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("kind", sorted(TOWERS))
+@pytest.mark.parametrize("preserve", ["meft1", "meft3"])
+def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
+    """A preserving conversion keeps the tower's output: Pixtral's two images of different sizes in one
+    row, InternVL's layer scales on both branches."""
+    original = TOWERS[kind](seeded)
+    model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
+    loop = model.transformer if kind == "pixtral" else model.encoder
+    assert _stacks(model) == [loop.layers if kind == "pixtral" else loop.layer]
+    inputs = _inputs(kind, seeded)
+    with torch.no_grad():
+        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", sorted(TOWERS))
+def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tmp_path):
+    """An exact training step with their dropouts (a loss on the tower's output) bitwise its
+    stored-activation twin's, the layer scales' gradients too; save_pretrained ->
+    revtriton.from_pretrained, a pickle and a fresh process give the output back."""
+    dropouts = dict(attention_dropout=0.1) if kind == "pixtral" else dict(hidden_dropout_prob=0.1,
+                                                                          attention_dropout=0.1)
+    model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
+    inputs = _inputs(kind, seeded)
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)
+    if kind == "internvl":
+        assert all(layer.lambda_1.grad is not None and layer.lambda_2.grad is not None for layer in model.encoder.layer)
+    assert_round_trips(model, inputs, tmp_path, output="last_hidden_state")
+
+
+@pytest.mark.parametrize("kind", ["Mistral3", "InternVL"])
+def test_vision_language_models_convert_their_tower_and_language_model(kind, seeded):
+    """Mistral 3 (Pixtral's tower, a Mistral language model) and InternVL (its tower, a Qwen2 language
+    model), found part by part: one stack each, no part left with a warning."""
+    torch.manual_seed(seeded)
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8)
+    if kind == "Mistral3":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                      image_size=32, patch_size=8, model_type="pixtral")
+        config = transformers.Mistral3Config(vision_config=vision, text_config=dict(text, model_type="mistral"))
+    else:
+        config = transformers.InternVLConfig(vision_config=dict(hidden_size=32, intermediate_size=64,
+                                                                num_hidden_layers=2, num_attention_heads=4,
+                                                                image_size=[32, 32], patch_size=[8, 8]),
+                                             text_config=dict(text, model_type="qwen2"))
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*left .* as it is")
+        revify(model)
+    tower = model.model.vision_tower
+    assert _stacks(model) == [tower.transformer.layers if kind == "Mistral3" else tower.encoder.layer,
+                              model.model.language_model.layers]
