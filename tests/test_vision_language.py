@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 DEPTH = 3
 IMAGE_TOKENS = 16  # 32 x 32 pixels in 8 x 8 patches
 IMAGE_ID = 127
-KINDS = ("llava", "paligemma", "gemma3", "idefics3", "smolvlm")
+KINDS = ("llava", "paligemma", "gemma3", "idefics2", "idefics3", "smolvlm")
 
 
 def _model(kind, seed):
@@ -34,6 +34,12 @@ def _model(kind, seed):
                                           text_config=transformers.LlamaConfig(**text).to_dict(),
                                           image_token_index=IMAGE_ID)
         return transformers.LlavaForConditionalGeneration(config).eval()
+    if kind == "idefics2":  # a SigLIP tower of its own, a perceiver resampler of 4 latents an image, Mistral
+        config = transformers.Idefics2Config(
+            vision_config=vision, text_config=transformers.MistralConfig(**text).to_dict(), image_token_id=IMAGE_ID,
+            perceiver_config=dict(resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2, resampler_head_dim=8,
+                                  num_key_value_heads=1))
+        return transformers.Idefics2ForConditionalGeneration(config).eval()
     if kind in ("idefics3", "smolvlm"):  # a SigLIP tower of their own, 16 patches pooled to 4 tokens
         prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[kind]
         config = getattr(transformers, f"{prefix}Config")(
@@ -55,11 +61,11 @@ def _model(kind, seed):
 def _inputs(kind):
     """Two samples of the image's tokens then text (PaliGemma: a 2-token prompt seen both ways, then
     the suffix causally)."""
-    pooled = kind in ("gemma3", "idefics3", "smolvlm")  # the 16 patches pooled to 4 tokens
+    pooled = kind in ("gemma3", "idefics2", "idefics3", "smolvlm")  # the 16 patches pooled (resampled) to 4 tokens
     image = 4 if pooled else IMAGE_TOKENS
     ids = torch.randint(1, 120, (2, image + 6))
     ids[:, :image] = IMAGE_ID
-    pixels = torch.randn(2, 1, 3, 32, 32) if kind in ("idefics3", "smolvlm") else torch.randn(2, 3, 32, 32)
+    pixels = torch.randn(2, 1, 3, 32, 32) if kind in ("idefics2", "idefics3", "smolvlm") else torch.randn(2, 3, 32, 32)
     inputs = dict(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids))
     if kind in ("paligemma", "gemma3"):  # (Gemma 3: the image's tokens see each other both ways)
         inputs["token_type_ids"] = (ids == IMAGE_ID).long() if kind == "gemma3" else (

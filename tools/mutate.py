@@ -1630,6 +1630,10 @@ MUTANTS = [
            "    return True",
            ("tests/test_vision_towers.py", "-k", "internvl"),
            "output_hidden_states / return_dict handed to a loop that takes neither (InternVL's encoder)"),
+    Mutant("idefics2-tower-left", "revtriton/convert/clip.py",
+           '           "Idefics2VisionTransformer": ("idefics2", False, False),\n', "",
+           ("tests/test_vision_language.py", "-k", "idefics2"),
+           "Idefics 2's SigLIP tower left as it is beside its converted language model"),
     # ---- the forward couples' row operands (issue 44)
     Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
            "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",

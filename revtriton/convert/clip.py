@@ -25,7 +25,8 @@ _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", Fa
            "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False),
            # MetaCLIP 2: CLIP's towers and layers (its modules "copied from" CLIP's), multilingual tokens
            "MetaClip2TextModel": ("metaclip_2", True, True), "MetaClip2VisionModel": ("metaclip_2", False, False),
-           # The SigLIP towers of Idefics 3 and SmolVLM (found inside their vision-language models)
+           # The SigLIP towers of Idefics 2, Idefics 3 and SmolVLM (found inside their vision-language models)
+           "Idefics2VisionTransformer": ("idefics2", False, False),
            "Idefics3VisionTransformer": ("idefics3", False, False),
            "SmolVLMVisionTransformer": ("smolvlm", False, False),
            # GIT's image encoder: CLIP's vision tower (its modules "copied from" CLIP's; converted with GIT's text
@@ -39,8 +40,8 @@ _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionMod
              "metaclip_2": ("MetaClip2Model", "MetaClip2TextModelWithProjection", "MetaClip2VisionModelWithProjection",
                             "MetaClip2ForImageClassification")}
 _LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
-           "metaclip_2": "MetaClip2EncoderLayer", "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer",
-           "git": "GitVisionEncoderLayer"}
+           "metaclip_2": "MetaClip2EncoderLayer", "idefics2": "Idefics2EncoderLayer", "idefics3": "Idefics3EncoderLayer",
+           "smolvlm": "SmolVLMEncoderLayer", "git": "GitVisionEncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -169,7 +170,7 @@ FAMILY = Family("clip", ("transformers CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 tex
                          "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel, "
                          "MetaClip2TextModel, MetaClip2VisionModel), with their projection or classifier, and both "
                          "towers of CLIPModel / SiglipModel / Siglip2Model / MetaClip2Model; the SigLIP vision towers "
-                         "of Idefics 3 and SmolVLM; GIT's vision tower",),
+                         "of Idefics 2, Idefics 3 and SmolVLM; GIT's vision tower",),
                 _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())
