@@ -407,3 +407,55 @@ def test_qwen2_vl_vision_towers_keep_the_librarys_function(version, seeded):
                                    atol=2e-3 * seen["theirs out"].abs().max().item())
         assert seen["ours"] == seen["theirs"] and {length for _, length in seen["ours"]} == (
             {64} if version == "2" else {64, 4})
+
+
+def _qwen3_vl(seed):
+    """Qwen3-VL: its vision tower (blocks 1 and 2 of 4 read by the loop: the deepstack layers, whose merged
+    outputs the language model adds to its first two layers' outputs at the image's tokens) and a text
+    model with LLaMA's layer parts, interleaved multimodal RoPE."""
+    torch.manual_seed(seed)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, head_dim=8,
+                rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, out_hidden_size=32, deepstack_visual_indexes=[1, 2],
+                  num_position_embeddings=64)
+    config = transformers.Qwen3VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_ID,
+                                        vision_start_token_id=125, vision_end_token_id=126)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():  # weights off their small init: the images show in the logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_qwen3_vl_converts_its_tower_and_language_model_with_deepstack(seeded, tmp_path):
+    """Qwen3-VL: its vision tower runs in segments ending at the deepstack layers (the loop reads their
+    outputs), its language model too where the loop adds the deepstack features (the streams start
+    again from the sum); a preserving conversion keeps the tower's outputs (deepstack features
+    included), the logits on two images and the cached greedy generation; an exact training step is
+    bitwise its twin's, and it saves, loads and pickles."""
+    original = _qwen3_vl(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.model.visual.blocks, model.model.language_model.layers]
+    inputs = _qwen2_vl_two_images()
+    with torch.no_grad():
+        pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+        theirs, ours = original.model.visual(pixels, grid_thw=grid), model.model.visual(pixels, grid_thw=grid)
+        for got, expected in zip([ours.last_hidden_state, ours.pooler_output, *ours.deepstack_features],
+                                 [theirs.last_hidden_state, theirs.pooler_output, *theirs.deepstack_features]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * expected.abs().max().item())
+        assert len(ours.deepstack_features) == 2
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    prompt = {**inputs, "input_ids": inputs["input_ids"][:, :30], "attention_mask": inputs["attention_mask"][:, :30],
+              "mm_token_type_ids": inputs["mm_token_type_ids"][:, :30]}
+    assert_greedy_tokens_are_the_librarys(original, model.generate(**prompt, max_new_tokens=4, do_sample=False),
+                                          original.generate(**prompt, max_new_tokens=4, do_sample=False),
+                                          source=prompt)
+
+    model = revify(copy.deepcopy(original), exact=True).train()
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=inputs["input_ids"]).loss)
+    assert_round_trips(model, inputs, tmp_path)

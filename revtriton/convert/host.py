@@ -51,14 +51,23 @@ class _BlockSteps(nn.Module):
     def __iter__(self):
         return iter([functools.partial(self._step, i) for i in range(self.stop)])
 
-    def _one(self, i):
+    def _blocks(self, start, stop):
         stack = self.stack
-        return ReversibleStack([stack[i]], exact=stack.exact, frac_bits=stack.frac_bits, schedule=stack.schedule,
-                               streams="duplicate", readout=stack.readout, token_chunk=stack.chunk_rows)
+        return ReversibleStack([stack[i] for i in range(start, stop)], exact=stack.exact, frac_bits=stack.frac_bits,
+                               schedule=stack.schedule, streams="duplicate", readout=stack.readout,
+                               token_chunk=stack.chunk_rows)
 
     def _step(self, i, x):
+        return self._segment(i, i + 1, x)
+
+    def _segment(self, start, stop, x, restart=False):
+        """Blocks ``start`` to ``stop - 1`` as one reversible segment on the streams the previous step left
+        (``x``: its output), returning their readout (a loop that reads some layers' outputs: Qwen3-VL's
+        vision tower's deepstack layers). ``restart``: where the loop may have changed the previous
+        step's output (Qwen3-VL's language model adds the deepstack features to it), a changed ``x``
+        starts the streams again, as the first step does."""
         stack, state = self.stack, self.state
-        if i == 0:
+        if start == 0 or (restart and state.get("returned") is not x):
             streams = (x, x) if stack.streams == "duplicate" else tuple(x.chunk(2, dim=-1))
             state["dtype"] = x.dtype
         elif state.get("returned") is not x:
@@ -68,11 +77,11 @@ class _BlockSteps(nn.Module):
             streams = state["streams"]
         fmt = stack.stream_format(state["dtype"])
         fixed = streams[0].dtype == torch.int32
-        if is_reversible_block(stack[i]) and fmt.exact and not torch.is_grad_enabled() and not fixed:
+        if is_reversible_block(stack[start]) and fmt.exact and not torch.is_grad_enabled() and not fixed:
             streams = tuple(fmt.encode(s) for s in streams)  # as a segment of the whole stack starts
-        elif fixed and not is_reversible_block(stack[i]):
+        elif fixed and not is_reversible_block(stack[start]):
             streams = tuple(fmt.value(s) for s in streams)  # a stage transition takes float values
-        y1, y2 = self._one(i).forward_streams(*streams, cond=self.cond)
+        y1, y2 = self._blocks(start, stop).forward_streams(*streams, cond=self.cond)
         state["streams"] = (y1, y2)
         if y1.dtype == torch.int32:
             y1, y2 = fmt.value(y1), fmt.value(y2)
@@ -174,6 +183,8 @@ class _HostCall:
     layout: tuple | None  # (positions, segments) for the fused kernels; None: one sequence per row
     fusable: bool  # the fused kernels can mask what the library's mask does (not a custom 4-D mask)
     hidden_states: bool  # output_hidden_states: the stack runs block by block
+    reads: frozenset = frozenset()  # the layers whose outputs the loop reads besides the last (segments end there)
+    segment_start: int = 0  # where the segment the next read layer ends starts
     first_input: torch.Tensor | None = None
     returned: torch.Tensor | None = None
     layer_kwargs: list = None  # each layer's keyword inputs, as the library's loop gave them
@@ -390,7 +401,7 @@ def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
         kwargs = loop_inputs(hidden, kwargs)
     if i == 0:
         call.first_input = hidden
-    elif hidden is not call.returned:
+    elif hidden is not call.returned and i - 1 not in call.reads:  # (after a read layer the loop may change it)
         raise RuntimeError("revified model: each layer's output must reach the next layer unchanged (the "
                            "reversible stack keeps two streams between them)")
     call.layer_kwargs[i] = kwargs
@@ -399,10 +410,17 @@ def _host_layer_call(call: _HostCall, i: int, hidden, *args, **kwargs):
             call.steps, call.states = _BlockSteps(stack), [hidden]
         call.steps.cond = _host_cond(call, [i], hidden)
         with _running(call, kwargs):
-            out = call.steps._step(i, hidden)
+            out = call.steps._segment(i, i + 1, hidden, restart=i - 1 in call.reads)
         call.states.append(out)
-    elif i < len(stack) - 1:
+    elif i < len(stack) - 1 and i not in call.reads:
         out = hidden
+    elif call.reads:  # a loop that reads some layers' outputs: the stack runs in segments ending there
+        start, call.segment_start = call.segment_start, i + 1
+        if start == 0:
+            call.steps = _BlockSteps(stack)
+        call.steps.cond = _host_cond(call, range(start, i + 1), hidden)
+        with _running(call, kwargs):
+            out = call.steps._segment(start, i + 1, hidden, restart=True)
     else:
         cond = _host_cond(call, range(len(stack)), hidden)
         with _running(call, kwargs):
@@ -757,7 +775,7 @@ class _HostDecoderModel(_NoCheckpointing):
                                                      and self._tokens_input))
         layout = (_token_layout(name, tokens, kwargs, rope=self._rope, packs=self._packs_rows)
                   if tokens is not None and fusable else None)
-        call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted))
+        call = _HostCall(self._layer_stack(), layout, fusable, bool(wanted), frozenset(self._read_layers(kwargs)))
         token = _HOST_CALL.set(call)
         try:
             out = super().forward(*args, **self._output_options(), **kwargs)
@@ -768,6 +786,13 @@ class _HostDecoderModel(_NoCheckpointing):
             out["hidden_states"] = _selected_states(call.states, out.last_hidden_state, wanted,
                                                     self._tie_last if tie_last is None else tie_last)
         return out if return_dict else out.to_tuple()
+
+    def _read_layers(self, kwargs) -> tuple:
+        """The layers whose outputs the library's loop reads besides the last one's, for this call's
+        inputs ``kwargs``: a language model given deepstack features (Qwen3-VL's: ``deepstack_visual_embeds``)
+        adds feature k to layer k's output; none for most models."""
+        embeds = kwargs.get("deepstack_visual_embeds")
+        return range(len(embeds)) if embeds is not None else ()
 
     def _output_options(self) -> dict:
         """No hidden states from the library's forward (the stack's are given instead), a dict out; none

@@ -1,11 +1,14 @@
-"""The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``) and Qwen2.5-VL
-(``Qwen2_5_VisionTransformerPretrainedModel``), found as the ``visual`` part of their vision-language
-models: pre-norm blocks ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches
+"""The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
+(``Qwen2_5_VisionTransformerPretrainedModel``) and Qwen3-VL (``Qwen3VLVisionModel``, its MoE
+sibling's), found as the ``visual`` part of their vision-language models: pre-norm blocks ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches
 packed in one row (``[patches, dim]``). Each image attends to itself: the loop hands every block the
 images' boundaries (``cu_seqlens``) and the longest one's length (``max_seqlen``), and Qwen2.5-VL's
 windowed blocks (all but ``fullatt_block_indexes``) the windows' instead; the 2-D rotary embedding is
 the tower's. Both halves run the block's own modules; the conditioning carries the boundaries of each
-block's kind (full, windowed) as its mask, so the rebuild in backward sees what the forward saw."""
+block's kind (full, windowed) as its mask, so the rebuild in backward sees what the forward saw.
+Qwen3-VL's loop also reads some blocks' outputs (its deepstack layers, merged into the language model's
+first layers): the stack runs in segments that end at those blocks, each a reversible stack of its own
+on the streams the previous one left (its output kept, as the loop keeps it)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -56,6 +59,13 @@ class _HostQwenVisionModel(_HostDecoderModel):
     _rope, _tokens_input, _caches, _tie_last = False, False, False, False
 
 
+class _HostQwen3VisionModel(_HostQwenVisionModel):
+    """Qwen3-VL's vision tower: its loop reads the deepstack layers' outputs."""
+
+    def _read_layers(self, kwargs) -> tuple:
+        return tuple(self.deepstack_visual_indexes)
+
+
 def _convert_qwen_vision(model, conversion, found=None):
     name, blocks = type(model).__name__, model.blocks
     if not len(blocks):
@@ -67,19 +77,23 @@ def _convert_qwen_vision(model, conversion, found=None):
     window = getattr(model.config, "window_size", None)
     for i, block in enumerate(blocks):  # windowed blocks are the other attention kind (their own boundaries)
         block._revtriton_spec = replace(spec, window=None if i in full else window)
+    host = _HostQwen3VisionModel if hasattr(model, "deepstack_visual_indexes") else _HostQwenVisionModel
     _convert_hosted_layers(model, model, "blocks", conversion, (_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock),
-                           _HostQwenVisionModel)
+                           host)
 
 
-# (module, block class, tower class)
-_TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedModel"),
-           ("qwen2_5_vl", "Qwen2_5_VLVisionBlock", "Qwen2_5_VisionTransformerPretrainedModel"))
-FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL and Qwen2.5-VL (its windowed blocks "
-                                "too), the images' patches packed in one row",),
+# (module, block class, tower class, host model mixin)
+_TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedModel", _HostQwenVisionModel),
+           ("qwen2_5_vl", "Qwen2_5_VLVisionBlock", "Qwen2_5_VisionTransformerPretrainedModel", _HostQwenVisionModel),
+           ("qwen3_vl", "Qwen3VLVisionBlock", "Qwen3VLVisionModel", _HostQwen3VisionModel),
+           ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
+FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL (its windowed blocks too) and "
+                                "Qwen3-VL (its deepstack layers' outputs read between segments), the images' patches "
+                                "packed in one row",),
                 _convert_qwen_vision, halves="library",
-                classes=tuple(("transformers", tower) for _, _, tower in _TOWERS),
-                pickled={name: entry for module, block, tower in _TOWERS
+                classes=tuple(("transformers", tower) for _, _, tower, _ in _TOWERS),
+                pickled={name: entry for module, block, tower, host in _TOWERS
                          for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
                                                                   block, (_HostQwenVisionBlock,
                                                                           _HostQwenVisionOrdinaryBlock),
-                                                                  tower, _HostQwenVisionModel).items()})
+                                                                  tower, host).items()})
