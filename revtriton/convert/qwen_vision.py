@@ -1,7 +1,7 @@
 """The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
 (``Qwen2_5_VisionTransformerPretrainedModel``) and Qwen3-VL (``Qwen3VLVisionModel``, its MoE
-sibling's), found as the ``visual`` part of their vision-language models: pre-norm blocks ``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches
-packed in one row (``[patches, dim]``). Each image attends to itself: the loop hands every block the
+sibling's), found as the ``visual`` part of their vision-language models: pre-norm blocks
+``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches packed in one row (``[patches, dim]``). Each image attends to itself: the loop hands every block the
 images' boundaries (``cu_seqlens``) and the longest one's length (``max_seqlen``), and Qwen2.5-VL's
 windowed blocks (all but ``fullatt_block_indexes``) the windows' instead; the 2-D rotary embedding is
 the tower's. Both halves run the block's own modules; the conditioning carries the boundaries of each
