@@ -1,14 +1,15 @@
 """The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
-(``Qwen2_5_VisionTransformerPretrainedModel``) and Qwen3-VL (``Qwen3VLVisionModel``, its MoE
-sibling's), found as the ``visual`` part of their vision-language models: pre-norm blocks
-``x + attn(norm1(x))``, then ``h + mlp(norm2(h))``, over every image's patches packed in one row (``[patches, dim]``). Each image attends to itself: the loop hands every block the
-images' boundaries (``cu_seqlens``) and the longest one's length (``max_seqlen``), and Qwen2.5-VL's
-windowed blocks (all but ``fullatt_block_indexes``) the windows' instead; the 2-D rotary embedding is
-the tower's. Both halves run the block's own modules; the conditioning carries the boundaries of each
-block's kind (full, windowed) as its mask, so the rebuild in backward sees what the forward saw.
-Qwen3-VL's loop also reads some blocks' outputs (its deepstack layers, merged into the language model's
-first layers): the stack runs in segments that end at those blocks, each a reversible stack of its own
-on the streams the previous one left (its output kept, as the loop keeps it)."""
+(``Qwen2_5_VisionTransformerPretrainedModel``) and Qwen3-VL (``Qwen3VLVisionModel``, its MoE sibling's),
+found as the ``visual`` part of their vision-language models: pre-norm blocks ``x + attn(norm1(x))``,
+then ``h + mlp(norm2(h))``, over every image's patches packed in one row (``[patches, dim]``). Each
+image attends to itself: the loop hands every block the images' boundaries (``cu_seqlens``) and the
+longest one's length (``max_seqlen``), and Qwen2.5-VL's windowed blocks (all but
+``fullatt_block_indexes``) the windows' instead; the 2-D rotary embedding is the tower's. Both halves
+run the block's own modules; the conditioning carries the boundaries of each block's kind (full,
+windowed) as its mask, so the rebuild in backward sees what the forward saw. Qwen3-VL's loop also reads
+some blocks' outputs (its deepstack layers, merged into the language model's first layers): the stack
+runs in segments that end at those blocks, each a reversible stack of its own on the streams the
+previous one left (its output kept, as the loop keeps it)."""
 from __future__ import annotations
 
 from dataclasses import replace
