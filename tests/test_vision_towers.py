@@ -1,5 +1,6 @@
 """The vision towers of vision-language models under revify, each a family of its own: Pixtral's
-(Mistral 3's, LightOnOCR's; revtriton/convert/pixtral.py) and InternVL's (revtriton/convert/internvl.py).
+(Mistral 3's, LightOnOCR's; revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py)
+and BLIP's, BLIP-2's and InstructBLIP's (revtriton/convert/blip.py).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -48,7 +49,23 @@ def _internvl(seed, **overrides):
     return _off_their_init(transformers.InternVLVisionModel(config))
 
 
-TOWERS = {"pixtral": _pixtral, "internvl": _internvl}
+def _blip(kind):
+    def make(seed, **overrides):
+        torch.manual_seed(seed)
+        config = getattr(transformers, f"{kind}VisionConfig")(**{**dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+            patch_size=8), **overrides})
+        return _off_their_init(getattr(transformers, f"{kind}VisionModel")(config))
+    return make
+
+
+TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
+          "instructblip": _blip("InstructBlip")}
+
+
+def _loop_layers(model, kind):
+    return {"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer}.get(
+        kind, lambda: model.encoder.layers)()
 
 
 def _inputs(kind, seed=0):
@@ -68,8 +85,7 @@ def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     row, InternVL's layer scales on both branches."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
-    loop = model.transformer if kind == "pixtral" else model.encoder
-    assert _stacks(model) == [loop.layers if kind == "pixtral" else loop.layer]
+    assert _stacks(model) == [_loop_layers(model, kind)]
     inputs = _inputs(kind, seeded)
     with torch.no_grad():
         theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
@@ -81,8 +97,8 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     """An exact training step with their dropouts (a loss on the tower's output) bitwise its
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
-    dropouts = dict(attention_dropout=0.1) if kind == "pixtral" else dict(hidden_dropout_prob=0.1,
-                                                                          attention_dropout=0.1)
+    dropouts = dict(hidden_dropout_prob=0.1, attention_dropout=0.1) if kind == "internvl" else dict(
+        attention_dropout=0.1)
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
     assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)
@@ -114,3 +130,21 @@ def test_vision_language_models_convert_their_tower_and_language_model(kind, see
     tower = model.model.vision_tower
     assert _stacks(model) == [tower.transformer.layers if kind == "Mistral3" else tower.encoder.layer,
                               model.model.language_model.layers]
+
+
+def test_blip2_converts_its_tower_and_language_model_and_names_its_q_former(seeded):
+    """BLIP-2 found part by part: its vision tower and its OPT language model, one stack each; its
+    Q-Former (BERT-like post-norm layers with cross-attention) stays as it is, named in a warning."""
+    torch.manual_seed(seeded)
+    config = transformers.Blip2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            encoder_hidden_size=32),
+        text_config=dict(vocab_size=100, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                         word_embed_proj_dim=32, model_type="opt"),
+        num_query_tokens=4)
+    model = transformers.Blip2ForConditionalGeneration(config)
+    with pytest.warns(UserWarning, match=r"left Blip2ForConditionalGeneration\.qformer as it is"):
+        revify(model)
+    assert _stacks(model) == [model.vision_model.encoder.layers, model.language_model.model.decoder.layers]

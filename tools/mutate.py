@@ -1647,6 +1647,11 @@ MUTANTS = [
            "            out = call.steps._segment(start, i + 1, hidden, restart=False)",
            ("tests/test_vision_language.py", "-k", "qwen3_vl"),
            "a segment after a read layer refuses the hidden states the loop changed there"),
+    Mutant("blip-mlp-norm-dropped", "revtriton/convert/blip.py",
+           "        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))",
+           "        return b.mlp(self._input(x, b.layer_norm2.weight))",
+           ("tests/test_vision_towers.py", "-k", "keep_the_librarys_function and blip"),
+           "the BLIP towers' MLP half without its norm"),
     # ---- the forward couples' row operands (issue 44)
     Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
            "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",

@@ -1,0 +1,64 @@
+"""The vision towers of BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video (``BlipVisionModel``,
+``Blip2VisionModel``, ``InstructBlipVisionModel``, ``InstructBlipVideoVisionModel``: found as the
+``vision_model`` part of their captioning, question-answering and vision-language models): pre-norm
+layers ``x + self_attn(layer_norm1(x))`` then ``h + mlp(layer_norm2(h))``, their attention's q / k / v
+one projection (``qkv``). Their loop is ``encoder``, which hands the layers the hidden states alone (no
+mask); both halves run the layer's own modules. The Q-Former beside BLIP-2's tower (BERT-like
+post-norm layers with cross-attention) stays as it is, named in revify's warning."""
+from __future__ import annotations
+
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
+from .probe import require_layer_parts
+
+_LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
+
+
+class _BlipAttentionHalf(_LibraryAttentionHalf):
+    def _library_call(self, x, host, extra):  # (the tower masks nothing)
+        b = self.block
+        x = self._input(x, b.layer_norm1.weight)
+        return _first(b.self_attn(hidden_states=b.layer_norm1(x)))
+
+
+class _BlipMlpHalf(_LibraryHalf):
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))
+
+
+_HostBlipBlock, _HostBlipOrdinaryBlock = _host_block_mixins((_BlipAttentionHalf, _BlipMlpHalf))
+
+
+class _HostBlipEncoder(_HostDecoderModel):
+    """The tower's encoder (its loop): patch embeddings in, no mask, no cache; its last hidden state is
+    the last layer's."""
+
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_blip(model, conversion, found=None):
+    name, loop = type(model).__name__, model.encoder
+    if not len(loop.layers):
+        raise ValueError(f"revify: {name} has no layers")
+    _require_hosted_layer_loop(name)
+    require_layer_parts(loop.layers, _LAYER_PARTS, name)
+    for layer in loop.layers:
+        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    _convert_hosted_layers(model, loop, "layers", conversion, (_HostBlipBlock, _HostBlipOrdinaryBlock),
+                           _HostBlipEncoder)
+
+
+# (module, tower, its layer, its encoder)
+_TOWERS = (("blip", "BlipVisionModel", "BlipEncoderLayer", "BlipEncoder"),
+           ("blip_2", "Blip2VisionModel", "Blip2EncoderLayer", "Blip2Encoder"),
+           ("instructblip", "InstructBlipVisionModel", "InstructBlipEncoderLayer", "InstructBlipEncoder"),
+           ("instructblipvideo", "InstructBlipVideoVisionModel", "InstructBlipVideoEncoderLayer",
+            "InstructBlipVideoEncoder"))
+FAMILY = Family("blip", ("the vision towers of transformers BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video "
+                         "(their captioning, question-answering and vision-language models' vision_model)",),
+                _convert_blip, halves="library", classes=tuple(("transformers", tower) for _, tower, _, _ in _TOWERS),
+                pickled={name: entry for module, _, layer, encoder in _TOWERS
+                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                  layer, (_HostBlipBlock, _HostBlipOrdinaryBlock),
+                                                                  encoder, _HostBlipEncoder).items()})
