@@ -59,19 +59,33 @@ def _blip(kind):
     return make
 
 
+def _exaone(seed, **overrides):
+    """EXAONE 4.5's tower: Qwen2.5-VL's (the qwen_vision family's), a windowed block either side of a full one."""
+    torch.manual_seed(seed)
+    config = transformers.Exaone4_5_VisionConfig(**{**dict(
+        depth=DEPTH, hidden_size=32, intermediate_size=64, num_heads=4, num_key_value_heads=2, patch_size=4,
+        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32, fullatt_block_indexes=[1],
+        window_size=16), **overrides})
+    return _off_their_init(transformers.Exaone4_5_VisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
-          "instructblip": _blip("InstructBlip")}
+          "instructblip": _blip("InstructBlip"), "exaone": _exaone}
 
 
 def _loop_layers(model, kind):
-    return {"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer}.get(
-        kind, lambda: model.encoder.layers)()
+    return {"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
+            "exaone": lambda: model.blocks}.get(kind, lambda: model.encoder.layers)()
 
 
 def _inputs(kind, seed=0):
     """Two images; Pixtral's of two sizes (32 x 32 and 16 x 32 pixels: 16 and 8 patches in one row, each
     attending to itself under the tower's block-diagonal mask)."""
-    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "exaone":  # two images' patches in one row: 8 x 8 and 4 x 8 patches
+        return dict(hidden_states=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator),
+                    grid_thw=torch.tensor([[1, 8, 8], [1, 4, 8]]))
+    pixels = torch.randn(2, 3, 32, 32, generator=generator)
     if kind == "pixtral":
         return dict(pixel_values=pixels, image_sizes=torch.tensor([[32, 32], [16, 32]]))
     return dict(pixel_values=pixels)
@@ -81,8 +95,9 @@ def _inputs(kind, seed=0):
 @pytest.mark.parametrize("kind", sorted(TOWERS))
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
 def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
-    """A preserving conversion keeps the tower's output: Pixtral's two images of different sizes in one
-    row, InternVL's layer scales on both branches."""
+    """A preserving conversion keeps the tower's output: Pixtral's and EXAONE 4.5's two images of different
+    sizes in one row (EXAONE's windowed blocks each image's windows), InternVL's layer scales on both
+    branches, the BLIP towers' qkv attention."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert _stacks(model) == [_loop_layers(model, kind)]
@@ -97,8 +112,8 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     """An exact training step with their dropouts (a loss on the tower's output) bitwise its
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
-    dropouts = dict(hidden_dropout_prob=0.1, attention_dropout=0.1) if kind == "internvl" else dict(
-        attention_dropout=0.1)
+    dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}}.get(
+        kind, dict(attention_dropout=0.1))
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
     assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)

@@ -1652,6 +1652,11 @@ MUTANTS = [
            "        return b.mlp(self._input(x, b.layer_norm2.weight))",
            ("tests/test_vision_towers.py", "-k", "keep_the_librarys_function and blip"),
            "the BLIP towers' MLP half without its norm"),
+    Mutant("exaone-tower-left", "revtriton/convert/qwen_vision.py",
+           '           ("exaone4_5", "Exaone4_5_VisionBlock", "Exaone4_5_VisionModel", _HostQwenVisionModel),  # (Qwen2.5-VL\'s)\n',
+           "",
+           ("tests/test_vision_towers.py", "-k", "exaone"),
+           "EXAONE 4.5's vision tower (Qwen2.5-VL's) left as it is"),
     # ---- the forward couples' row operands (issue 44)
     Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
            "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",

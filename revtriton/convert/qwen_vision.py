@@ -86,11 +86,12 @@ def _convert_qwen_vision(model, conversion, found=None):
 # (module, block class, tower class, host model mixin)
 _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedModel", _HostQwenVisionModel),
            ("qwen2_5_vl", "Qwen2_5_VLVisionBlock", "Qwen2_5_VisionTransformerPretrainedModel", _HostQwenVisionModel),
+           ("exaone4_5", "Exaone4_5_VisionBlock", "Exaone4_5_VisionModel", _HostQwenVisionModel),  # (Qwen2.5-VL's)
            ("qwen3_vl", "Qwen3VLVisionBlock", "Qwen3VLVisionModel", _HostQwen3VisionModel),
            ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
-FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL (its windowed blocks too) and "
-                                "Qwen3-VL (its deepstack layers' outputs read between segments), the images' patches "
-                                "packed in one row",),
+FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
+                                "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), the "
+                                "images' patches packed in one row",),
                 _convert_qwen_vision, halves="library",
                 classes=tuple(("transformers", tower) for _, _, tower, _ in _TOWERS),
                 pickled={name: entry for module, block, tower, host in _TOWERS
