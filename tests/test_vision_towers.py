@@ -1,6 +1,7 @@
-"""The vision towers of vision-language models under revify, each a family of its own: Pixtral's
-(Mistral 3's, LightOnOCR's; revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py)
-and BLIP's, BLIP-2's and InstructBLIP's (revtriton/convert/blip.py).
+"""The vision towers of vision-language models under revify: Pixtral's (Mistral 3's, LightOnOCR's;
+revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
+InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's (Qwen2.5-VL's: the qwen_vision family) and
+Janus's SigLIP tower (the clip family's).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -69,8 +70,18 @@ def _exaone(seed, **overrides):
     return _off_their_init(transformers.Exaone4_5_VisionModel(config))
 
 
+def _janus(seed, **overrides):
+    """Janus's SigLIP tower (the clip family's): q / k norms and a projection_layer in its attention (the
+    layer's own modules), two dropouts in its MLP."""
+    torch.manual_seed(seed)
+    config = transformers.JanusVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8), **overrides})
+    return _off_their_init(transformers.JanusVisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
-          "instructblip": _blip("InstructBlip"), "exaone": _exaone}
+          "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus}
 
 
 def _loop_layers(model, kind):
@@ -97,11 +108,24 @@ def _inputs(kind, seed=0):
 def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     """A preserving conversion keeps the tower's output: Pixtral's and EXAONE 4.5's two images of different
     sizes in one row (EXAONE's windowed blocks each image's windows), InternVL's layer scales on both
-    branches, the BLIP towers' qkv attention."""
+    branches, the BLIP towers' qkv attention, Janus's q / k norms."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert _stacks(model) == [_loop_layers(model, kind)]
     inputs = _inputs(kind, seeded)
+    with torch.no_grad():
+        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_janus_drops_what_its_mlp_dropouts_drop(seeded):
+    """Janus's MLP ends in a dropout: at p = 1 its branch is zero in training, so a preserving
+    conversion computes the library's training-mode output; a fused MLP (which has no dropout) would
+    not: the half keeps the layer's modules where the MLP's dropouts are on."""
+    original = _janus(seeded, hidden_dropout_rate=1.0).train()
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).train()
+    inputs = _inputs("janus", seeded)
     with torch.no_grad():
         theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
@@ -112,8 +136,8 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     """An exact training step with their dropouts (a loss on the tower's output) bitwise its
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
-    dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}}.get(
-        kind, dict(attention_dropout=0.1))
+    dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {},
+                "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1)}.get(kind, dict(attention_dropout=0.1))
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
     assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)

@@ -14,7 +14,7 @@ import torch
 from ..halves.base import parameter
 from ..ops.attention import norm_attention_couple
 from .core import (Family, LayerSpec, _concatenated_qkv, _HF_ACTIVATIONS, _host_block_mixins, _layout_options,
-                   _NormMlpHalf, _parts, _RevifiedLM, _spec_of)
+                   _NormMlpHalf, _p, _parts, _RevifiedLM, _spec_of)
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _ProjectedAttentionHalf
 from .probe import require_layer_parts
 
@@ -25,6 +25,8 @@ _TOWERS = {"CLIPTextModel": ("clip", True, True), "CLIPVisionModel": ("clip", Fa
            "Siglip2TextModel": ("siglip2", False, True), "Siglip2VisionModel": ("siglip2", False, False),
            # MetaCLIP 2: CLIP's towers and layers (its modules "copied from" CLIP's), multilingual tokens
            "MetaClip2TextModel": ("metaclip_2", True, True), "MetaClip2VisionModel": ("metaclip_2", False, False),
+           # Janus's SigLIP tower (its attention with q / k norms and a projection_layer: the layer's own modules)
+           "JanusVisionModel": ("janus", False, False),
            # The SigLIP towers of Idefics 2, Idefics 3 and SmolVLM (found inside their vision-language models)
            "Idefics2VisionTransformer": ("idefics2", False, False),
            "Idefics3VisionTransformer": ("idefics3", False, False),
@@ -41,7 +43,8 @@ _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionMod
                             "MetaClip2ForImageClassification")}
 _LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
            "metaclip_2": "MetaClip2EncoderLayer", "idefics2": "Idefics2EncoderLayer", "idefics3": "Idefics3EncoderLayer",
-           "smolvlm": "SmolVLMEncoderLayer", "git": "GitVisionEncoderLayer"}
+           "smolvlm": "SmolVLMEncoderLayer", "git": "GitVisionEncoderLayer",
+           "janus": "JanusVisionEncoderLayer"}
 
 
 def _causal(block) -> dict:
@@ -54,8 +57,9 @@ class _ClipAttentionHalf(_ProjectedAttentionHalf):
     # (the library's mask: padding, causal; the token layout of padded rows)
     _norm_name, _attention_name = "layer_norm1", "self_attn"
 
-    def _dropouts(self):
-        return (float(self._attention_module().dropout or 0.0),)
+    def _dropouts(self):  # CLIP's and SigLIP's dropout (a probability); Janus's attention_dropout, projection_dropout
+        a = self._attention_module()
+        return tuple(_p(getattr(a, name, None)) for name in ("dropout", "attention_dropout", "projection_dropout"))
 
     couple_op = norm_attention_couple
 
@@ -92,6 +96,9 @@ class _ClipAttentionHalf(_ProjectedAttentionHalf):
 class _ClipMlpHalf(_NormMlpHalf):
     def _mlp_norm(self):
         return _parts(self.block)["layer_norm2"]
+
+    def _dropouts(self):  # the MLP's own (Janus's two; CLIP's and SigLIP's have none), which the fused path lacks
+        return tuple(_p(m) for m in _parts(self.block)["mlp"].children() if isinstance(m, torch.nn.Dropout))
 
     def _projections(self):
         m = _parts(_parts(self.block)["mlp"])
@@ -139,7 +146,8 @@ def _convert_clip(model, conversion, found=None):
         config, causal = tower.config, _TOWERS[type(tower).__name__][1]
         attention = tower.encoder.layers[0].self_attn
         head_dim = attention.head_dim
-        spec = LayerSpec(fused_attention=(head_dim * attention.num_heads == config.hidden_size
+        projections = {name for name, _ in attention.named_children()} == {"q_proj", "k_proj", "v_proj", "out_proj"}
+        spec = LayerSpec(fused_attention=(projections and head_dim * attention.num_heads == config.hidden_size
                                           and abs(float(attention.scale) - head_dim**-0.5) <= 1e-12),
                          activation=_HF_ACTIVATIONS.get(config.hidden_act), library_causal=causal)
         for layer in tower.encoder.layers:
@@ -170,7 +178,7 @@ FAMILY = Family("clip", ("transformers CLIP, SigLIP, SigLIP 2 and MetaCLIP 2 tex
                          "CLIPVisionModel, SiglipTextModel, SiglipVisionModel, Siglip2TextModel, Siglip2VisionModel, "
                          "MetaClip2TextModel, MetaClip2VisionModel), with their projection or classifier, and both "
                          "towers of CLIPModel / SiglipModel / Siglip2Model / MetaClip2Model; the SigLIP vision towers "
-                         "of Idefics 2, Idefics 3 and SmolVLM; GIT's vision tower",),
+                         "of Idefics 2, Idefics 3, SmolVLM and Janus; GIT's vision tower",),
                 _convert_clip,
                 classes=tuple(("transformers", name) for name in (*_TOWERS, *sum(_WRAPPERS.values(), ()))),
                 pickled=_pickled())
