@@ -7,9 +7,8 @@ mask); both halves run the layer's own modules. The Q-Former beside BLIP-2's tow
 post-norm layers with cross-attention) stays as it is, named in revify's warning."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
-from .probe import require_layer_parts
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
 
@@ -30,23 +29,13 @@ class _BlipMlpHalf(_LibraryHalf):
 _HostBlipBlock, _HostBlipOrdinaryBlock = _host_block_mixins((_BlipAttentionHalf, _BlipMlpHalf))
 
 
-class _HostBlipEncoder(_HostDecoderModel):
-    """The tower's encoder (its loop): patch embeddings in, no mask, no cache; its last hidden state is
-    the last layer's."""
-
-    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+class _HostBlipEncoder(_HostTowerModel):
+    """The tower's encoder (its loop): no mask."""
 
 
 def _convert_blip(model, conversion, found=None):
-    name, loop = type(model).__name__, model.encoder
-    if not len(loop.layers):
-        raise ValueError(f"revify: {name} has no layers")
-    _require_hosted_layer_loop(name)
-    require_layer_parts(loop.layers, _LAYER_PARTS, name)
-    for layer in loop.layers:
-        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    _convert_hosted_layers(model, loop, "layers", conversion, (_HostBlipBlock, _HostBlipOrdinaryBlock),
-                           _HostBlipEncoder)
+    _convert_library_tower(model, model.encoder, "layers", _LAYER_PARTS, conversion,
+                           (_HostBlipBlock, _HostBlipOrdinaryBlock), _HostBlipEncoder)
 
 
 # (module, tower, its layer, its encoder)

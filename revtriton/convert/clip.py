@@ -42,8 +42,8 @@ _WRAPPERS = {"clip": ("CLIPModel", "CLIPTextModelWithProjection", "CLIPVisionMod
              "metaclip_2": ("MetaClip2Model", "MetaClip2TextModelWithProjection", "MetaClip2VisionModelWithProjection",
                             "MetaClip2ForImageClassification")}
 _LAYERS = {"clip": "CLIPEncoderLayer", "siglip": "SiglipEncoderLayer", "siglip2": "Siglip2EncoderLayer",
-           "metaclip_2": "MetaClip2EncoderLayer", "idefics2": "Idefics2EncoderLayer", "idefics3": "Idefics3EncoderLayer",
-           "smolvlm": "SmolVLMEncoderLayer", "git": "GitVisionEncoderLayer",
+           "metaclip_2": "MetaClip2EncoderLayer", "idefics2": "Idefics2EncoderLayer",
+           "idefics3": "Idefics3EncoderLayer", "smolvlm": "SmolVLMEncoderLayer", "git": "GitVisionEncoderLayer",
            "janus": "JanusVisionEncoderLayer"}
 
 

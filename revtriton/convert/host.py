@@ -16,8 +16,8 @@ from ..engine import ReversibleStack, is_reversible_block
 from ..ops.attention import head_group, head_group_parts, norm_attention_reference
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
-from .core import (SWAPPED_MODULE, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _parts, _RevifiedLM,
-                   _spec_of, _swap_class)
+from .core import (SWAPPED_MODULE, LayerSpec, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _parts,
+                   _RevifiedLM, _spec_of, _swap_class)
 
 
 class _BlockSteps(nn.Module):
@@ -895,6 +895,30 @@ class _LibraryAttentionHalf(_HostAttention, _LibraryHalf):
 
     def _modules(self, x):  # an empty batch only
         return torch.zeros_like(x)
+
+
+class _HostTowerModel(_HostDecoderModel):
+    """A vision or audio tower's loop: patch (or frame) embeddings in, no token ids, no cache; its last
+    hidden state is its last layer's."""
+
+    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _convert_library_tower(model, loop, layers: str, parts: set, conversion, mixins: tuple, model_mixin: type,
+                           specs=None):
+    """A tower whose halves run its layers' own modules: ``loop`` (``model`` or one of its modules)
+    runs the layer list ``layers``, each layer's submodules exactly ``parts``; ``specs``: each layer's
+    LayerSpec where it is not the library path's alone (an attention kind)."""
+    from .probe import require_layer_parts  # (probe imports this module)
+
+    name, layer_list = type(model).__name__, getattr(loop, layers)
+    if not len(layer_list):
+        raise ValueError(f"revify: {name} has no layers")
+    _require_hosted_layer_loop(name)
+    require_layer_parts(layer_list, parts, name)
+    for i, layer in enumerate(layer_list):
+        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False) if specs is None else specs[i]
+    _convert_hosted_layers(model, loop, layers, conversion, mixins, model_mixin)
 
 
 def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, model_mixin: type,

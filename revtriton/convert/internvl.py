@@ -5,9 +5,8 @@
 which hands the layers the hidden states alone; both halves run the layer's own modules."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
-from .probe import require_layer_parts
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"attention", "mlp", "layernorm_before", "layernorm_after", "dropout"}
 
@@ -32,24 +31,15 @@ class _InternVLMlpHalf(_LibraryHalf):
 _HostInternVLBlock, _HostInternVLOrdinaryBlock = _host_block_mixins((_InternVLAttentionHalf, _InternVLMlpHalf))
 
 
-class _HostInternVLEncoder(_HostDecoderModel):
-    """InternVLVisionEncoder (the tower's loop, over ``layer``): patch embeddings in, no mask, no cache;
-    its last hidden state is the last layer's."""
+class _HostInternVLEncoder(_HostTowerModel):
+    """InternVLVisionEncoder (the tower's loop, over ``layer``): no mask."""
 
     _layers = "layer"
-    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
 
 
 def _convert_internvl(model, conversion, found=None):
-    name, loop = type(model).__name__, model.encoder
-    if not len(loop.layer):
-        raise ValueError(f"revify: {name} has no layers")
-    _require_hosted_layer_loop(name)
-    require_layer_parts(loop.layer, _LAYER_PARTS, name)
-    for layer in loop.layer:
-        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    _convert_hosted_layers(model, loop, "layer", conversion, (_HostInternVLBlock, _HostInternVLOrdinaryBlock),
-                           _HostInternVLEncoder)
+    _convert_library_tower(model, model.encoder, "layer", _LAYER_PARTS, conversion,
+                           (_HostInternVLBlock, _HostInternVLOrdinaryBlock), _HostInternVLEncoder)
 
 
 _MODULE = "transformers.models.internvl.modeling_internvl"

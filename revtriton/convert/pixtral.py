@@ -6,9 +6,8 @@ embeddings. Its loop is ``transformer`` (``PixtralTransformer``), which the host
 halves run the layer's own modules with the loop's mask and rotary embedding."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
-from .probe import require_layer_parts
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"attention_norm", "attention", "ffn_norm", "feed_forward"}
 
@@ -33,23 +32,13 @@ class _PixtralMlpHalf(_LibraryHalf):
 _HostPixtralBlock, _HostPixtralOrdinaryBlock = _host_block_mixins((_PixtralAttentionHalf, _PixtralMlpHalf))
 
 
-class _HostPixtralTransformer(_HostDecoderModel):
-    """PixtralTransformer (the tower's loop): patch embeddings in, its mask and rotary embedding made by
-    the tower, no cache; its last hidden state is the last layer's."""
-
-    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+class _HostPixtralTransformer(_HostTowerModel):
+    """PixtralTransformer (the tower's loop): its mask and rotary embedding made by the tower."""
 
 
 def _convert_pixtral(model, conversion, found=None):
-    name, loop = type(model).__name__, model.transformer
-    if not len(loop.layers):
-        raise ValueError(f"revify: {name} has no layers")
-    _require_hosted_layer_loop(name)
-    require_layer_parts(loop.layers, _LAYER_PARTS, name)
-    for layer in loop.layers:
-        layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False)
-    _convert_hosted_layers(model, loop, "layers", conversion, (_HostPixtralBlock, _HostPixtralOrdinaryBlock),
-                           _HostPixtralTransformer)
+    _convert_library_tower(model, model.transformer, "layers", _LAYER_PARTS, conversion,
+                           (_HostPixtralBlock, _HostPixtralOrdinaryBlock), _HostPixtralTransformer)
 
 
 _MODULE = "transformers.models.pixtral.modeling_pixtral"

@@ -12,11 +12,8 @@ runs in segments that end at those blocks, each a reversible stack of its own on
 previous one left (its output kept, as the loop keeps it)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
-from .probe import require_layer_parts
+from .host import _convert_library_tower, _HostTowerModel, _LibraryAttentionHalf
 
 _BLOCK_PARTS = {"norm1", "norm2", "attn", "mlp"}
 
@@ -53,11 +50,10 @@ _HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock = (
     for m in _host_block_mixins((_QwenVisionAttentionHalf, _QwenVisionMlpHalf)))
 
 
-class _HostQwenVisionModel(_HostDecoderModel):
-    """A Qwen vision tower: patches in (no token ids, no cache), its blocks ``blocks``."""
+class _HostQwenVisionModel(_HostTowerModel):
+    """A Qwen vision tower: its blocks ``blocks``."""
 
     _layers = "blocks"
-    _rope, _tokens_input, _caches, _tie_last = False, False, False, False
 
 
 class _HostQwen3VisionModel(_HostQwenVisionModel):
@@ -68,19 +64,14 @@ class _HostQwen3VisionModel(_HostQwenVisionModel):
 
 
 def _convert_qwen_vision(model, conversion, found=None):
-    name, blocks = type(model).__name__, model.blocks
-    if not len(blocks):
-        raise ValueError(f"revify: {name} has no blocks")
-    _require_hosted_layer_loop(name)
-    require_layer_parts(blocks, _BLOCK_PARTS, name)
-    full = set(getattr(model, "fullatt_block_indexes", range(len(blocks))))  # (Qwen2-VL's: every block)
-    spec = LayerSpec(fused_attention=False, fused_mlp=False)
+    full = set(getattr(model, "fullatt_block_indexes", range(len(model.blocks))))  # (Qwen2-VL's: every block)
     window = getattr(model.config, "window_size", None)
-    for i, block in enumerate(blocks):  # windowed blocks are the other attention kind (their own boundaries)
-        block._revtriton_spec = replace(spec, window=None if i in full else window)
+    # windowed blocks are the other attention kind (their own boundaries)
+    specs = [LayerSpec(fused_attention=False, fused_mlp=False, window=None if i in full else window)
+             for i in range(len(model.blocks))]
     host = _HostQwen3VisionModel if hasattr(model, "deepstack_visual_indexes") else _HostQwenVisionModel
-    _convert_hosted_layers(model, model, "blocks", conversion, (_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock),
-                           host)
+    _convert_library_tower(model, model, "blocks", _BLOCK_PARTS, conversion,
+                           (_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock), host, specs)
 
 
 # (module, block class, tower class, host model mixin)
