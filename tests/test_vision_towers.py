@@ -1,7 +1,7 @@
 """The vision towers of vision-language models under revify: Pixtral's (Mistral 3's, LightOnOCR's;
 revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
-InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's (Qwen2.5-VL's: the qwen_vision family) and
-Janus's SigLIP tower (the clip family's).
+InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's and MiniMax-M3-VL's (the
+qwen_vision family's: the images packed in one row) and Janus's SigLIP tower (the clip family's).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -80,22 +80,47 @@ def _janus(seed, **overrides):
     return _off_their_init(transformers.JanusVisionModel(config))
 
 
+def _videollama3(seed, **overrides):
+    """VideoLLaMA 3's tower: SigLIP's layer names, the images packed in one row as Qwen's (its loop its encoder)."""
+    torch.manual_seed(seed)
+    config = transformers.VideoLlama3VisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, patch_size=4),
+        **overrides})
+    return _off_their_init(transformers.VideoLlama3VisionModel(config))
+
+
+def _minimax(seed, **overrides):
+    """MiniMax-M3-VL's tower: SigLIP's layer names, the images in one row of [1, patches, dim] (its layers
+    squeeze it for their attention), 3-D rotary embeddings."""
+    torch.manual_seed(seed)
+    config = transformers.MiniMaxM3VLVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, patch_size=4,
+        temporal_patch_size=2, spatial_merge_size=2, image_size=32), **overrides})
+    return _off_their_init(transformers.MiniMaxM3VLVisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
-          "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus}
+          "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
+          "minimax": _minimax}
 
 
 def _loop_layers(model, kind):
     return {"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
-            "exaone": lambda: model.blocks}.get(kind, lambda: model.encoder.layers)()
+            "exaone": lambda: model.blocks, "minimax": lambda: model.layers}.get(kind, lambda: model.encoder.layers)()
 
 
 def _inputs(kind, seed=0):
     """Two images; Pixtral's of two sizes (32 x 32 and 16 x 32 pixels: 16 and 8 patches in one row, each
     attending to itself under the tower's block-diagonal mask)."""
     generator = torch.Generator().manual_seed(seed)
-    if kind == "exaone":  # two images' patches in one row: 8 x 8 and 4 x 8 patches
-        return dict(hidden_states=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator),
-                    grid_thw=torch.tensor([[1, 8, 8], [1, 4, 8]]))
+    grid = torch.tensor([[1, 8, 8], [1, 4, 8]])  # two images' patches in one row: 8 x 8 and 4 x 8 patches
+    if kind == "exaone":
+        return dict(hidden_states=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
+    if kind == "videollama3":
+        return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid,
+                    merge_sizes=torch.tensor([2, 2]))
+    if kind == "minimax":
+        return dict(pixel_values=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
     pixels = torch.randn(2, 3, 32, 32, generator=generator)
     if kind == "pixtral":
         return dict(pixel_values=pixels, image_sizes=torch.tensor([[32, 32], [16, 32]]))
@@ -108,7 +133,8 @@ def _inputs(kind, seed=0):
 def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     """A preserving conversion keeps the tower's output: Pixtral's and EXAONE 4.5's two images of different
     sizes in one row (EXAONE's windowed blocks each image's windows), InternVL's layer scales on both
-    branches, the BLIP towers' qkv attention, Janus's q / k norms."""
+    branches, the BLIP towers' qkv attention, Janus's q / k norms; VideoLLaMA 3's and MiniMax-M3-VL's two
+    images in one row, SigLIP's layer names."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert _stacks(model) == [_loop_layers(model, kind)]
@@ -136,7 +162,7 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     """An exact training step with their dropouts (a loss on the tower's output) bitwise its
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
-    dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {},
+    dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
                 "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1)}.get(kind, dict(attention_dropout=0.1))
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)

@@ -9,13 +9,17 @@ run the block's own modules; the conditioning carries the boundaries of each blo
 windowed) as its mask, so the rebuild in backward sees what the forward saw. Qwen3-VL's loop also reads
 some blocks' outputs (its deepstack layers, merged into the language model's first layers): the stack
 runs in segments that end at those blocks, each a reversible stack of its own on the streams the
-previous one left (its output kept, as the loop keeps it)."""
+previous one left (its output kept, as the loop keeps it).
+
+The towers that pack their images as Qwen's do with SigLIP's layer names (``layer_norm1``, ``self_attn``,
+``layer_norm2``, ``mlp``): VideoLLaMA 3's (its loop its ``encoder``) and MiniMax-M3-VL's."""
 from __future__ import annotations
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_library_tower, _HostTowerModel, _LibraryAttentionHalf
+from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _BLOCK_PARTS = {"norm1", "norm2", "attn", "mlp"}
+_NAVIT_PARTS = {"layer_norm1", "self_attn", "layer_norm2", "mlp"}
 
 
 class _QwenVisionAttentionHalf(_LibraryAttentionHalf):
@@ -27,6 +31,27 @@ class _QwenVisionAttentionHalf(_LibraryAttentionHalf):
         x = self._input(x, b.norm1.weight)
         return b.attn(b.norm1(x), cu_seqlens=host.mask_for(b), max_seqlen=host.max_seqlen_for(b),
                       position_embeddings=host.rotary_for(b))
+
+
+class _NaViTAttentionHalf(_LibraryAttentionHalf):
+    def _attention_module(self):
+        return self.block.self_attn
+
+    def _library_call(self, x, host, extra):
+        """The attention on the patches as one row of [patches, dim] (MiniMax-M3-VL's layers squeeze the
+        tower's [1, patches, dim] for it), its output back in ``x``'s shape."""
+        b = self.block
+        x = self._input(x, b.layer_norm1.weight)
+        normed = b.layer_norm1(x)
+        out = _first(b.self_attn(normed.reshape(-1, normed.shape[-1]), cu_seqlens=host.mask_for(b),
+                                 max_seqlen=host.max_seqlen_for(b), position_embeddings=host.rotary_for(b)))
+        return out.view(x.shape)
+
+
+class _NaViTMlpHalf(_LibraryHalf):
+    def _modules(self, x):
+        b = self.block
+        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))
 
 
 class _QwenVisionMlpHalf(_LibraryHalf):
@@ -48,6 +73,9 @@ class _QwenVisionLoop:
 _HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock = (
     type(f"_HostQwenVision{m.__name__[5:]}", (_QwenVisionLoop, m), {})
     for m in _host_block_mixins((_QwenVisionAttentionHalf, _QwenVisionMlpHalf)))
+_HostNaViTBlock, _HostNaViTOrdinaryBlock = (
+    type(f"_HostNaViT{m.__name__[5:]}", (_QwenVisionLoop, m), {})
+    for m in _host_block_mixins((_NaViTAttentionHalf, _NaViTMlpHalf)))
 
 
 class _HostQwenVisionModel(_HostTowerModel):
@@ -63,7 +91,25 @@ class _HostQwen3VisionModel(_HostQwenVisionModel):
         return tuple(self.deepstack_visual_indexes)
 
 
+class _HostNaViTLoop(_HostTowerModel):
+    """A SigLIP-named tower's loop (its ``layers``): the images' boundaries and rotary embedding the tower's."""
+
+
+# The towers with SigLIP's layer names, by class: (module, layer class, the path of their loop in the tower
+# ("": the tower itself), its class)
+_NAVIT_TOWERS = {"VideoLlama3VisionModel": ("video_llama_3", "VideoLlama3VisionEncoderLayer", "encoder",
+                                            "VideoLlama3VisionEncoder"),
+                 "MiniMaxM3VLVisionModel": ("minimax_m3_vl", "MiniMaxM3VLVisionEncoderLayer", "",
+                                            "MiniMaxM3VLVisionModel")}
+
+
 def _convert_qwen_vision(model, conversion, found=None):
+    navit = next((_NAVIT_TOWERS[c.__name__] for c in type(model).__mro__ if c.__name__ in _NAVIT_TOWERS), None)
+    if navit is not None:
+        loop = model.get_submodule(navit[2]) if navit[2] else model
+        _convert_library_tower(model, loop, "layers", _NAVIT_PARTS, conversion,
+                               (_HostNaViTBlock, _HostNaViTOrdinaryBlock), _HostNaViTLoop)
+        return
     full = set(getattr(model, "fullatt_block_indexes", range(len(model.blocks))))  # (Qwen2-VL's: every block)
     window = getattr(model.config, "window_size", None)
     # windowed blocks are the other attention kind (their own boundaries)
@@ -81,12 +127,18 @@ _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedM
            ("qwen3_vl", "Qwen3VLVisionBlock", "Qwen3VLVisionModel", _HostQwen3VisionModel),
            ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
 FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
-                                "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), the "
-                                "images' patches packed in one row",),
+                                "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), and "
+                                "VideoLLaMA 3's and MiniMax-M3-VL's (SigLIP's layer names): the images' patches packed "
+                                "in one row",),
                 _convert_qwen_vision, halves="library",
-                classes=tuple(("transformers", tower) for _, _, tower, _ in _TOWERS),
-                pickled={name: entry for module, block, tower, host in _TOWERS
-                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  block, (_HostQwenVisionBlock,
-                                                                          _HostQwenVisionOrdinaryBlock),
-                                                                  tower, host).items()})
+                classes=(*(("transformers", tower) for _, _, tower, _ in _TOWERS),
+                         *(("transformers", tower) for tower in _NAVIT_TOWERS)),
+                pickled={**{name: entry for module, block, tower, host in _TOWERS
+                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                     block, (_HostQwenVisionBlock,
+                                                                             _HostQwenVisionOrdinaryBlock),
+                                                                     tower, host).items()},
+                         **{name: entry for module, layer, _, loop in _NAVIT_TOWERS.values()
+                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                     layer, (_HostNaViTBlock, _HostNaViTOrdinaryBlock),
+                                                                     loop, _HostNaViTLoop).items()}})
