@@ -1673,6 +1673,10 @@ MUTANTS = [
            "        out = _first(b.self_attn(normed, cu_seqlens=host.mask_for(b),",
            ("tests/test_vision_towers.py", "-k", "keep_the_librarys_function and minimax"),
            "MiniMax-M3-VL's [1, patches, dim] row handed to an attention that reads [patches, dim]"),
+    Mutant("ovis-one-kind", "revtriton/convert/qwen_vision.py",
+           'window=None if kind == "full_attention" else window)', "window=None)",
+           ("tests/test_vision_towers.py", "-k", "ovis"),
+           "Ovis2.5's windowed layers taken for full ones: one boundary list for both kinds"),
     # ---- the forward couples' row operands (issue 44)
     Mutant("row-operand-passes-every-layout", "revtriton/ops/gemm.py",
            "    return t if t.is_contiguous() else as_rows(t, dim)", "    return t",

@@ -12,7 +12,8 @@ runs in segments that end at those blocks, each a reversible stack of its own on
 previous one left (its output kept, as the loop keeps it).
 
 The towers that pack their images as Qwen's do with SigLIP's layer names (``layer_norm1``, ``self_attn``,
-``layer_norm2``, ``mlp``): VideoLLaMA 3's (its loop its ``encoder``) and MiniMax-M3-VL's."""
+``layer_norm2``, ``mlp``): VideoLLaMA 3's (its loop its ``encoder``), MiniMax-M3-VL's and Ovis2.5's (its
+config's ``layer_types``: full and windowed layers)."""
 from __future__ import annotations
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
@@ -100,15 +101,21 @@ class _HostNaViTLoop(_HostTowerModel):
 _NAVIT_TOWERS = {"VideoLlama3VisionModel": ("video_llama_3", "VideoLlama3VisionEncoderLayer", "encoder",
                                             "VideoLlama3VisionEncoder"),
                  "MiniMaxM3VLVisionModel": ("minimax_m3_vl", "MiniMaxM3VLVisionEncoderLayer", "",
-                                            "MiniMaxM3VLVisionModel")}
+                                            "MiniMaxM3VLVisionModel"),
+                 # (its config's layer_types: full and windowed layers, each kind its own boundaries)
+                 "Ovis2_5VisionModel": ("ovis2_5", "Ovis2_5VisionEncoderLayer", "", "Ovis2_5VisionModel")}
 
 
 def _convert_qwen_vision(model, conversion, found=None):
     navit = next((_NAVIT_TOWERS[c.__name__] for c in type(model).__mro__ if c.__name__ in _NAVIT_TOWERS), None)
     if navit is not None:
         loop = model.get_submodule(navit[2]) if navit[2] else model
+        kinds, window = getattr(model.config, "layer_types", None), getattr(model, "window_size", None)
+        specs = None if kinds is None else [
+            LayerSpec(fused_attention=False, fused_mlp=False, window=None if kind == "full_attention" else window)
+            for kind in kinds]
         _convert_library_tower(model, loop, "layers", _NAVIT_PARTS, conversion,
-                               (_HostNaViTBlock, _HostNaViTOrdinaryBlock), _HostNaViTLoop)
+                               (_HostNaViTBlock, _HostNaViTOrdinaryBlock), _HostNaViTLoop, specs)
         return
     full = set(getattr(model, "fullatt_block_indexes", range(len(model.blocks))))  # (Qwen2-VL's: every block)
     window = getattr(model.config, "window_size", None)
@@ -128,8 +135,8 @@ _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedM
            ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
 FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
                                 "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), and "
-                                "VideoLLaMA 3's and MiniMax-M3-VL's (SigLIP's layer names): the images' patches packed "
-                                "in one row",),
+                                "VideoLLaMA 3's, MiniMax-M3-VL's and Ovis2.5's (SigLIP's layer names; Ovis2.5's "
+                                "windowed layers too): the images' patches packed in one row",),
                 _convert_qwen_vision, halves="library",
                 classes=(*(("transformers", tower) for _, _, tower, _ in _TOWERS),
                          *(("transformers", tower) for tower in _NAVIT_TOWERS)),
