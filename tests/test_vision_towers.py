@@ -1,7 +1,8 @@
 """The vision towers of vision-language models under revify: Pixtral's (Mistral 3's, LightOnOCR's;
 revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
-InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's and Ovis2.5's (the
-qwen_vision family's: the images packed in one row) and Janus's SigLIP tower (the clip family's).
+InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
+Cosmos3-Edge's (the qwen_vision family's: the images packed in one row) and Janus's SigLIP tower (the clip
+family's).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -110,9 +111,19 @@ def _ovis(seed, **overrides):
     return _off_their_init(transformers.Ovis2_5VisionModel(config))
 
 
+def _cosmos(seed, **overrides):
+    """Cosmos3-Edge's tower: SigLIP's layer names, the images packed in one row (its encoder's loop makes their
+    boundaries), no rotary embedding."""
+    torch.manual_seed(seed)
+    config = transformers.Cosmos3EdgeVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, patch_size=4,
+        spatial_merge_size=2), **overrides})
+    return _off_their_init(transformers.Cosmos3EdgeVisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
-          "minimax": _minimax, "ovis": _ovis}
+          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos}
 
 
 def _loop_layers(model, kind):
@@ -133,7 +144,7 @@ def _inputs(kind, seed=0):
                     merge_sizes=torch.tensor([2, 2]))
     if kind == "minimax":
         return dict(pixel_values=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
-    if kind == "ovis":
+    if kind in ("ovis", "cosmos"):
         return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid)
     pixels = torch.randn(2, 3, 32, 32, generator=generator)
     if kind == "pixtral":
@@ -148,7 +159,8 @@ def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     """A preserving conversion keeps the tower's output: Pixtral's and EXAONE 4.5's two images of different
     sizes in one row (EXAONE's windowed blocks each image's windows), InternVL's layer scales on both
     branches, the BLIP towers' qkv attention, Janus's q / k norms; VideoLLaMA 3's and MiniMax-M3-VL's two
-    images in one row, SigLIP's layer names (Ovis2.5's windowed layers each image's windows)."""
+    images in one row, SigLIP's layer names (Ovis2.5's windowed layers each image's windows; Cosmos3-Edge's
+    without a rotary embedding)."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
     assert _stacks(model) == [_loop_layers(model, kind)]

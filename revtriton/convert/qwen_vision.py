@@ -12,8 +12,8 @@ runs in segments that end at those blocks, each a reversible stack of its own on
 previous one left (its output kept, as the loop keeps it).
 
 The towers that pack their images as Qwen's do with SigLIP's layer names (``layer_norm1``, ``self_attn``,
-``layer_norm2``, ``mlp``): VideoLLaMA 3's (its loop its ``encoder``), MiniMax-M3-VL's and Ovis2.5's (its
-config's ``layer_types``: full and windowed layers)."""
+``layer_norm2``, ``mlp``): VideoLLaMA 3's (its loop its ``encoder``), MiniMax-M3-VL's, Ovis2.5's (its
+config's ``layer_types``: full and windowed layers) and Cosmos3-Edge's (no rotary embedding)."""
 from __future__ import annotations
 
 from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
@@ -44,8 +44,10 @@ class _NaViTAttentionHalf(_LibraryAttentionHalf):
         b = self.block
         x = self._input(x, b.layer_norm1.weight)
         normed = b.layer_norm1(x)
+        rotary = host.rotary_for(b)  # (Cosmos3-Edge's tower has none)
         out = _first(b.self_attn(normed.reshape(-1, normed.shape[-1]), cu_seqlens=host.mask_for(b),
-                                 max_seqlen=host.max_seqlen_for(b), position_embeddings=host.rotary_for(b)))
+                                 max_seqlen=host.max_seqlen_for(b),
+                                 **({} if rotary is None else {"position_embeddings": rotary})))
         return out.view(x.shape)
 
 
@@ -103,7 +105,10 @@ _NAVIT_TOWERS = {"VideoLlama3VisionModel": ("video_llama_3", "VideoLlama3VisionE
                  "MiniMaxM3VLVisionModel": ("minimax_m3_vl", "MiniMaxM3VLVisionEncoderLayer", "",
                                             "MiniMaxM3VLVisionModel"),
                  # (its config's layer_types: full and windowed layers, each kind its own boundaries)
-                 "Ovis2_5VisionModel": ("ovis2_5", "Ovis2_5VisionEncoderLayer", "", "Ovis2_5VisionModel")}
+                 "Ovis2_5VisionModel": ("ovis2_5", "Ovis2_5VisionEncoderLayer", "", "Ovis2_5VisionModel"),
+                 # (no rotary embedding: learned positions enter with the patches)
+                 "Cosmos3EdgeVisionModel": ("cosmos3_edge", "Cosmos3EdgeVisionEncoderLayer", "encoder",
+                                            "Cosmos3EdgeEncoder")}
 
 
 def _convert_qwen_vision(model, conversion, found=None):
@@ -135,8 +140,8 @@ _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedM
            ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
 FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
                                 "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), and "
-                                "VideoLLaMA 3's, MiniMax-M3-VL's and Ovis2.5's (SigLIP's layer names; Ovis2.5's "
-                                "windowed layers too): the images' patches packed in one row",),
+                                "VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and Cosmos3-Edge's (SigLIP's layer names; "
+                                "Ovis2.5's windowed layers too): the images' patches packed in one row",),
                 _convert_qwen_vision, halves="library",
                 classes=(*(("transformers", tower) for _, _, tower, _ in _TOWERS),
                          *(("transformers", tower) for tower in _NAVIT_TOWERS)),
