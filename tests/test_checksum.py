@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from revtriton.ops import dispatch
-from revtriton.ops.streams import CHECKSUM_BLOCK, stream_checksum_reference, stream_checksum_triton
+from revtriton.ops.streams import CHECKSUM_BLOCK, _checksum_weights, stream_checksum_reference, stream_checksum_triton
 
 pytestmark = pytest.mark.skipif(not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (conftest)")
 
@@ -25,6 +25,20 @@ def test_triton_checksum_is_bitwise_the_reference(seeded, shape):
     s1, s2 = random_streams(*shape)
     got, want = stream_checksum_triton(s1, s2), stream_checksum_reference(s1, s2)
     assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 5, 33), (3 * CHECKSUM_BLOCK + 17,)])
+def test_cpu_checksum_is_the_wrapped_weighted_sum(seeded, shape):
+    """The CPU reference takes int32 dot products: bitwise the elementwise definition, products and
+    sum wrapping in int32, at the full range (and for a stream that is a non-contiguous view)."""
+    s1, s2 = random_streams(*shape)
+    s2 = torch.cat((s2, s2)).view(2, *shape)[1]  # (a view at an offset)
+    weights = _checksum_weights(s1.numel(), s1.device)
+    want = torch.stack([(s.reshape(-1) * weights).sum(dtype=torch.int32) for s in (s1, s2)])
+    assert torch.equal(stream_checksum_reference(s1, s2), want)
+    transposed = s1.reshape(-1, 1).expand(-1, 2).t()  # non-contiguous: reshape copies
+    assert torch.equal(stream_checksum_reference(transposed, transposed.clone())[0],
+                       (transposed.reshape(-1) * _checksum_weights(transposed.numel(), s1.device)).sum(dtype=torch.int32))
 
 
 def test_triton_checksum_sees_moved_values_and_empty_streams(seeded):

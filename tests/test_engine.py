@@ -153,6 +153,28 @@ def test_an_inverse_couples_port_holds_no_stream_and_passes_exact_adds_gradient(
     assert torch.equal(got, want)
 
 
+def test_the_cached_zero_and_powers_of_two_stay_what_they_are_through_exact_steps():
+    """The exact path's ports and input leaves expand one cached zero element, and its scalings multiply
+    by cached powers of two (ops.streams.zero_element, power_of_two: no tensor made per call): after
+    training steps whose gradients flowed through those leaves and ports, the zero is still +0.0 and
+    the powers are exact, and the steps' gradients are the same each time."""
+    from revtriton.ops.streams import power_of_two, zero_element
+
+    stack = make_stack(3, dim=8, dtype=torch.float32, exact=True)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    grads = []
+    for _ in range(2):
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        stack(x).square().sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in stack.parameters()])
+    zero = zero_element(torch.float32, x.device)
+    assert zero.item() == 0.0 and not torch.signbit(zero)
+    assert zero is zero_element(torch.float32, x.device)  # (one per dtype and device)
+    assert power_of_two(16).item() == 2.0**16 and power_of_two(-16).item() == 2.0**-16
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_exact_inverse_is_bitwise_at_depth_96_and_float_drift_is_reported():
     stack = make_stack(96, dim=8, dtype=torch.float32)
     x1, x2 = torch.randn(2, 2, 4, 8).unbind(0)

@@ -335,7 +335,7 @@ MUTANTS = [
            "train_adapters_only unfreezes PEFT's kept original adapters beside the trained copies"),
     # ---- the six bugs that survived the suite in issue 21
     Mutant("rebuilt-value-leaf-holds-a-stream", "revtriton/engine/guards.py",
-           "leaf = torch.zeros((), dtype=wide, device=stream.device).expand(stream.shape).detach().requires_grad_()",
+           "leaf = zero_element(wide, stream.device).expand(stream.shape).detach().requires_grad_()",
            "leaf = torch.zeros(stream.shape, dtype=wide, device=stream.device).requires_grad_()",
            ("tests/test_engine.py", "-k", "storage_less"),
            "an exact rebuild's leaf holds a stream of zeros: one stream more alive per rebuilt half"),
@@ -352,7 +352,7 @@ MUTANTS = [
            "an input gradient subtracted into the leaf's buffer while the engine's own one stays alive: "
            "one stream more at the sequential schedule's peak"),
     Mutant("inverse-port-keeps-its-values", "revtriton/ops/streams.py",
-           "    port.data = torch.zeros((), dtype=grad_dtype, device=h.device).expand(h.shape)\n", "",
+           "    port.data = zero_element(grad_dtype, h.device).expand(h.shape)\n", "",
            ("tests/test_engine.py", "-k", "inverse_couples_port"),
            "an exact rebuild's port holds -h, a stream-sized buffer, until its half's backward (test_pareprop's sequential peak: 1.29 blocks)"),
     Mutant("compiled-half-routed", "revtriton/engine/replay.py",
@@ -1207,6 +1207,10 @@ MUTANTS = [
            "weights = h.bitwise_xor_(h >> 16).mul_(CHECKSUM_MIX).bitwise_or_(1)", "weights = h.bitwise_or_(1)",
            ("tests/test_checksum.py", "-k", "swapped_rows and torch"),
            "checksum weights linear in the position: two equal-sum rows swapped at an even distance go unseen"),
+    Mutant("cpu-checksum-dots-the-first-stream-twice", "revtriton/ops/streams.py",
+           "torch.dot(s2.reshape(-1), weights)", "torch.dot(s1.reshape(-1), weights)",
+           ("tests/test_checksum.py", "-k", "torch or wrapped"),
+           "the CPU checksum's second dot product reads the first stream: a changed second stream goes unseen"),
     Mutant("backend-cache-written-unlocked", "revtriton/ops/backend.py",
            "        fcntl.flock(lock, fcntl.LOCK_EX)\n", "        pass\n",
            ("tests/test_dispatch_choice.py", "-k", "two_processes"),

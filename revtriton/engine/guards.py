@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..ops.streams import extremes_out_of_range, from_fixed, stream_checksum, to_fixed
+from ..ops.streams import extremes_out_of_range, from_fixed, stream_checksum, to_fixed, zero_element
 from ..ops.streams import out_of_range as _stream_out_of_range
 
 
@@ -52,7 +52,7 @@ class StreamFormat:
         leaf holding the value itself would keep a stream-sized copy alive until the block's
         gradients are done)."""
         wide = torch.float64 if self.value_dtype == torch.float64 else torch.float32
-        leaf = torch.zeros((), dtype=wide, device=stream.device).expand(stream.shape).detach().requires_grad_()
+        leaf = zero_element(wide, stream.device).expand(stream.shape).detach().requires_grad_()
         value = torch.add(leaf, stream, alpha=2.0**-self.frac_bits)
         return leaf, (value if self.value_dtype == wide else value.to(self.value_dtype))
 

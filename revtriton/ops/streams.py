@@ -40,6 +40,24 @@ def out_of_range(stream: torch.Tensor) -> torch.Tensor:
     return extremes_out_of_range(low, high)
 
 
+_powers_of_two: dict = {}
+
+
+def power_of_two(exponent: int, dtype: torch.dtype = torch.float32):
+    """``2**exponent`` as a 0-dim CPU tensor of ``dtype`` (cached), or a Python float while torch.compile
+    traces. Multiplying by it gives the bits of multiplying by the Python float (a power of two is
+    exact in every float dtype that holds it), without the conversion torch makes of a Python scalar at
+    every call (about a microsecond of host time an op on a CPU; on CUDA a CPU 0-dim tensor is a scalar
+    argument, as a Python number is)."""
+    if torch.compiler.is_compiling():
+        return 2.0**exponent
+    key = (exponent, dtype)
+    value = _powers_of_two.get(key)
+    if value is None:
+        value = _powers_of_two[key] = torch.tensor(2.0**exponent, dtype=dtype)
+    return value
+
+
 def check_frac_bits(frac_bits: int) -> int:
     return checked_int("frac_bits", frac_bits, 0, 30)
 
@@ -53,9 +71,9 @@ def quantize_reference(h: torch.Tensor, frac_bits: int) -> torch.Tensor:
     if h.dtype == torch.float64:
         scaled = h * (2.0**frac_bits)
     elif h.dtype == torch.float32:
-        scaled = h.mul(2.0**frac_bits).contiguous()
+        scaled = h.mul(power_of_two(frac_bits)).contiguous()
     else:  # a fresh float32 copy, scaled in place (the same float32 product as h.float() * 2**k)
-        scaled = h.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(2.0**frac_bits)
+        scaled = h.to(torch.float32, memory_format=torch.contiguous_format, copy=True).mul_(power_of_two(frac_bits))
     scaled.round_().nan_to_num_(nan=SATURATION).clamp_(-SATURATION, SATURATION)
     if scaled.dtype != torch.float32:
         return scaled.to(torch.int32)
@@ -72,7 +90,7 @@ def from_fixed(stream: torch.Tensor, frac_bits: int, dtype: torch.dtype = torch.
     """int32 fixed-point stream -> float values (float32 unless asked otherwise)."""
     if dtype == torch.float64:  # exact in float64 (float32 holds 24 of the stream's 31 bits)
         return stream.double() * (2.0**-frac_bits)
-    value = stream * (2.0**-frac_bits)  # int32 * python float -> float32 in one pass (a power of 2)
+    value = stream * power_of_two(-frac_bits)  # int32 * float32 scalar -> float32 in one pass
     return value if dtype == torch.float32 else value.to(dtype)
 
 
@@ -81,9 +99,25 @@ def stream_grad_dtype(value_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.float32, value_dtype)
 
 
+_zero_elements: dict = {}
+
+
+def zero_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim zero of ``dtype`` on ``device``, cached: the one element of storage that the ports and
+    exact streams' input leaves expand to their shape (nothing writes into it: a port's or a leaf's
+    gradient is a tensor of its own). Fresh while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return torch.zeros((), dtype=dtype, device=device)
+    key = (dtype, device)
+    zero = _zero_elements.get(key)
+    if zero is None:
+        zero = _zero_elements[key] = torch.zeros((), dtype=dtype, device=device)
+    return zero
+
+
 def gradient_port(like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A float tensor shaped like ``like`` that owns one element of storage (see module doc)."""
-    return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
+    return zero_element(dtype, like.device).expand(like.shape)
 
 
 def function_outputs(ctx, stream: torch.Tensor, frac_bits: int | None, scaled: bool = False):
@@ -234,7 +268,7 @@ def inverse_port(h: torch.Tensor) -> torch.Tensor:
     a rebuilt half than ExactAdd's forward and backward in Python."""
     grad_dtype = stream_grad_dtype(h.dtype)
     port = torch.neg(h if h.dtype == grad_dtype else h.to(grad_dtype))
-    port.data = torch.zeros((), dtype=grad_dtype, device=h.device).expand(h.shape)
+    port.data = zero_element(grad_dtype, h.device).expand(h.shape)
     return port
 
 
@@ -466,10 +500,14 @@ def stream_checksum_reference(s1: torch.Tensor, s2: torch.Tensor) -> torch.Tenso
     swap of two equal-sum rows at an even distance (issue 39). Products and sums
     wrap in int32 (two's complement): an int32 sum is one vectorised pass where an int64 one
     widens every element (about 5x slower on a CPU). The weights are cached per element count and
-    device. Both streams in one buffer, weighted in place and summed per row: three torch calls
+    device. On a CPU one int32 dot product a stream (``torch.dot`` wraps as the elementwise products
+    and their sum do; a test holds it to them at the full int32 range): no copy of the streams; on
+    CUDA, which has no int32 dot, both streams in one buffer, weighted in place and summed per row
     (the sums wrap, so their order changes no bit)."""
     _check_stream_pair(s1, s2)
     weights = _checksum_weights(s1.numel(), s1.device)
+    if s1.is_cpu:
+        return torch.stack((torch.dot(s1.reshape(-1), weights), torch.dot(s2.reshape(-1), weights)))
     both = torch.stack((s1.reshape(-1), s2.reshape(-1)))
     return both.mul_(weights).sum(1, dtype=torch.int32)
 
