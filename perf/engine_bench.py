@@ -108,7 +108,8 @@ def parse_args(argv=None):
     ap.add_argument("--check", action="store_true", help="exit 1 when a bar is missed")
     ap.add_argument("--host", action="store_true",
                     help=f"the host rows instead: depth {HOST_DEPTH}, width {HOST_DIM} per stream, {HOST_TOKENS} tokens, "
-                         "batch 1, one thread (defaults: 5 warm-up steps, 60 repeats)")
+                         "batch 1, one thread (defaults: 5 warm-up steps, 60 repeats); and the recompute floor: "
+                         "the transformer halves' rebuild couples batched and each followed by its backward")
     args = ap.parse_args(argv)
     if args.host:  # the host rows' own defaults, unless given
         args.depths = args.depths or [HOST_DEPTH]
@@ -263,6 +264,48 @@ def bench_host(args, keys) -> dict:
                   "cpu_ms": statistics.median(cpu_times[key]), "cpu_steps_ms": cpu_times[key]} for key in keys}
 
 
+def interleaved_forwards(repeats: int, depth: int) -> dict:
+    """What the transformer halves' forward calls cost when each one's backward runs right after it, as
+    a reversible backward rebuilds them (rebuild G, its backward, rebuild F, its backward), against the
+    same calls run one after the other with their backwards after them all (as plain autograd's forward
+    runs them): ``{"batched_ms", "interleaved_ms"}``, medians of ``repeats`` rounds of the ``2 * depth``
+    rebuild couples (sign -1, with grad), their own time only. The same calls on the same tensors: the
+    difference is what each backward leaves of the caches for the next forward call."""
+    blocks = host_blocks("transformer", depth)
+    halves = [half for block in blocks for half in block.coupling_halves()]
+    res = torch.randn(1, HOST_TOKENS, HOST_DIM)
+    grad = torch.randn_like(res)
+
+    def batched() -> float:
+        spent, ports = 0.0, []
+        for half in halves:
+            x = res.detach().requires_grad_()
+            begin = time.perf_counter()
+            ports.append(half.couple(res, x, -1, None)[1])
+            spent += time.perf_counter() - begin
+        for port in reversed(ports):
+            torch.autograd.backward(port, grad)
+        return spent * 1e3
+
+    def interleaved() -> float:
+        spent = 0.0
+        for half in halves:
+            x = res.detach().requires_grad_()
+            begin = time.perf_counter()
+            port = half.couple(res, x, -1, None)[1]
+            spent += time.perf_counter() - begin
+            torch.autograd.backward(port, grad)
+        return spent * 1e3
+
+    rounds = {"batched_ms": [], "interleaved_ms": []}
+    for r in range(repeats + 3):  # (three warm-up rounds)
+        for name, run in (("batched_ms", batched), ("interleaved_ms", interleaved))[::1 if r % 2 else -1]:
+            took = run()
+            if r >= 3:
+                rounds[name].append(took)
+    return {name: statistics.median(times) for name, times in rounds.items()}
+
+
 def host_verdicts(results: dict, key: str = "step_ms") -> list[tuple[str, bool]]:
     """(text, held) for issue 44's host bars, on the medians of ``key``."""
     t = {k: r[key] for k, r in results.items()}
@@ -279,7 +322,7 @@ def host_verdicts(results: dict, key: str = "step_ms") -> list[tuple[str, bool]]
     return out
 
 
-def host_report(results: dict, args, depth: int) -> tuple[str, bool]:
+def host_report(results: dict, args, depth: int, forwards: dict | None = None) -> tuple[str, bool]:
     lines = [f"host rows (CPU, {torch.get_num_threads()} threads): depth {depth}, width {HOST_DIM} per stream (input "
              f"{2 * HOST_DIM}, split), {HOST_TOKENS} tokens, batch 1; medians of {args.repeats} interleaved steps",
              "",
@@ -295,6 +338,13 @@ def host_report(results: dict, args, depth: int) -> tuple[str, bool]:
               for name, held in (("wall", wall), ("CPU", cpu))]
     if ("generic", "revtorch") not in results:
         checks.append("RevTorch not installed (pip install revtorch==0.2.4): its bar is left out")
+    if forwards is not None:
+        plain = results[("transformer", "plain")]["step_ms"]
+        batched, interleaved = forwards["batched_ms"], forwards["interleaved_ms"]
+        checks.append(f"recompute floor, transformer halves: their {2 * depth} rebuild couples take {batched:.2f} ms "
+                      f"one after the other and {interleaved:.2f} ms each followed by its backward "
+                      f"({interleaved / batched:.2f}x); plain autograd's step plus them: "
+                      f"{(plain + batched) / plain:.2f}x and {(plain + interleaved) / plain:.2f}x plain")
     return "\n".join(lines + [""] + checks), all(h for _, h in wall)
 
 
@@ -384,8 +434,10 @@ def main(argv=None) -> int:
         keys = [key for key in HOST_VARIANTS if key[1] != "revtorch" or with_revtorch]
         depth = args.depths[0]
         results = bench_host(args, keys)
-        text, ok = host_report(results, args, depth)
-        record = {**config, "depth": depth, "results": {f"{h}/{label}": r for (h, label), r in results.items()}}
+        forwards = interleaved_forwards(args.repeats, depth)
+        text, ok = host_report(results, args, depth, forwards)
+        record = {**config, "depth": depth, "results": {f"{h}/{label}": r for (h, label), r in results.items()},
+                  "recompute_forwards": forwards}
     else:
         labels = [label for label in VARIANTS if label != "revtorch" or with_revtorch]
         results = {depth: bench_depth(depth, args, labels) for depth in args.depths}

@@ -490,6 +490,10 @@ def test_engine_bench_host_rows_time_every_variant_interleaved(tmp_path, capsys)
     assert set(record["results"]) == expected
     for r in record["results"].values():
         assert len(r["steps_ms"]) == len(r["cpu_steps_ms"]) == 3 and r["step_ms"] > 0 and r["cpu_ms"] > 0
+    # the recompute floor: the transformer halves' rebuild couples batched and each followed by its backward
+    assert "recompute floor, transformer halves: their 4 rebuild couples" in text
+    assert set(record["recompute_forwards"]) == {"batched_ms", "interleaved_ms"}
+    assert all(v > 0 for v in record["recompute_forwards"].values())
 
 
 def test_launchers_bench_stubs_every_launch_and_reports_us_per_launch(tmp_path, capsys):
