@@ -1,8 +1,8 @@
 """The vision towers of vision-language models under revify: Pixtral's (Mistral 3's, LightOnOCR's;
 revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
 InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
-Cosmos3-Edge's (the qwen_vision family's: the images packed in one row) and Janus's SigLIP tower (the clip
-family's).
+Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
+family's) and Mllama's two encoders (revtriton/convert/mllama.py).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -121,15 +121,30 @@ def _cosmos(seed, **overrides):
     return _off_their_init(transformers.Cosmos3EdgeVisionModel(config))
 
 
+def _mllama(seed, **overrides):
+    """Llama 3.2 Vision's tower: two encoders, the global one's branches gated (tanh of a learned scalar each),
+    the first one's layers 1 and 2 read besides its last (their outputs concatenated to the tower's), tiles of
+    9 patches and a class token padded to 16 tokens."""
+    torch.manual_seed(seed)
+    config = transformers.MllamaVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_global_layers=2, attention_heads=4,
+        image_size=24, patch_size=8, max_num_tiles=2, intermediate_layers_indices=[1, 2], vision_output_dim=3 * 32,
+        supported_aspect_ratios=[[1, 1], [1, 2]]), **overrides})
+    return _off_their_init(transformers.MllamaVisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
-          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos}
+          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama}
 
 
-def _loop_layers(model, kind):
-    return {"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
-            "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers}.get(
-        kind, lambda: model.encoder.layers)()
+def _loop_layers(model, kind) -> list:
+    """The tower's stacks: its loop's layers (Mllama's two encoders')."""
+    if kind == "mllama":
+        return [model.transformer.layers, model.global_transformer.layers]
+    return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
+             "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers}.get(
+        kind, lambda: model.encoder.layers)()]
 
 
 def _inputs(kind, seed=0):
@@ -146,6 +161,9 @@ def _inputs(kind, seed=0):
         return dict(pixel_values=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
     if kind in ("ovis", "cosmos"):
         return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid)
+    if kind == "mllama":  # two images: one tile (the second masked: padding) and two tiles side by side
+        return dict(pixel_values=torch.randn(2, 1, 2, 3, 24, 24, generator=generator),
+                    aspect_ratio_ids=torch.tensor([[1], [2]]), aspect_ratio_mask=torch.tensor([[[1, 0]], [[1, 1]]]))
     pixels = torch.randn(2, 3, 32, 32, generator=generator)
     if kind == "pixtral":
         return dict(pixel_values=pixels, image_sizes=torch.tensor([[32, 32], [16, 32]]))
@@ -163,7 +181,7 @@ def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     without a rotary embedding)."""
     original = TOWERS[kind](seeded)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
-    assert _stacks(model) == [_loop_layers(model, kind)]
+    assert _stacks(model) == _loop_layers(model, kind)
     inputs = _inputs(kind, seeded)
     with torch.no_grad():
         theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
@@ -189,12 +207,16 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
     dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
-                "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1)}.get(kind, dict(attention_dropout=0.1))
+                "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {}}.get(
+        kind, dict(attention_dropout=0.1))
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
     assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)
     if kind == "internvl":
         assert all(layer.lambda_1.grad is not None and layer.lambda_2.grad is not None for layer in model.encoder.layer)
+    if kind == "mllama":  # the global encoder's gates train with the rest
+        assert all(layer.gate_attn.grad is not None and layer.gate_ffn.grad is not None
+                   for layer in model.global_transformer.layers)
     assert_round_trips(model, inputs, tmp_path, output="last_hidden_state")
 
 
@@ -239,3 +261,54 @@ def test_blip2_converts_its_tower_and_language_model_and_names_its_q_former(seed
     with pytest.warns(UserWarning, match=r"left Blip2ForConditionalGeneration\.qformer as it is"):
         revify(model)
     assert _stacks(model) == [model.vision_model.encoder.layers, model.language_model.model.decoder.layers]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.parametrize("output_hidden_states", [False, True])
+def test_mllama_reads_its_intermediate_layers_and_leaves_no_stale_state(output_hidden_states, seeded):
+    """Mllama's first encoder runs in segments ending at the layers its tower reads (1 and 2 of 3, their
+    outputs concatenated to the tower's): the loop's hidden states hold those layers' outputs, the
+    library's, and None for the others, which the stack does not keep (a stale tensor would go unseen);
+    a config asking for hidden states changes nothing (the loop's are its layers' outputs, not the
+    embeddings first as a model's hidden states are)."""
+    original = _mllama(seeded)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    original.config.output_hidden_states = model.config.output_hidden_states = output_hidden_states
+    inputs = _inputs("mllama", seeded)
+    seen = {}
+    for name, tower in (("theirs", original), ("ours", model)):
+        tower.transformer.register_forward_hook(lambda module, args, out, name=name: seen.__setitem__(name, out))
+    with torch.no_grad():
+        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    states = seen["ours"].hidden_states
+    assert len(states) == DEPTH and states[0] is None
+    for i in (1, 2):
+        want = seen["theirs"].hidden_states[i]
+        torch.testing.assert_close(states[i], want, rtol=0, atol=2e-3 * want.abs().max().item())
+
+
+def test_mllama_refuses_to_read_a_layer_its_encoder_lacks(seeded):
+    with pytest.raises(ValueError, match=r"reads layers \[1, 3\] of its 3-layer encoder"):
+        revify(_mllama(seeded, intermediate_layers_indices=[3, 1], vision_output_dim=3 * 32))
+
+
+def test_mllama_converts_its_tower_and_names_its_cross_attention_language_model(seeded):
+    """Llama 3.2 Vision found part by part: its vision tower's two encoders become stacks; its language
+    model, LLaMA's layers with cross-attention layers among them, stays as it is, named in a warning
+    (before, LLaMA's detector looked at the first layer alone and the conversion failed on a KeyError)."""
+    torch.manual_seed(seeded)
+    config = transformers.MllamaConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_global_layers=2,
+                           attention_heads=4, image_size=24, patch_size=8, max_num_tiles=2,
+                           intermediate_layers_indices=[1], vision_output_dim=2 * 32,
+                           supported_aspect_ratios=[[1, 1], [1, 2]]),
+        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2))
+    model = transformers.MllamaForConditionalGeneration(config)
+    with pytest.warns(UserWarning, match=r"left MllamaForConditionalGeneration\.model\.language_model as it is "
+                                         r"\(revify: MllamaCrossAttentionDecoderLayer has parts \['cross_attn'"):
+        revify(model)
+    vision = model.model.vision_model
+    assert _stacks(model) == [vision.transformer.layers, vision.global_transformer.layers]

@@ -371,7 +371,13 @@ class _LayerStand:
     def __init__(self, call: "_HostCall", index: int, layer, tuples: bool):
         self.call, self.index, self.layer, self.tuples = call, index, layer, tuples
 
-    def __call__(self, hidden, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        if args:
+            hidden, args = args[0], args[1:]
+        elif "hidden_states" in kwargs:  # (Mllama's vision loop names it)
+            hidden = kwargs.pop("hidden_states")
+        else:
+            raise TypeError(f"revified model: layer {self.index} was called without its hidden states")
         out = _host_layer_call(self.call, self.index, hidden, *args, **kwargs)
         loop_outputs = getattr(self.layer, "_loop_outputs", None)
         if loop_outputs is not None:  # what else the loop reads of its layers' outputs (T5's position bias)

@@ -14,7 +14,8 @@ from .core import (Family, LayerSpec, _branch_p, _concatenated_qkv, _Half, _host
                    _layout_options, _norm_eps, _parts, _pickled_host_classes, _residual_dropout, _rope_spec,
                    _scores_scaled_plainly)
 from .host import _convert_hosted_layers, _first, _HostAttention, _HostDecoderModel, _require_hosted_layer_loop
-from .probe import _check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs
+from .probe import (_check_layer_slice, _has_layer_parts, _library_layers, _probe_layers, _rotary_layer_inputs,
+                    require_layer_parts)
 
 
 def _is_plain_rms_norm(norm) -> bool | None:
@@ -253,6 +254,8 @@ def _llama_convention_base(model: nn.Module):
     if (found is None or getattr(found[0], "rotary_emb", None) is None
             or not _has_layer_parts(found[1][0], _LLAMA_LAYER_PARTS, "LLaMA", _LLAMA_LAYER_EXTRAS)):
         return None
+    # Every layer, not the first alone: Mllama's language model has cross-attention layers among them
+    require_layer_parts(found[1], set(_LLAMA_LAYER_PARTS), "LLaMA", _LLAMA_LAYER_EXTRAS)
     _check_layer_slice(found[0])
     return found[0]
 
