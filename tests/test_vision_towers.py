@@ -2,7 +2,8 @@
 revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
 InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
 Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
-family's) and Mllama's two encoders (revtriton/convert/mllama.py).
+family's), Mllama's two encoders (revtriton/convert/mllama.py) and Llama 4's tower
+(revtriton/convert/llama4_vision.py).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -133,9 +134,20 @@ def _mllama(seed, **overrides):
     return _off_their_init(transformers.MllamaVisionModel(config))
 
 
+def _llama4(seed, **overrides):
+    """Llama 4's tower: its layers' attention rotates queries and keys by the tower's complex 2-D frequencies
+    (freqs_ci), a class token after each tile's 16 patches; its loop reads outputs[0]."""
+    torch.manual_seed(seed)
+    config = transformers.Llama4VisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=128, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5),
+        **overrides})
+    return _off_their_init(transformers.Llama4VisionModel(config))
+
+
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
-          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama}
+          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4}
 
 
 def _loop_layers(model, kind) -> list:
@@ -143,7 +155,8 @@ def _loop_layers(model, kind) -> list:
     if kind == "mllama":
         return [model.transformer.layers, model.global_transformer.layers]
     return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
-             "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers}.get(
+             "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers,
+             "llama4": lambda: model.model.layers}.get(
         kind, lambda: model.encoder.layers)()]
 
 
@@ -207,7 +220,8 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
     dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
-                "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {}}.get(
+                "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {},
+                "llama4": dict(attention_dropout=0.1, projector_dropout=0.1)}.get(
         kind, dict(attention_dropout=0.1))
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
@@ -220,10 +234,11 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     assert_round_trips(model, inputs, tmp_path, output="last_hidden_state")
 
 
-@pytest.mark.parametrize("kind", ["Mistral3", "InternVL"])
+@pytest.mark.parametrize("kind", ["Mistral3", "InternVL", "Llama4"])
 def test_vision_language_models_convert_their_tower_and_language_model(kind, seeded):
-    """Mistral 3 (Pixtral's tower, a Mistral language model) and InternVL (its tower, a Qwen2 language
-    model), found part by part: one stack each, no part left with a warning."""
+    """Mistral 3 (Pixtral's tower, a Mistral language model), InternVL (its tower, a Qwen2 language model)
+    and Llama 4 (its tower, its mixture-of-experts language model), found part by part: one stack each, no
+    part left with a warning."""
     torch.manual_seed(seeded)
     text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
@@ -231,15 +246,25 @@ def test_vision_language_models_convert_their_tower_and_language_model(kind, see
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
                       image_size=32, patch_size=8, model_type="pixtral")
         config = transformers.Mistral3Config(vision_config=vision, text_config=dict(text, model_type="mistral"))
-    else:
+    elif kind == "InternVL":
         config = transformers.InternVLConfig(vision_config=dict(hidden_size=32, intermediate_size=64,
                                                                 num_hidden_layers=2, num_attention_heads=4,
                                                                 image_size=[32, 32], patch_size=[8, 8]),
                                              text_config=dict(text, model_type="qwen2"))
+    else:
+        config = transformers.Llama4Config(
+            vision_config=dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               image_size=32, patch_size=8, vision_output_dim=32, projector_input_dim=32,
+                               projector_output_dim=32, pixel_shuffle_ratio=0.5),
+            text_config=dict(text, intermediate_size_mlp=64, num_local_experts=2, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2))
     model = getattr(transformers, f"{kind}ForConditionalGeneration")(config)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*left .* as it is")
         revify(model)
+    if kind == "Llama4":
+        assert _stacks(model) == [model.vision_model.model.layers, model.language_model.model.layers]
+        return
     tower = model.model.vision_tower
     assert _stacks(model) == [tower.transformer.layers if kind == "Mistral3" else tower.encoder.layer,
                               model.model.language_model.layers]

@@ -374,8 +374,8 @@ class _LayerStand:
     def __call__(self, *args, **kwargs):
         if args:
             hidden, args = args[0], args[1:]
-        elif "hidden_states" in kwargs:  # (Mllama's vision loop names it)
-            hidden = kwargs.pop("hidden_states")
+        elif "hidden_states" in kwargs or "hidden_state" in kwargs:  # (Mllama's and Llama 4's vision loops name it)
+            hidden = kwargs.pop("hidden_states" if "hidden_states" in kwargs else "hidden_state")
         else:
             raise TypeError(f"revified model: layer {self.index} was called without its hidden states")
         out = _host_layer_call(self.call, self.index, hidden, *args, **kwargs)
@@ -911,10 +911,11 @@ class _HostTowerModel(_HostDecoderModel):
 
 
 def _convert_library_tower(model, loop, layers: str, parts: set, conversion, mixins: tuple, model_mixin: type,
-                           specs=None):
+                           specs=None, layer_tuples: bool = False):
     """A tower whose halves run its layers' own modules: ``loop`` (``model`` or one of its modules)
     runs the layer list ``layers``, each layer's submodules exactly ``parts``; ``specs``: each layer's
-    LayerSpec where it is not the library path's alone (an attention kind)."""
+    LayerSpec where it is not the library path's alone (an attention kind); ``layer_tuples``: a loop
+    that reads ``outputs[0]`` (:func:`_convert_hosted_layers`)."""
     from .probe import require_layer_parts  # (probe imports this module)
 
     name, layer_list = type(model).__name__, getattr(loop, layers)
@@ -924,7 +925,7 @@ def _convert_library_tower(model, loop, layers: str, parts: set, conversion, mix
     require_layer_parts(layer_list, parts, name)
     for i, layer in enumerate(layer_list):
         layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False) if specs is None else specs[i]
-    _convert_hosted_layers(model, loop, layers, conversion, mixins, model_mixin)
+    _convert_hosted_layers(model, loop, layers, conversion, mixins, model_mixin, layer_tuples)
 
 
 def _convert_hosted_layers(model, base, layers: str, conversion, mixins: tuple, model_mixin: type,
