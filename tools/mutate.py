@@ -1595,7 +1595,7 @@ MUTANTS = [
            ("tests/test_vision_language.py", "-k", "no_family_takes"),
            "a library part no family takes (a VLM's hybrid language model) left as it is without a word"),
     Mutant("qwen-vision-boundaries-dropped", "revtriton/convert/qwen_vision.py",
-           '        kwargs["attention_mask"] = kwargs.pop("cu_seqlens")', '        kwargs.pop("cu_seqlens")',
+           '"cu_seqlens", "attention_mask", "_HostQwenVision")', '"cu_seqlens", "cu_seqlens", "_HostQwenVision")',
            ("tests/test_vision_language.py", "-k", "qwen2_vl_vision"),
            "the Qwen vision blocks' image boundaries left out of the conditioning"),
     Mutant("qwen-vision-one-kind", "revtriton/convert/qwen_vision.py",

@@ -16,8 +16,8 @@ from ..engine import ReversibleStack, is_reversible_block
 from ..ops.attention import head_group, head_group_parts, norm_attention_reference
 from ..ops.reference import packed_segments
 from ..ops.streams import couple_output
-from .core import (SWAPPED_MODULE, LayerSpec, _convert_blocks, _Half, _LibraryHalf, _NoCheckpointing, _parts,
-                   _RevifiedLM, _spec_of, _swap_class)
+from .core import (SWAPPED_MODULE, LayerSpec, _convert_blocks, _Half, _host_block_mixins, _LibraryHalf,
+                   _NoCheckpointing, _parts, _RevifiedLM, _spec_of, _swap_class)
 
 
 class _BlockSteps(nn.Module):
@@ -908,6 +908,19 @@ class _HostTowerModel(_HostDecoderModel):
     hidden state is its last layer's."""
 
     _rope, _tokens_input, _caches, _tie_last = False, False, False, False
+
+
+def _blocks_renaming_a_loop_input(halves: tuple, source: str, target: str, prefix: str) -> tuple:
+    """:func:`_host_block_mixins` of ``halves`` for a loop that hands each layer ``source`` where the
+    conditioning carries ``target`` (Qwen's vision loops: ``cu_seqlens`` as the attention mask; Llama 4's:
+    ``freqs_ci`` as the rotary embedding): the (reversible, ordinary) block mixins, named ``prefix`` and theirs."""
+    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
+        kwargs = dict(kwargs)
+        kwargs[target] = kwargs.pop(source)
+        return kwargs
+
+    return tuple(type(f"{prefix}{m.__name__[5:]}", (m,), {"_loop_inputs": _loop_inputs})
+                 for m in _host_block_mixins(halves))
 
 
 def _convert_library_tower(model, loop, layers: str, parts: set, conversion, mixins: tuple, model_mixin: type,

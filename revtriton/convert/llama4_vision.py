@@ -6,8 +6,9 @@ tower's 2-D rotary frequencies (``freqs_ci``, complex) and no mask. Its loop is 
 conditioning carries the frequencies as the rotary embedding, and both halves run the layer's own modules."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
+from .core import Family, _LibraryHalf, _pickled_host_classes
+from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
+                   _LibraryAttentionHalf)
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
@@ -25,19 +26,9 @@ class _Llama4VisionMlpHalf(_LibraryHalf):
         return b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
 
 
-class _Llama4VisionLoop:
-    """The loop hands each layer the tower's rotary frequencies as ``freqs_ci``: the conditioning carries them
-    as the rotary embedding."""
-
-    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
-        kwargs = dict(kwargs)
-        kwargs["position_embeddings"] = kwargs.pop("freqs_ci")
-        return kwargs
-
-
-_HostLlama4VisionBlock, _HostLlama4VisionOrdinaryBlock = (
-    type(f"_HostLlama4Vision{m.__name__[5:]}", (_Llama4VisionLoop, m), {})
-    for m in _host_block_mixins((_Llama4VisionAttentionHalf, _Llama4VisionMlpHalf)))
+# The loop hands each layer the tower's rotary frequencies as freqs_ci: the conditioning's rotary embedding.
+_HostLlama4VisionBlock, _HostLlama4VisionOrdinaryBlock = _blocks_renaming_a_loop_input(
+    (_Llama4VisionAttentionHalf, _Llama4VisionMlpHalf), "freqs_ci", "position_embeddings", "_HostLlama4Vision")
 
 
 class _HostLlama4VisionEncoder(_HostTowerModel):

@@ -16,8 +16,9 @@ The towers that pack their images as Qwen's do with SigLIP's layer names (``laye
 config's ``layer_types``: full and windowed layers) and Cosmos3-Edge's (no rotary embedding)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
-from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
+from .core import Family, LayerSpec, _LibraryHalf, _pickled_host_classes
+from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
+                   _LibraryAttentionHalf)
 
 _BLOCK_PARTS = {"norm1", "norm2", "attn", "mlp"}
 _NAVIT_PARTS = {"layer_norm1", "self_attn", "layer_norm2", "mlp"}
@@ -63,22 +64,12 @@ class _QwenVisionMlpHalf(_LibraryHalf):
         return b.mlp(b.norm2(self._input(x, b.norm2.weight)))
 
 
-class _QwenVisionLoop:
-    """The tower's loop hands each block its images' (or windows') boundaries as ``cu_seqlens``: the
-    conditioning carries them as the block's attention mask, one per attention kind."""
-
-    def _loop_inputs(self, hidden, kwargs: dict) -> dict:
-        kwargs = dict(kwargs)
-        kwargs["attention_mask"] = kwargs.pop("cu_seqlens")
-        return kwargs
-
-
-_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock = (
-    type(f"_HostQwenVision{m.__name__[5:]}", (_QwenVisionLoop, m), {})
-    for m in _host_block_mixins((_QwenVisionAttentionHalf, _QwenVisionMlpHalf)))
-_HostNaViTBlock, _HostNaViTOrdinaryBlock = (
-    type(f"_HostNaViT{m.__name__[5:]}", (_QwenVisionLoop, m), {})
-    for m in _host_block_mixins((_NaViTAttentionHalf, _NaViTMlpHalf)))
+# The towers' loops hand each block its images' (or windows') boundaries as cu_seqlens: the conditioning
+# carries them as the block's attention mask, one per attention kind.
+_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock = _blocks_renaming_a_loop_input(
+    (_QwenVisionAttentionHalf, _QwenVisionMlpHalf), "cu_seqlens", "attention_mask", "_HostQwenVision")
+_HostNaViTBlock, _HostNaViTOrdinaryBlock = _blocks_renaming_a_loop_input(
+    (_NaViTAttentionHalf, _NaViTMlpHalf), "cu_seqlens", "attention_mask", "_HostNaViT")
 
 
 class _HostQwenVisionModel(_HostTowerModel):
