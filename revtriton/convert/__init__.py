@@ -48,7 +48,7 @@ from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import (bart, beit, blip, bloom, clip, dinov2, distilbert, encoder, gpt2, hf_vit, internvl, llama,
                llama4_vision, mllama, modernbert, mpnet, mpt, neox, nllb_moe, nomic, opt, parallel, pixtral, postnorm,
-               qwen_vision, sandwich, t5, t5gemma, timm_eva, timm_vit, whisper)
+               qwen_vision, sam, sandwich, t5, t5gemma, timm_eva, timm_vit, whisper)
 from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls, _host_layer_tuple_calls  # noqa: F401 (a stack's layers_view pickles by name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
@@ -62,8 +62,8 @@ __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MO
 # Detectors run in this order: sandwich before llama (whose detector names Gemma 2's extra norms).
 FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, beit.FAMILY, clip.FAMILY,
             qwen_vision.FAMILY, pixtral.FAMILY, internvl.FAMILY, blip.FAMILY, mllama.FAMILY, llama4_vision.FAMILY,
-            whisper.FAMILY, neox.FAMILY, sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bart.FAMILY, t5.FAMILY,
-            t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, modernbert.FAMILY, distilbert.FAMILY,
+            sam.FAMILY, whisper.FAMILY, neox.FAMILY, sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY,
+            opt.FAMILY, bart.FAMILY, t5.FAMILY, t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, modernbert.FAMILY, distilbert.FAMILY,
             mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
@@ -308,6 +308,22 @@ def _post_norm_layer(model: nn.Module) -> str | None:
     return None
 
 
+def _library_class(name: str, config):
+    """The transformers class ``name``: exported by the library, or else in the modeling module beside its
+    config's (the vision encoders of GOT-OCR 2 and SAM, which the library does not export); None if neither."""
+    import transformers
+
+    if hasattr(transformers, name):
+        return getattr(transformers, name)
+    module = type(config).__module__
+    if not module.startswith("transformers.models.") or ".configuration_" not in module:
+        return None
+    try:
+        return getattr(importlib.import_module(module.replace(".configuration_", ".modeling_")), name, None)
+    except ImportError:
+        return None
+
+
 def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
     """Load a revified Hugging Face model saved with ``save_pretrained`` (or Trainer's ``save_model``).
 
@@ -331,10 +347,10 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
                          f"load it with the library and call revify")
     if model_class is None:
         architectures = getattr(config, "architectures", None) or []
-        if not architectures or not hasattr(transformers, architectures[0]):
+        model_class = _library_class(architectures[0], config) if architectures else None
+        if model_class is None:
             raise ValueError(f"cannot tell the model class of {path} from its config (architectures="
                              f"{architectures!r}): pass model_class=")
-        model_class = getattr(transformers, architectures[0])
     # The plain class does not know the adapters' weights: they are loaded below, so its warning is
     # noise. A filter, not a raised level: at WARNING or above, the library also checks a tensor-
     # parallel plan that a single-device model has none of and warns about every layer.
