@@ -37,8 +37,9 @@ def test_cpu_checksum_is_the_wrapped_weighted_sum(seeded, shape):
     want = torch.stack([(s.reshape(-1) * weights).sum(dtype=torch.int32) for s in (s1, s2)])
     assert torch.equal(stream_checksum_reference(s1, s2), want)
     transposed = s1.reshape(-1, 1).expand(-1, 2).t()  # non-contiguous: reshape copies
+    weights = _checksum_weights(transposed.numel(), s1.device)
     assert torch.equal(stream_checksum_reference(transposed, transposed.clone())[0],
-                       (transposed.reshape(-1) * _checksum_weights(transposed.numel(), s1.device)).sum(dtype=torch.int32))
+                       (transposed.reshape(-1) * weights).sum(dtype=torch.int32))
 
 
 def test_triton_checksum_sees_moved_values_and_empty_streams(seeded):

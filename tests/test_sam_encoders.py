@@ -109,8 +109,9 @@ def test_sam_and_got_ocr2_convert_their_encoders_part_by_part(seeded):
         mask_decoder_config=dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_dim=32,
                                  iou_head_hidden_dim=16)))
     got = transformers.GotOcr2ForConditionalGeneration(transformers.GotOcr2Config(
-        vision_config=vision, text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, model_type="qwen2")))
+        vision_config=vision, text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               model_type="qwen2")))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*left .* as it is")
         revify(sam)

@@ -313,9 +313,14 @@ def test_mllama_reads_its_intermediate_layers_and_leaves_no_stale_state(output_h
         torch.testing.assert_close(states[i], want, rtol=0, atol=2e-3 * want.abs().max().item())
 
 
-def test_mllama_refuses_to_read_a_layer_its_encoder_lacks(seeded):
-    with pytest.raises(ValueError, match=r"reads layers \[1, 3\] of its 3-layer encoder"):
-        revify(_mllama(seeded, intermediate_layers_indices=[3, 1], vision_output_dim=3 * 32))
+def test_mllama_reading_a_layer_its_encoder_lacks_fails_as_the_librarys(seeded):
+    """A config whose tower reads a layer past its encoder (the library's defaults on a shallow encoder)
+    converts; its tower's forward then fails as the library's does, at the read (no state there)."""
+    original = _mllama(seeded, intermediate_layers_indices=[3, 1], vision_output_dim=3 * 32)
+    model = revify(copy.deepcopy(original))
+    for tower in (original, model):
+        with pytest.raises(IndexError):
+            tower(**_inputs("mllama", seeded))
 
 
 def test_mllama_converts_its_tower_and_names_its_cross_attention_language_model(seeded):

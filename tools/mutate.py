@@ -1713,8 +1713,8 @@ MUTANTS = [
            ("tests/test_sam_encoders.py", "-k", "keep_the_librarys_function and got"),
            "a windowed SAM layer's attention over the whole grid"),
     Mutant("from-pretrained-finds-exported-classes-only", "revtriton/convert/__init__.py",
-           '        return getattr(importlib.import_module(module.replace(".configuration_", ".modeling_")), name, None)',
-           "        return None",
+           '        return getattr(importlib.import_module(module.replace(".configuration_", ".modeling_")), name, '
+           'None)', "        return None",
            ("tests/test_sam_encoders.py", "-k", "bitwise and got_ocr2"),
            "revtriton.from_pretrained cannot load a revified GOT-OCR 2 vision encoder (not exported by transformers)"),
     Mutant("llama-detector-reads-the-first-layer-alone", "revtriton/convert/llama.py",

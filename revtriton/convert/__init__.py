@@ -63,8 +63,8 @@ __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MO
 FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, beit.FAMILY, clip.FAMILY,
             qwen_vision.FAMILY, pixtral.FAMILY, internvl.FAMILY, blip.FAMILY, mllama.FAMILY, llama4_vision.FAMILY,
             sam.FAMILY, whisper.FAMILY, neox.FAMILY, sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY,
-            opt.FAMILY, bart.FAMILY, t5.FAMILY, t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, modernbert.FAMILY, distilbert.FAMILY,
-            mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
+            opt.FAMILY, bart.FAMILY, t5.FAMILY, t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY,
+            modernbert.FAMILY, distilbert.FAMILY, mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
 

@@ -56,10 +56,10 @@ class _HostMllamaVisionEncoder(_HostTowerModel):
 
 
 def _convert_mllama(model, conversion, found=None):
-    reads = tuple(sorted({int(i) for i in model.intermediate_layers_indices}))
+    # (a read past the encoder's layers fails in the tower's forward as the library's does: its loop returns no
+    # state there)
     depth = len(model.transformer.layers)
-    if any(not 0 <= i < depth for i in reads):
-        raise ValueError(f"revify: MllamaVisionModel reads layers {list(reads)} of its {depth}-layer encoder")
+    reads = tuple(sorted({int(i) for i in model.intermediate_layers_indices} & set(range(depth))))
     for encoder in (model.transformer, model.global_transformer):
         _convert_library_tower(model, encoder, "layers", _LAYER_PARTS, conversion,
                                (_HostMllamaBlock, _HostMllamaOrdinaryBlock), _HostMllamaVisionEncoder)

@@ -75,10 +75,11 @@ def _convert_sam(model, conversion, found=None):
     _convert_library_tower(model, model, "layers", _LAYER_PARTS, conversion, (_HostSamBlock, _HostSamOrdinaryBlock),
                            host)
 FAMILY = Family("sam", ("the SAM-style image encoders of transformers SAM and SAM-HQ (SamVisionEncoder, "
-                        "SamHQVisionEncoder: SamModel's vision_encoder) and the vision towers built on them of GOT-OCR 2, "
-                        "DeepSeek-OCR 2, Unlimited-OCR, PP-FormulaNet and SLANeXt: windowed and global attention "
-                        "layers over a grid of patches",),
-                _convert_sam, halves="library", classes=tuple(("transformers", encoder) for _, _, encoder, _ in _ENCODERS),
+                        "SamHQVisionEncoder: SamModel's vision_encoder) and the vision towers built on them of "
+                        "GOT-OCR 2, DeepSeek-OCR 2, Unlimited-OCR, PP-FormulaNet and SLANeXt: windowed and global "
+                        "attention layers over a grid of patches",),
+                _convert_sam, halves="library",
+                classes=tuple(("transformers", encoder) for _, _, encoder, _ in _ENCODERS),
                 pickled={name: entry for module, layer, encoder, host in _ENCODERS
                          for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
                                                                   layer, (_HostSamBlock, _HostSamOrdinaryBlock),
