@@ -2,8 +2,9 @@
 revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
 InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
 Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
-family's), Mllama's two encoders (revtriton/convert/mllama.py) and Llama 4's tower
-(revtriton/convert/llama4_vision.py).
+family's), Mllama's two encoders (revtriton/convert/mllama.py), Llama 4's tower
+(revtriton/convert/llama4_vision.py), and the Qwen3-VL-style towers of Qwen3.5, Qwen3.5-MoE, Qwen4-Exp and
+Qwen3-Omni (the qwen_vision family's).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -122,6 +123,29 @@ def _cosmos(seed, **overrides):
     return _off_their_init(transformers.Cosmos3EdgeVisionModel(config))
 
 
+def _qwen3_tower(kind):
+    """A Qwen3-VL-style tower (its blocks' names and loop): Qwen3.5's, Qwen3.5-MoE's and Qwen4-Exp's, and
+    Qwen3-Omni's, whose loop reads block 1's output (a deepstack layer)."""
+    def make(seed, **overrides):
+        import importlib
+
+        module, name = {"qwen3_5": ("qwen3_5", "Qwen3_5Vision"), "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeVision"),
+                        "qwen4_exp": ("qwen4_exp", "Qwen4ExpVision"),
+                        "qwen3_omni": ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoder")}[kind]
+        configs = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+        models = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        torch.manual_seed(seed)
+        options = dict(depth=DEPTH, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=32,
+                       num_position_embeddings=64)
+        if kind == "qwen3_omni":
+            options["deepstack_visual_indexes"] = [1]
+        config_class = getattr(configs, f"{name}Config")
+        model_class = getattr(models, name if kind == "qwen3_omni" else f"{name}Model")
+        return _off_their_init(model_class(config_class(**{**options, **overrides})))
+    return make
+
+
 def _mllama(seed, **overrides):
     """Llama 3.2 Vision's tower: two encoders, the global one's branches gated (tanh of a learned scalar each),
     the first one's layers 1 and 2 read besides its last (their outputs concatenated to the tower's), tiles of
@@ -147,7 +171,9 @@ def _llama4(seed, **overrides):
 
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
-          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4}
+          "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4,
+          **{kind: _qwen3_tower(kind) for kind in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")}}
+QWEN3_TOWERS = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")
 
 
 def _loop_layers(model, kind) -> list:
@@ -156,7 +182,7 @@ def _loop_layers(model, kind) -> list:
         return [model.transformer.layers, model.global_transformer.layers]
     return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
              "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers,
-             "llama4": lambda: model.model.layers}.get(
+             "llama4": lambda: model.model.layers, **{kind: lambda: model.blocks for kind in QWEN3_TOWERS}}.get(
         kind, lambda: model.encoder.layers)()]
 
 
@@ -165,7 +191,7 @@ def _inputs(kind, seed=0):
     attending to itself under the tower's block-diagonal mask)."""
     generator = torch.Generator().manual_seed(seed)
     grid = torch.tensor([[1, 8, 8], [1, 4, 8]])  # two images' patches in one row: 8 x 8 and 4 x 8 patches
-    if kind == "exaone":
+    if kind == "exaone" or kind in QWEN3_TOWERS:
         return dict(hidden_states=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
     if kind == "videollama3":
         return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid,
@@ -197,8 +223,13 @@ def test_vision_towers_keep_the_librarys_function(kind, preserve, seeded):
     assert _stacks(model) == _loop_layers(model, kind)
     inputs = _inputs(kind, seeded)
     with torch.no_grad():
-        theirs, ours = original(**inputs).last_hidden_state, model(**inputs).last_hidden_state
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+        theirs, ours = original(**inputs), model(**inputs)
+    pairs = [(ours.last_hidden_state, theirs.last_hidden_state)]
+    if kind == "qwen3_omni":  # its deepstack feature: block 1's output, which the loop reads, merged
+        assert len(ours.deepstack_features) == len(theirs.deepstack_features) == 1
+        pairs += list(zip(ours.deepstack_features, theirs.deepstack_features))
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * want.abs().max().item())
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
@@ -220,6 +251,7 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
     dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
+                **{tower: {} for tower in QWEN3_TOWERS},
                 "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {},
                 "llama4": dict(attention_dropout=0.1, projector_dropout=0.1)}.get(
         kind, dict(attention_dropout=0.1))

@@ -1,5 +1,6 @@
 """The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
-(``Qwen2_5_VisionTransformerPretrainedModel``) and Qwen3-VL (``Qwen3VLVisionModel``, its MoE sibling's),
+(``Qwen2_5_VisionTransformerPretrainedModel``), Qwen3-VL (``Qwen3VLVisionModel``, its MoE sibling's), Qwen3-Omni's
+(``Qwen3OmniMoeVisionEncoder``: Qwen3-VL's), Qwen3.5's and Qwen4-Exp's (Qwen3-VL's blocks, no deepstack layers),
 found as the ``visual`` part of their vision-language models: pre-norm blocks ``x + attn(norm1(x))``,
 then ``h + mlp(norm2(h))``, over every image's patches packed in one row (``[patches, dim]``). Each
 image attends to itself: the loop hands every block the images' boundaries (``cu_seqlens``) and the
@@ -128,9 +129,15 @@ _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedM
            ("qwen2_5_vl", "Qwen2_5_VLVisionBlock", "Qwen2_5_VisionTransformerPretrainedModel", _HostQwenVisionModel),
            ("exaone4_5", "Exaone4_5_VisionBlock", "Exaone4_5_VisionModel", _HostQwenVisionModel),  # (Qwen2.5-VL's)
            ("qwen3_vl", "Qwen3VLVisionBlock", "Qwen3VLVisionModel", _HostQwen3VisionModel),
-           ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel))
+           ("qwen3_vl_moe", "Qwen3VLMoeVisionBlock", "Qwen3VLMoeVisionModel", _HostQwen3VisionModel),
+           ("qwen3_omni_moe", "Qwen3OmniMoeVisionBlock", "Qwen3OmniMoeVisionEncoder", _HostQwen3VisionModel),
+           # (Qwen3-VL's blocks without the deepstack layers)
+           ("qwen3_5", "Qwen3_5VisionBlock", "Qwen3_5VisionModel", _HostQwenVisionModel),
+           ("qwen3_5_moe", "Qwen3_5MoeVisionBlock", "Qwen3_5MoeVisionModel", _HostQwenVisionModel),
+           ("qwen4_exp", "Qwen4ExpVisionBlock", "Qwen4ExpVisionModel", _HostQwenVisionModel))
 FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
-                                "blocks too) and Qwen3-VL (its deepstack layers' outputs read between segments), and "
+                                "blocks too), Qwen3-VL and Qwen3-Omni (their deepstack layers' outputs read between "
+                                "segments), Qwen3.5 and Qwen4-Exp, and "
                                 "VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and Cosmos3-Edge's (SigLIP's layer names; "
                                 "Ovis2.5's windowed layers too): the images' patches packed in one row",),
                 _convert_qwen_vision, halves="library",
