@@ -3,8 +3,8 @@ revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP'
 InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
 Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
 family's), Mllama's two encoders (revtriton/convert/mllama.py), Llama 4's tower
-(revtriton/convert/llama4_vision.py), and the Qwen3-VL-style towers of Qwen3.5, Qwen3.5-MoE, Qwen4-Exp and
-Qwen3-Omni (the qwen_vision family's).
+(revtriton/convert/llama4_vision.py), the Qwen3-VL-style towers of Qwen3.5, Qwen3.5-MoE, Qwen4-Exp and
+Qwen3-Omni (the qwen_vision family's), and AIMv2's towers and Ovis2's (revtriton/convert/aimv2.py).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -146,6 +146,26 @@ def _qwen3_tower(kind):
     return make
 
 
+def _aimv2(seed, **overrides):
+    """AIMv2's vision tower: RMS-normed pre-norm layers, a SwiGLU MLP (its ffn)."""
+    torch.manual_seed(seed)
+    config = transformers.Aimv2VisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8), **overrides})
+    return _off_their_init(transformers.Aimv2VisionModel(config))
+
+
+def _ovis2(seed, **overrides):
+    """Ovis2's vision tower: AIMv2's layers, its loop under transformer.encoder."""
+    from transformers.models.ovis2.modeling_ovis2 import Ovis2VisionModel
+
+    torch.manual_seed(seed)
+    config = transformers.Ovis2VisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8, vocab_size=16), **overrides})
+    return _off_their_init(Ovis2VisionModel(config))
+
+
 def _mllama(seed, **overrides):
     """Llama 3.2 Vision's tower: two encoders, the global one's branches gated (tanh of a learned scalar each),
     the first one's layers 1 and 2 read besides its last (their outputs concatenated to the tower's), tiles of
@@ -172,6 +192,7 @@ def _llama4(seed, **overrides):
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
           "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4,
+          "aimv2": _aimv2, "ovis2": _ovis2,
           **{kind: _qwen3_tower(kind) for kind in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")}}
 QWEN3_TOWERS = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")
 
@@ -182,7 +203,8 @@ def _loop_layers(model, kind) -> list:
         return [model.transformer.layers, model.global_transformer.layers]
     return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
              "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers,
-             "llama4": lambda: model.model.layers, **{kind: lambda: model.blocks for kind in QWEN3_TOWERS}}.get(
+             "llama4": lambda: model.model.layers, "ovis2": lambda: model.transformer.encoder.layers,
+             **{kind: lambda: model.blocks for kind in QWEN3_TOWERS}}.get(
         kind, lambda: model.encoder.layers)()]
 
 
@@ -374,3 +396,28 @@ def test_mllama_converts_its_tower_and_names_its_cross_attention_language_model(
         revify(model)
     vision = model.model.vision_model
     assert _stacks(model) == [vision.transformer.layers, vision.global_transformer.layers]
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+def test_aimv2_converts_both_towers_and_its_text_tower_keeps_its_causal_mask(seeded):
+    """Aimv2Model: both towers found part by part, one stack each; the text tower's causal mask with padding
+    reaches every layer's attention as the library's loop hands it (its output at the kept tokens is the
+    library's)."""
+    torch.manual_seed(seeded)
+    config = transformers.Aimv2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        text_config=dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH,
+                         num_attention_heads=4, max_position_embeddings=16, eos_token_id=2),
+        projection_dim=16)
+    original = transformers.Aimv2Model(config)
+    _off_their_init(original)
+    model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.vision_model.encoder.layers, model.text_model.encoder.layers]
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(seeded))
+    mask = torch.tensor([[1] * 12, [1] * 8 + [0] * 4])
+    with torch.no_grad():
+        theirs = original.text_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ours = model.text_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    kept = mask.bool()
+    torch.testing.assert_close(ours[kept], theirs[kept], rtol=0, atol=2e-3 * theirs[kept].abs().max().item())
