@@ -1,5 +1,5 @@
 """The vision towers of vision-language models under revify: Pixtral's (Mistral 3's, LightOnOCR's;
-revtriton/convert/pixtral.py), InternVL's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
+revtriton/convert/pixtral.py), InternVL's and Qianfan-OCR's (revtriton/convert/internvl.py), BLIP's, BLIP-2's and
 InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and
 Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
 family's), Mllama's two encoders (revtriton/convert/mllama.py), Llama 4's tower
@@ -51,6 +51,15 @@ def _internvl(seed, **overrides):
         hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=[32, 32],
         patch_size=[8, 8]), **overrides})
     return _off_their_init(transformers.InternVLVisionModel(config))
+
+
+def _qianfan(seed, **overrides):
+    """Qianfan-OCR's tower: InternViT's layers (layer scales on both branches), drop-path on both (0 to 0.2)."""
+    torch.manual_seed(seed)
+    config = transformers.QianfanOCRVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, image_size=32,
+        patch_size=8, drop_path_rate=0.2), **overrides})
+    return _off_their_init(transformers.QianfanOCRVisionModel(config))
 
 
 def _blip(kind):
@@ -192,7 +201,7 @@ def _llama4(seed, **overrides):
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
           "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4,
-          "aimv2": _aimv2, "ovis2": _ovis2,
+          "aimv2": _aimv2, "ovis2": _ovis2, "qianfan": _qianfan,
           **{kind: _qwen3_tower(kind) for kind in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")}}
 QWEN3_TOWERS = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")
 
@@ -204,6 +213,7 @@ def _loop_layers(model, kind) -> list:
     return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
              "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers,
              "llama4": lambda: model.model.layers, "ovis2": lambda: model.transformer.encoder.layers,
+             "qianfan": lambda: model.layers,
              **{kind: lambda: model.blocks for kind in QWEN3_TOWERS}}.get(
         kind, lambda: model.encoder.layers)()]
 
@@ -273,6 +283,7 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
     dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
+                "qianfan": dict(hidden_dropout_prob=0.1, attention_dropout=0.1, drop_path_rate=0.2),
                 **{tower: {} for tower in QWEN3_TOWERS},
                 "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {},
                 "llama4": dict(attention_dropout=0.1, projector_dropout=0.1)}.get(
@@ -280,8 +291,9 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     model = revify(TOWERS[kind](seeded, **dropouts), exact=True).train()
     inputs = _inputs(kind, seeded)
     assert_exact_step_equals_twin(model, lambda m: m(**inputs).last_hidden_state.square().mean(), seed=seeded)
-    if kind == "internvl":
-        assert all(layer.lambda_1.grad is not None and layer.lambda_2.grad is not None for layer in model.encoder.layer)
+    if kind in ("internvl", "qianfan"):
+        layers = model.encoder.layer if kind == "internvl" else model.layers
+        assert all(layer.lambda_1.grad is not None and layer.lambda_2.grad is not None for layer in layers)
     if kind == "mllama":  # the global encoder's gates train with the rest
         assert all(layer.gate_attn.grad is not None and layer.gate_ffn.grad is not None
                    for layer in model.global_transformer.layers)
@@ -421,3 +433,19 @@ def test_aimv2_converts_both_towers_and_its_text_tower_keeps_its_causal_mask(see
         ours = model.text_model(input_ids=ids, attention_mask=mask).last_hidden_state
     kept = mask.bool()
     torch.testing.assert_close(ours[kept], theirs[kept], rtol=0, atol=2e-3 * theirs[kept].abs().max().item())
+
+
+def test_qianfan_halves_drop_their_samples_paths(seeded):
+    """Qianfan-OCR's layers drop whole samples' branches (drop_path1 after the attention's layer scale,
+    drop_path2 after the MLP's): each layer's halves run its drop-path modules, in training, on what the
+    library's layer hands them (an exact twin would not see them left out: it runs the same halves)."""
+    model = revify(_qianfan(seeded, drop_path_rate=0.5), exact=True).train()
+    called = []
+    for i, layer in enumerate(model.layers):
+        for name in ("drop_path1", "drop_path2"):
+            module = getattr(layer, name)
+            if isinstance(module, torch.nn.Identity):  # (layer 0: rate 0)
+                continue
+            module.register_forward_hook(lambda m, args, out, key=(i, name): called.append(key))
+    model(**_inputs("qianfan", seeded)).last_hidden_state.sum().backward()
+    assert sorted(set(called)) == [(i, name) for i in range(1, DEPTH) for name in ("drop_path1", "drop_path2")]

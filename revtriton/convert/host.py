@@ -924,18 +924,18 @@ def _blocks_renaming_a_loop_input(halves: tuple, source: str, target: str, prefi
 
 
 def _convert_library_tower(model, loop, layers: str, parts: set, conversion, mixins: tuple, model_mixin: type,
-                           specs=None, layer_tuples: bool = False):
+                           specs=None, layer_tuples: bool = False, optional_parts: tuple = ()):
     """A tower whose halves run its layers' own modules: ``loop`` (``model`` or one of its modules)
-    runs the layer list ``layers``, each layer's submodules exactly ``parts``; ``specs``: each layer's
-    LayerSpec where it is not the library path's alone (an attention kind); ``layer_tuples``: a loop
-    that reads ``outputs[0]`` (:func:`_convert_hosted_layers`)."""
+    runs the layer list ``layers``, each layer's submodules exactly ``parts`` (and any of ``optional_parts``);
+    ``specs``: each layer's LayerSpec where it is not the library path's alone (an attention kind);
+    ``layer_tuples``: a loop that reads ``outputs[0]`` (:func:`_convert_hosted_layers`)."""
     from .probe import require_layer_parts  # (probe imports this module)
 
     name, layer_list = type(model).__name__, getattr(loop, layers)
     if not len(layer_list):
         raise ValueError(f"revify: {name} has no layers")
     _require_hosted_layer_loop(name)
-    require_layer_parts(layer_list, parts, name)
+    require_layer_parts(layer_list, parts, name, optional_parts)
     for i, layer in enumerate(layer_list):
         layer._revtriton_spec = LayerSpec(fused_attention=False, fused_mlp=False) if specs is None else specs[i]
     _convert_hosted_layers(model, loop, layers, conversion, mixins, model_mixin, layer_tuples)
