@@ -4,7 +4,8 @@ InstructBLIP's (revtriton/convert/blip.py), EXAONE 4.5's, VideoLLaMA 3's, MiniMa
 Cosmos3-Edge's (the qwen_vision family's: the images packed in one row), Janus's SigLIP tower (the clip
 family's), Mllama's two encoders (revtriton/convert/mllama.py), Llama 4's tower
 (revtriton/convert/llama4_vision.py), the Qwen3-VL-style towers of Qwen3.5, Qwen3.5-MoE, Qwen4-Exp and
-Qwen3-Omni (the qwen_vision family's), and AIMv2's towers and Ovis2's (revtriton/convert/aimv2.py).
+Qwen3-Omni and Muse Glimmer's (the qwen_vision family's), and AIMv2's towers and Ovis2's
+(revtriton/convert/aimv2.py).
 Each tower is a stack run through the library's own forward (its loop, its mask and rotary embedding);
 found as a part, beside the language model."""
 import copy
@@ -175,6 +176,19 @@ def _ovis2(seed, **overrides):
     return _off_their_init(Ovis2VisionModel(config))
 
 
+def _muse_glimmer(seed, **overrides):
+    """Muse Glimmer's tower: Qwen's block names, its loop over layers by its config's layer_types (a full layer
+    between windowed ones, each kind its own boundaries), the images' patches in one row."""
+    from transformers.models.muse_glimmer.modeling_muse_glimmer import MuseGlimmerVisionModel
+
+    torch.manual_seed(seed)
+    config = transformers.MuseGlimmerVisionConfig(**{**dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=DEPTH, num_attention_heads=4, patch_size=4,
+        pos_emb_height=4, pos_emb_width=4, max_position_embeddings=16, merge_size=2, patch_temporal=2,
+        layer_types=["window_attention", "full_attention", "window_attention"][:DEPTH]), **overrides})
+    return _off_their_init(MuseGlimmerVisionModel(config))
+
+
 def _mllama(seed, **overrides):
     """Llama 3.2 Vision's tower: two encoders, the global one's branches gated (tanh of a learned scalar each),
     the first one's layers 1 and 2 read besides its last (their outputs concatenated to the tower's), tiles of
@@ -201,7 +215,7 @@ def _llama4(seed, **overrides):
 TOWERS = {"pixtral": _pixtral, "internvl": _internvl, "blip": _blip("Blip"), "blip2": _blip("Blip2"),
           "instructblip": _blip("InstructBlip"), "exaone": _exaone, "janus": _janus, "videollama3": _videollama3,
           "minimax": _minimax, "ovis": _ovis, "cosmos": _cosmos, "mllama": _mllama, "llama4": _llama4,
-          "aimv2": _aimv2, "ovis2": _ovis2, "qianfan": _qianfan,
+          "aimv2": _aimv2, "ovis2": _ovis2, "qianfan": _qianfan, "muse_glimmer": _muse_glimmer,
           **{kind: _qwen3_tower(kind) for kind in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")}}
 QWEN3_TOWERS = ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "qwen3_omni")
 
@@ -213,7 +227,7 @@ def _loop_layers(model, kind) -> list:
     return [{"pixtral": lambda: model.transformer.layers, "internvl": lambda: model.encoder.layer,
              "exaone": lambda: model.blocks, "minimax": lambda: model.layers, "ovis": lambda: model.layers,
              "llama4": lambda: model.model.layers, "ovis2": lambda: model.transformer.encoder.layers,
-             "qianfan": lambda: model.layers,
+             "qianfan": lambda: model.layers, "muse_glimmer": lambda: model.layers,
              **{kind: lambda: model.blocks for kind in QWEN3_TOWERS}}.get(
         kind, lambda: model.encoder.layers)()]
 
@@ -228,7 +242,7 @@ def _inputs(kind, seed=0):
     if kind == "videollama3":
         return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid,
                     merge_sizes=torch.tensor([2, 2]))
-    if kind == "minimax":
+    if kind in ("minimax", "muse_glimmer"):
         return dict(pixel_values=torch.randn(64 + 32, 3 * 2 * 4 * 4, generator=generator), grid_thw=grid)
     if kind in ("ovis", "cosmos"):
         return dict(pixel_values=torch.randn(64 + 32, 3 * 4 * 4, generator=generator), grid_thw=grid)
@@ -283,6 +297,7 @@ def test_vision_towers_train_bitwise_their_twin_save_and_pickle(kind, seeded, tm
     stored-activation twin's, the layer scales' gradients too; save_pretrained ->
     revtriton.from_pretrained, a pickle and a fresh process give the output back."""
     dropouts = {"internvl": dict(hidden_dropout_prob=0.1, attention_dropout=0.1), "exaone": {}, "minimax": {},
+                "muse_glimmer": {},
                 "qianfan": dict(hidden_dropout_prob=0.1, attention_dropout=0.1, drop_path_rate=0.2),
                 **{tower: {} for tower in QWEN3_TOWERS},
                 "janus": dict(hidden_dropout_rate=0.1, attention_dropout=0.1), "mllama": {},

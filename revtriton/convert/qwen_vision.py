@@ -1,7 +1,9 @@
 """The vision towers of Qwen2-VL (``Qwen2VisionTransformerPretrainedModel``), Qwen2.5-VL
 (``Qwen2_5_VisionTransformerPretrainedModel``), Qwen3-VL (``Qwen3VLVisionModel``, its MoE sibling's), Qwen3-Omni's
 (``Qwen3OmniMoeVisionEncoder``: Qwen3-VL's), Qwen3.5's and Qwen4-Exp's (Qwen3-VL's blocks, no deepstack layers),
-found as the ``visual`` part of their vision-language models: pre-norm blocks ``x + attn(norm1(x))``,
+Muse Glimmer's (``MuseGlimmerVisionModel``: Qwen's block names, its loop over ``layers`` by its config's
+``layer_types``),
+found as a part of their vision-language models (``visual``, ``vision_tower``): pre-norm blocks ``x + attn(norm1(x))``,
 then ``h + mlp(norm2(h))``, over every image's patches packed in one row (``[patches, dim]``). Each
 image attends to itself: the loop hands every block the images' boundaries (``cu_seqlens``) and the
 longest one's length (``max_seqlen``), and Qwen2.5-VL's windowed blocks (all but
@@ -103,16 +105,32 @@ _NAVIT_TOWERS = {"VideoLlama3VisionModel": ("video_llama_3", "VideoLlama3VisionE
                                             "Cosmos3EdgeEncoder")}
 
 
+# The towers with Qwen's block names whose loop runs ``layers`` by their config's layer_types (full and windowed
+# layers), as Ovis2.5's: (module, layer class)
+_LAYER_TYPED_TOWERS = {"MuseGlimmerVisionModel": ("muse_glimmer", "MuseGlimmerVisionEncoderLayer")}
+
+
+def _specs_by_layer_type(model):
+    """Each layer's LayerSpec from the config's ``layer_types`` (windowed layers the other attention kind, their own
+    boundaries), or None where the config has none."""
+    kinds, window = getattr(model.config, "layer_types", None), getattr(model, "window_size", None)
+    return None if kinds is None else [
+        LayerSpec(fused_attention=False, fused_mlp=False, window=None if kind == "full_attention" else window)
+        for kind in kinds]
+
+
 def _convert_qwen_vision(model, conversion, found=None):
-    navit = next((_NAVIT_TOWERS[c.__name__] for c in type(model).__mro__ if c.__name__ in _NAVIT_TOWERS), None)
+    names = {c.__name__ for c in type(model).__mro__}
+    navit = next((_NAVIT_TOWERS[name] for name in _NAVIT_TOWERS if name in names), None)
     if navit is not None:
         loop = model.get_submodule(navit[2]) if navit[2] else model
-        kinds, window = getattr(model.config, "layer_types", None), getattr(model, "window_size", None)
-        specs = None if kinds is None else [
-            LayerSpec(fused_attention=False, fused_mlp=False, window=None if kind == "full_attention" else window)
-            for kind in kinds]
         _convert_library_tower(model, loop, "layers", _NAVIT_PARTS, conversion,
-                               (_HostNaViTBlock, _HostNaViTOrdinaryBlock), _HostNaViTLoop, specs)
+                               (_HostNaViTBlock, _HostNaViTOrdinaryBlock), _HostNaViTLoop, _specs_by_layer_type(model))
+        return
+    if names & set(_LAYER_TYPED_TOWERS):
+        _convert_library_tower(model, model, "layers", _BLOCK_PARTS, conversion,
+                               (_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock), _HostNaViTLoop,
+                               _specs_by_layer_type(model))
         return
     full = set(getattr(model, "fullatt_block_indexes", range(len(model.blocks))))  # (Qwen2-VL's: every block)
     window = getattr(model.config, "window_size", None)
@@ -137,12 +155,12 @@ _TOWERS = (("qwen2_vl", "Qwen2VLVisionBlock", "Qwen2VisionTransformerPretrainedM
            ("qwen4_exp", "Qwen4ExpVisionBlock", "Qwen4ExpVisionModel", _HostQwenVisionModel))
 FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwen2.5-VL and EXAONE 4.5 (their windowed "
                                 "blocks too), Qwen3-VL and Qwen3-Omni (their deepstack layers' outputs read between "
-                                "segments), Qwen3.5 and Qwen4-Exp, and "
+                                "segments), Qwen3.5, Qwen4-Exp and Muse Glimmer (its config's layer_types), and "
                                 "VideoLLaMA 3's, MiniMax-M3-VL's, Ovis2.5's and Cosmos3-Edge's (SigLIP's layer names; "
                                 "Ovis2.5's windowed layers too): the images' patches packed in one row",),
                 _convert_qwen_vision, halves="library",
                 classes=(*(("transformers", tower) for _, _, tower, _ in _TOWERS),
-                         *(("transformers", tower) for tower in _NAVIT_TOWERS)),
+                         *(("transformers", tower) for tower in (*_NAVIT_TOWERS, *_LAYER_TYPED_TOWERS))),
                 pickled={**{name: entry for module, block, tower, host in _TOWERS
                             for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
                                                                      block, (_HostQwenVisionBlock,
@@ -151,4 +169,9 @@ FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwe
                          **{name: entry for module, layer, _, loop in _NAVIT_TOWERS.values()
                             for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
                                                                      layer, (_HostNaViTBlock, _HostNaViTOrdinaryBlock),
-                                                                     loop, _HostNaViTLoop).items()}})
+                                                                     loop, _HostNaViTLoop).items()},
+                         **{name: entry for tower, (module, layer) in _LAYER_TYPED_TOWERS.items()
+                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
+                                                                     layer, (_HostQwenVisionBlock,
+                                                                             _HostQwenVisionOrdinaryBlock),
+                                                                     tower, _HostNaViTLoop).items()}})
