@@ -64,6 +64,11 @@ def runs_compiled_code(half) -> bool:
                                                for m in half.modules())
 
 
+# nn.Module's own instance attributes (its dicts, flags and hook slots): never a tensor of the user's, so the
+# tensor-attribute watch leaves them out (every module has _is_full_backward_hook = None).
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
+
+
 def _tensor_identity(value):
     return (id(value), value.requires_grad) if isinstance(value, torch.Tensor) else None
 
@@ -100,7 +105,8 @@ class LayerPlan:
 
 
 class SegmentPlan:
-    __slots__ = ("first_index", "layers", "captured_checked", "parameter_slots")
+    __slots__ = ("first_index", "layers", "captured_checked", "parameter_slots", "mode_modules", "mode_layers",
+                 "slot_modules", "slot_names", "slot_tensors")
 
     def __init__(self, first_index, layers):
         self.first_index = first_index
@@ -111,6 +117,13 @@ class SegmentPlan:
         # hook sees (the plan's validity compares them; the backward checks them against the forward's).
         self.parameter_slots = [(lp, m, name, p) for lp in self.layers if not lp.fsdp for m in lp.modules
                                 for name, p in m._parameters.items() if p is not None]
+        # The same as flat lists, which state.StateWatch compares whole (C loops: a step's checks, issue 44):
+        # every module of the layers (and its layer's index), every parameter slot's module, name and tensor
+        self.mode_modules = [m for lp in self.layers for m in lp.modules]
+        self.mode_layers = [i for i, lp in enumerate(self.layers) for _ in lp.modules]
+        self.slot_modules = [m for _, m, _, _ in self.parameter_slots]
+        self.slot_names = [name for _, _, name, _ in self.parameter_slots]
+        self.slot_tensors = [p for _, _, _, p in self.parameter_slots]
 
     def stateless_parameter(self):
         """``(layer plan, module, name)`` of a parameter slot holding a tensor that is not an
@@ -150,16 +163,17 @@ class StackPlan:
         # requires grad from one (a captured tensor), so assigning one, or one starting to require
         # grad, must bring the captured-tensor walk back. (A new attribute changes len(__dict__).)
         self.tensor_attributes = [(m, name) for m in self.modules for name, value in vars(m).items()
-                                  if value is None or isinstance(value, torch.Tensor)]
+                                  if (value is None or isinstance(value, torch.Tensor)) and name not in _MODULE_ATTRIBUTES]
         self.first_param = next(stack.parameters(), None)
         self.signature = self._signature()
         self.parameter_slots = [(m, name, p) for kind, _, part in self.parts if kind == "segment"
                                 for _, m, name, p in part.parameter_slots]
 
     def _signature(self):
-        modules = self.modules
-        return ([m.__class__ for m in modules], [m.training for m in modules],
-                [len(m._modules) + len(m._parameters) + len(m._buffers) + len(m.__dict__) for m in modules],
+        """Each module's class, training flag and entry counts (one tuple a module: one pass), the random
+        settings, and the tensor attributes' identities."""
+        return ([(m.__class__, m.training, len(m._modules) + len(m._parameters) + len(m._buffers) + len(m.__dict__))
+                 for m in self.modules],
                 [getattr(m, name, None) for m, name in self.random_settings],
                 [_tensor_identity(getattr(m, name, None)) for m, name in self.tensor_attributes])
 

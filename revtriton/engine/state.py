@@ -4,6 +4,7 @@ half's input (a half must not modify it in place)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 
 import torch
@@ -11,9 +12,19 @@ import torch
 from .fsdp import _is_fsdp_module
 
 
+def _dtensor_class():
+    """torch's DTensor class where torch.distributed.tensor is imported (a DTensor exists only then), else None."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def _is_dtensor(tensor) -> bool:
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    dtensor = _dtensor_class()
     return dtensor is not None and isinstance(tensor, dtensor)
+
+
+_training = operator.attrgetter("training")
+_version = operator.attrgetter("_version")
+_parameter_dict = operator.attrgetter("_parameters")
 
 
 def swapped_parameter_message(plan, layer_plan, module, name) -> str:
@@ -49,17 +60,21 @@ class StateWatch:
         self.plan = plan
         self.layers, self.first_index = plan.modules, plan.first_index
         self.params = params if params is not None else [lp.parameters() for lp in plan.layers]
-        self.modes = [(i, module, module.training) for i, lp in enumerate(plan.layers) for module in lp.modules]
-        self.versions = []
+        # Each module's training flag now, in the plan's order of its modules (compared whole in check())
+        self.mode_flags = list(map(_training, plan.mode_modules))
+        self.versions, self._version_tensors, self._version_values = [], [], []
         self.buffers = [lp.buffers for lp in plan.layers]
         self.running_stats = [lp.running_stats for lp in plan.layers]
 
     def record_versions(self):
         """Take the parameters' versions as the forward leaves them (a module may renormalise its own
         weights in its forward, e.g. nn.Embedding(max_norm=...))."""
+        dtensor = _dtensor_class() or ()  # (isinstance of an empty tuple: never)
         self.versions = [(i, p, p._version) for i, (layer, params) in enumerate(zip(self.layers, self.params))
                          # FSDP2 re-gathers a sharded block's parameters in place: its business
-                         if not _is_fsdp_module(layer) for p in params if not _is_dtensor(p)]
+                         if not _is_fsdp_module(layer) for p in params if not isinstance(p, dtensor)]
+        self._version_tensors = [p for _, p, _ in self.versions]
+        self._version_values = [v for _, _, v in self.versions]
 
     def _where(self, i, named, target, kind):
         name = next((n for n, t in named if t is target), "")
@@ -67,12 +82,19 @@ class StateWatch:
         return f"{kind} {name} of {layer}" if name else layer
 
     def check(self):
-        """Raise if a training flag or a parameter changed since the forward."""
-        for lp, m, name, p in self.plan.parameter_slots:
+        """Raise if a training flag or a parameter changed since the forward (the lists compared whole; the
+        first difference found only when there is one)."""
+        plan = self.plan
+        if (all(map(operator.is_, map(dict.get, map(_parameter_dict, plan.slot_modules), plan.slot_names),
+                    plan.slot_tensors))
+                and list(map(_training, plan.mode_modules)) == self.mode_flags
+                and list(map(_version, self._version_tensors)) == self._version_values):
+            return
+        for lp, m, name, p in plan.parameter_slots:
             if m._parameters.get(name) is not p:  # the forward ran other tensors (functional_call)
-                raise RuntimeError(swapped_parameter_message(self.plan, lp, m, name))
+                raise RuntimeError(swapped_parameter_message(plan, lp, m, name))
         changed = None
-        for i, module, training in self.modes:
+        for i, module, training in zip(plan.mode_layers, plan.mode_modules, self.mode_flags):
             if module.training != training:
                 where = self._where(i, self.layers[i].named_modules(), module, "submodule")
                 was, now = ("train", "eval") if training else ("eval", "train")
