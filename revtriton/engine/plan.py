@@ -163,7 +163,8 @@ class StackPlan:
         # requires grad from one (a captured tensor), so assigning one, or one starting to require
         # grad, must bring the captured-tensor walk back. (A new attribute changes len(__dict__).)
         self.tensor_attributes = [(m, name) for m in self.modules for name, value in vars(m).items()
-                                  if (value is None or isinstance(value, torch.Tensor)) and name not in _MODULE_ATTRIBUTES]
+                                  if (value is None or isinstance(value, torch.Tensor))
+                                  and name not in _MODULE_ATTRIBUTES]
         self.first_param = next(stack.parameters(), None)
         self.signature = self._signature()
         self.parameter_slots = [(m, name, p) for kind, _, part in self.parts if kind == "segment"
