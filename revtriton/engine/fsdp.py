@@ -41,7 +41,8 @@ def block_phase(block, work, *tensors):
 def run_block_phase(layer, work, *tensors):
     """Run one phase of a block through its ``reversible_phase`` method (or directly for duck-typed
     blocks that have none); returns the phase's value."""
-    if not getattr(layer, "_revtriton_fsdp_phase", False) and _is_fsdp_module(layer):
+    # (the FSDP2 test first: a plain module's missing attribute goes through nn.Module.__getattr__, ~1 us)
+    if _is_fsdp_module(layer) and not getattr(layer, "_revtriton_fsdp_phase", False):
         hook_phase_for_fsdp(layer)  # sharded by fully_shard directly (e.g. by accelerate)
     method = getattr(layer, PHASE_METHOD, None)
     out = method(work, *tensors) if method is not None else block_phase(layer, work, *tensors)

@@ -84,7 +84,8 @@ class ReversibleBlock(nn.Module):
         super().__setattr__(name, value)
 
     def coupling_halves(self):
-        return self.f, self.g
+        modules = self._modules  # (read directly: nn.Module.__getattr__ costs about half a microsecond a half)
+        return modules["f"], modules["g"]
 
     def reversible_phase(self, work, *tensors):
         """One use of the halves by the stack, as one hookable call (see :func:`run_block_phase`)."""
