@@ -1,5 +1,6 @@
 """The SAM-style image encoders under revify (revtriton/convert/sam.py): SAM's, SAM-HQ's, and the vision
-towers built on their layers of GOT-OCR 2, DeepSeek-OCR 2, Unlimited-OCR, PP-FormulaNet and SLANeXt.
+towers built on their layers of GOT-OCR 2, DeepSeek-OCR 2, Unlimited-OCR, PP-FormulaNet (and its mBART decoder, the
+bart family's) and SLANeXt.
 Streams are grids of patches ([batch, height, width, dim]); the windowed layers pad an 8 x 8 grid to
 windows of 3 and put it back, layer 1 attends globally; relative positions in every layer's scores."""
 import copy
@@ -118,3 +119,34 @@ def test_sam_and_got_ocr2_convert_their_encoders_part_by_part(seeded):
         revify(got)
     assert _stacks(sam) == [sam.vision_encoder.layers]
     assert _stacks(got) == [got.model.vision_tower.layers, got.model.language_model.layers]
+
+
+def _pp_formulanet(seed, **overrides):
+    """PP-FormulaNet: a SAM-style encoder (the sam family's) and mBART's decoder under another class name,
+    PPFormulaNetTextModel (the bart family's), cross-attending to the encoder's projected grid."""
+    torch.manual_seed(seed)
+    config = transformers.PPFormulaNetConfig(
+        vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=64, patch_size=8, mlp_dim=64, window_size=3, global_attn_indexes=[1],
+                           post_conv_in_channels=16, post_conv_mid_channels=16, post_conv_out_channels=32),
+        vocab_size=100, d_model=32, decoder_layers=DEPTH, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_position_embeddings=64, decoder_hidden_size=32, **overrides)
+    return transformers.PPFormulaNetForConditionalGeneration(config).eval()
+
+
+@pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")
+def test_pp_formulanet_converts_its_encoder_and_its_decoder(seeded, tmp_path):
+    """Both stacks found part by part, no part left; a preserving conversion keeps the logits; an exact
+    training step with dropout is bitwise its twin's, and it saves, loads and pickles."""
+    original = _pp_formulanet(seeded)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*left .* as it is")
+        model = revify(copy.deepcopy(original), preserve="meft3", scale_bits=16, exact=False).eval()
+    assert _stacks(model) == [model.model.decoder.layers, model.model.encoder.layers]
+    inputs = dict(pixel_values=_pixels(seeded)[:1], decoder_input_ids=torch.randint(3, 100, (1, 7)))
+    with torch.no_grad():
+        theirs, ours = original(**inputs).logits, model(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3 * theirs.abs().max().item())
+    model = revify(_pp_formulanet(seeded, dropout=0.1, attention_dropout=0.1), exact=True).train()
+    assert_exact_step_equals_twin(model, lambda m: m(**inputs, labels=inputs["decoder_input_ids"]).loss, seed=seeded)
+    assert_round_trips(model, inputs, tmp_path)

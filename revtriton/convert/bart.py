@@ -40,8 +40,17 @@ _MODELS = (("bart", "Bart", False, _ALL),
            ("pegasus_x", "PegasusX", True, ("Decoder",)),  # (its encoder: block-local attention, global tokens)
            ("led", "LED", False, ("Decoder",)))  # (its encoder: Longformer's attention)
 _AUDIO_ENCODERS = {"Speech2TextEncoder"}
+# Decoders named otherwise than "<prefix>Decoder": PP-FormulaNet's (mBART's decoder, its text model)
+_DECODER_NAMES = {"PPFormulaNet": "PPFormulaNetTextModel"}
+_MODELS += (("pp_formulanet", "PPFormulaNet", True, ("Decoder",)),)  # (its encoder: the sam family's)
+
+
+def _class_name(prefix: str, kind: str) -> str:
+    return _DECODER_NAMES.get(prefix, f"{prefix}Decoder") if kind == "Decoder" else f"{prefix}{kind}"
+
+
 # class name -> (what it is: one of _ALL, pre-norm layers)
-_CLASSES = {f"{prefix}{kind}": (kind, pre_norm) for _, prefix, pre_norm, kinds in _MODELS for kind in kinds}
+_CLASSES = {_class_name(prefix, kind): (kind, pre_norm) for _, prefix, pre_norm, kinds in _MODELS for kind in kinds}
 # The parts of every layer: OPT's, and a decoder's cross-attention (run when the model is given an
 # encoder's states).
 _LAYER_PARTS = {"self_attn", "self_attn_layer_norm", "activation_fn", "fc1", "fc2", "final_layer_norm"}
@@ -147,7 +156,7 @@ def _pickled(module: str, prefix: str, pre_norm: bool, kinds: tuple) -> dict:
     out = {}
     if "ForCausalLM" in kinds or "Decoder" in kinds:
         blocks = (_HostCrossAttendingBlock, _HostCrossAttendingOrdinaryBlock) if pre_norm else post_norm
-        out.update(_pickled_host_classes(module, f"{prefix}DecoderLayer", blocks, f"{prefix}Decoder",
+        out.update(_pickled_host_classes(module, f"{prefix}DecoderLayer", blocks, _class_name(prefix, "Decoder"),
                                          _HostBartDecoder))
     if "Encoder" in kinds:
         blocks = (_HostOPTBlock, _HostOPTOrdinaryBlock) if pre_norm else post_norm
@@ -163,7 +172,8 @@ FAMILY = Family("bart", ("the BART lineage: its decoders as causal LMs (MBartFor
                          "the whole layer one half), with an encoder's states too (a vision encoder-decoder's "
                          "TrOCR), and both stacks of its seq2seq models, any head: the encoder and the decoder with "
                          "its cross-attention (BART, mBART, Pegasus, Marian, Blenderbot, Blenderbot-Small, PLBart, "
-                         "M2M100, Speech2Text; the decoder of MVP, BigBird-Pegasus, Whisper, PEGASUS-X and LED)",),
+                         "M2M100, Speech2Text; the decoder of MVP, BigBird-Pegasus, Whisper, PEGASUS-X, LED and "
+                         "PP-FormulaNet)",),
                 _convert_bart, halves="library",
                 classes=tuple(("transformers", name) for name in _CLASSES),
                 pickled={name: entry for model in _MODELS for name, entry in _pickled(*model).items()})
