@@ -5,7 +5,7 @@ which hands every layer the tower's mask (the text tower's causal one; none for 
 layer's own modules."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes, _RevifiedLM
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models, _RevifiedLM
 from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"attention", "ffn", "rms_norm1", "rms_norm2"}
@@ -47,10 +47,9 @@ FAMILY = Family("aimv2", ("transformers AIMv2's towers (Aimv2VisionModel, Aimv2T
                           "and Ovis2's vision tower (Ovis2VisionModel: AIMv2's layers)",),
                 _convert_aimv2, halves="library",
                 classes=tuple(("transformers", tower) for *_, towers in _TOWERS for tower in towers),
-                pickled={**{name: entry for module, layer, loop, _ in _TOWERS
-                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                     layer, (_HostAimv2Block, _HostAimv2OrdinaryBlock),
-                                                                     loop, _HostAimv2Encoder).items()},
+                pickled={**_pickled_models((_HostAimv2Block, _HostAimv2OrdinaryBlock),
+                                           ((module, layer, loop, _HostAimv2Encoder)
+                                            for module, layer, loop, _ in _TOWERS)),
                          # (the tower around the loop, which transformers does not export by its name)
                          "RevifiedOvis2VisionModel": ("transformers.models.ovis2.modeling_ovis2", "Ovis2VisionModel",
                                                       _RevifiedLM)})

@@ -7,7 +7,7 @@ mask); both halves run the layer's own modules. The Q-Former beside BLIP-2's tow
 post-norm layers with cross-attention) stays as it is, named in revify's warning."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models
 from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
@@ -47,7 +47,6 @@ _TOWERS = (("blip", "BlipVisionModel", "BlipEncoderLayer", "BlipEncoder"),
 FAMILY = Family("blip", ("the vision towers of transformers BLIP, BLIP-2, InstructBLIP and InstructBLIP-Video "
                          "(their captioning, question-answering and vision-language models' vision_model)",),
                 _convert_blip, halves="library", classes=tuple(("transformers", tower) for _, tower, _, _ in _TOWERS),
-                pickled={name: entry for module, _, layer, encoder in _TOWERS
-                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  layer, (_HostBlipBlock, _HostBlipOrdinaryBlock),
-                                                                  encoder, _HostBlipEncoder).items()})
+                pickled=_pickled_models((_HostBlipBlock, _HostBlipOrdinaryBlock),
+                                        ((module, layer, encoder, _HostBlipEncoder)
+                                         for module, _, layer, encoder in _TOWERS)))

@@ -98,6 +98,15 @@ def _pickled_host_classes(module: str, layer: str, blocks: tuple, model: str, mo
             f"{model_mixin._class_prefix}{model}": (module, model, model_mixin)}
 
 
+def _pickled_models(blocks: tuple, models) -> dict:
+    """``Family.pickled`` of a family that takes several library models with one set of block mixins
+    (``blocks``): :func:`_pickled_host_classes` of each ``(module, layer class, model class, model mixin)``
+    of ``models``, ``module`` the model's directory in transformers (``transformers.models.<module>``)."""
+    return {name: entry for module, layer, model, mixin in models
+            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}", layer, blocks,
+                                                     model, mixin).items()}
+
+
 def bound_couple(couple, res, x, sign, frac_bits, *weights, **options):
     """``couple(res, x, sign, frac_bits, *weights, **options)``, an op's dispatching couple, through
     ``ops.dispatch.run_bound``: a repeated call of its signature (every layer, every step) runs a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import Family, LayerSpec, _HF_ACTIVATIONS, _pickled_host_classes
+from .core import Family, LayerSpec, _HF_ACTIVATIONS, _pickled_models
 from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
                    _LibraryAttentionHalf)
 from .whisper import _LAYER_PARTS, _WhisperMlpHalf
@@ -57,8 +57,5 @@ _ENCODERS = (("qwen2_5_omni", "Qwen2_5OmniAudioEncoderLayer", "Qwen2_5OmniAudioE
 FAMILY = Family("qwen_audio", ("the audio towers of transformers Qwen2.5-Omni, Qwen3-Omni and Qwen3-ASR: Whisper's "
                                "layers over the audio chunks' frames packed in one row",),
                 _convert_qwen_audio, classes=tuple(("transformers", encoder) for *_, encoder in _ENCODERS),
-                pickled={name: entry for module, layer, encoder in _ENCODERS
-                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  layer, (_HostPackedAudioBlock,
-                                                                          _HostPackedAudioOrdinaryBlock),
-                                                                  encoder, _HostPackedAudioEncoder).items()})
+                pickled=_pickled_models((_HostPackedAudioBlock, _HostPackedAudioOrdinaryBlock),
+                                        ((*encoder, _HostPackedAudioEncoder) for encoder in _ENCODERS)))

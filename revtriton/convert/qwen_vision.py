@@ -19,7 +19,7 @@ The towers that pack their images as Qwen's do with SigLIP's layer names (``laye
 config's ``layer_types``: full and windowed layers) and Cosmos3-Edge's (no rotary embedding)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _LibraryHalf, _pickled_host_classes
+from .core import Family, LayerSpec, _LibraryHalf, _pickled_models
 from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
                    _LibraryAttentionHalf)
 
@@ -161,17 +161,9 @@ FAMILY = Family("qwen_vision", ("the vision towers of transformers Qwen2-VL, Qwe
                 _convert_qwen_vision, halves="library",
                 classes=(*(("transformers", tower) for _, _, tower, _ in _TOWERS),
                          *(("transformers", tower) for tower in (*_NAVIT_TOWERS, *_LAYER_TYPED_TOWERS))),
-                pickled={**{name: entry for module, block, tower, host in _TOWERS
-                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                     block, (_HostQwenVisionBlock,
-                                                                             _HostQwenVisionOrdinaryBlock),
-                                                                     tower, host).items()},
-                         **{name: entry for module, layer, _, loop in _NAVIT_TOWERS.values()
-                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                     layer, (_HostNaViTBlock, _HostNaViTOrdinaryBlock),
-                                                                     loop, _HostNaViTLoop).items()},
-                         **{name: entry for tower, (module, layer) in _LAYER_TYPED_TOWERS.items()
-                            for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                     layer, (_HostQwenVisionBlock,
-                                                                             _HostQwenVisionOrdinaryBlock),
-                                                                     tower, _HostNaViTLoop).items()}})
+                pickled={**_pickled_models((_HostQwenVisionBlock, _HostQwenVisionOrdinaryBlock),
+                                           (*_TOWERS, *((module, layer, tower, _HostNaViTLoop)
+                                                        for tower, (module, layer) in _LAYER_TYPED_TOWERS.items()))),
+                         **_pickled_models((_HostNaViTBlock, _HostNaViTOrdinaryBlock),
+                                           ((module, layer, loop, _HostNaViTLoop)
+                                            for module, layer, _, loop in _NAVIT_TOWERS.values()))})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models
 from .host import _blocks, _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"layer_norm1", "attn", "layer_norm2", "mlp"}
@@ -80,7 +80,4 @@ FAMILY = Family("sam", ("the SAM-style image encoders of transformers SAM and SA
                         "attention layers over a grid of patches",),
                 _convert_sam, halves="library",
                 classes=tuple(("transformers", encoder) for _, _, encoder, _ in _ENCODERS),
-                pickled={name: entry for module, layer, encoder, host in _ENCODERS
-                         for name, entry in _pickled_host_classes(f"transformers.models.{module}.modeling_{module}",
-                                                                  layer, (_HostSamBlock, _HostSamOrdinaryBlock),
-                                                                  encoder, host).items()})
+                pickled=_pickled_models((_HostSamBlock, _HostSamOrdinaryBlock), _ENCODERS))
