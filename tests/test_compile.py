@@ -3,10 +3,11 @@ compiled with ``half.compile()`` runs compiled code (Dynamo's counters show grap
 gradients of the uncompiled stack bit for bit (``aot_eager``: AOTAutograd's forward and backward
 graphs, torch's own kernels), float and exact streams, with drop-path and ``nn.Dropout`` drawing.
 
-What broke it: the engine probes a half's first forward under a TorchDispatchMode (the RNG
-routing of engine.replay), and Dynamo skips a frame it meets under one and keeps skipping that code
-for the rest of the process. A half that runs compiled code is never routed (engine.plan
-``runs_compiled_code``); a built-in half compiled in place couples through its compiled forward.
+What broke it: the engine probes a half's first forward under the RNG routing of engine.replay,
+then a TorchDispatchMode: Dynamo skipped a frame it met under one and kept skipping that code for the
+rest of the process (the TorchFunctionMode of today it traces, breaking its graphs at the generators).
+A half that runs compiled code is never routed (engine.plan ``runs_compiled_code``); a built-in half
+compiled in place couples through its compiled forward.
 """
 import pytest
 import torch
@@ -60,14 +61,25 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("exact", MODES)
 @pytest.mark.parametrize("drop", [0.0, 0.2], ids=["no-draws", "drop-path+dropout"])
-def test_every_builtin_half_compiled_in_place_runs_compiled_and_matches_eager(seeded, exact, drop):
+def test_every_builtin_half_compiled_in_place_runs_compiled_and_matches_eager(seeded, exact, drop, monkeypatch):
+    from revtriton.engine import replay
+
     eager, compiled = twins(seeded, exact, drop)
     x = torch.randn(2, 4, DIM, requires_grad=True)
     want = step_grads(eager, x, seeded)
+    routings = []
+
+    class CountedRouting(replay._RoutedToHalf):
+        def __init__(self, half):
+            super().__init__(half)
+            routings.append(self)
+
+    monkeypatch.setattr(replay, "_RoutedToHalf", CountedRouting)
     for _ in range(2):  # the first step probes how each half draws, the second runs as planned
         got = step_grads(compiled, x, seeded)
         assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert counters["stats"]["unique_graphs"] >= 6, dict(counters["stats"])  # six half classes
+    assert not routings  # no compiled half under the routing mode (Dynamo would break its graphs there)
 
 
 def test_a_half_compiled_after_its_first_step_then_runs_compiled(seeded):

@@ -490,7 +490,7 @@ def test_a_half_another_thread_drew_under_in_the_probe_goes_back_to_its_own_gene
 @pytest.mark.parametrize("exact", [False, True], ids=["float", "exact"])
 def test_transformer_halves_draw_drop_path_from_their_own_generator_unrouted(seeded, exact, monkeypatch):
     """revtriton's halves ask for the half's generator (halves.randomness.half_generator): after the
-    probe they run with no routing mode (a dispatch mode costs host time on every op), and another
+    probe they run with no routing mode (it costs host time on every torch call), and another
     thread drawing during the recompute still changes no gradient."""
     dtype = torch.float32 if exact else torch.float64
     routings = []

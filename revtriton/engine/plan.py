@@ -58,8 +58,8 @@ def _random_settings(module: nn.Module):
 def runs_compiled_code(half) -> bool:
     """Whether a half runs code torch.compile compiles: a module of it compiled in place
     (``module.compile()``) or wrapped (``torch.compile(module)``, an OptimizedModule: ``_orig_mod``).
-    Such a half never runs under the engine's RNG routing mode (a TorchDispatchMode): Dynamo skips
-    a frame it meets under one, and keeps skipping that code for the rest of the process."""
+    Such a half never runs under the engine's RNG routing mode (a TorchFunctionMode): Dynamo traces
+    the mode's handler and breaks the compiled graphs at its generators."""
     return isinstance(half, nn.Module) and any(m._compiled_call_impl is not None or "_orig_mod" in m._modules
                                                for m in half.modules())
 

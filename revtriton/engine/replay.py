@@ -3,63 +3,111 @@ of its own, forked from the global ones) and the autocast settings (DESIGN.md se
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from ..halves.randomness import HalfGenerators, default_generator, device_key
 
 
-_PASS = "pass"
-_ROUTES: dict = {}  # aten overload -> _PASS, a _Swap or the overload that takes ``generator``
+# The torch functions that draw random numbers, by name, as the routing mode (a TorchFunctionMode)
+# meets them: what a half calls, a torch function or a Tensor method, not the aten ops inside it.
+# Every aten op that draws (tagged nondeterministic_seeded or taking a generator; a test holds the list
+# to the installed torch's), under its own name or a Tensor method's: torch.dropout, Tensor.bernoulli_...
+RANDOM_ATEN_OPS = frozenset({
+    "_cudnn_attention_backward", "_cudnn_attention_forward", "_cudnn_init_dropout_state", "_cudnn_rnn",
+    "_efficient_attention_forward", "_fill_mem_eff_dropout_mask_", "_flash_attention_forward",
+    "_flash_attention_forward_no_dropout_inplace", "_fused_dropout", "_fused_sdp_choice", "_lstm_mps",
+    "_nested_tensor_softmax_with_shape", "_sample_dirichlet", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_attention_math_for_mps", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable",
+    "_standard_gamma", "_triton_scaled_dot_attention", "alpha_dropout", "alpha_dropout_", "bernoulli",
+    "bernoulli_", "binomial", "cauchy", "cauchy_", "dropout", "dropout_", "exponential", "exponential_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_", "geometric",
+    "geometric_", "gru", "log_normal", "log_normal_", "lstm", "miopen_rnn", "multinomial", "native_dropout",
+    "normal", "normal_", "normal_functional", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
+    "randn_like", "random", "random_", "randperm", "rnn_relu", "rnn_tanh", "rrelu", "rrelu_", "rrelu_with_noise",
+    "rrelu_with_noise_", "rrelu_with_noise_functional", "scaled_dot_product_attention", "uniform", "uniform_",
+})
+# torch's Python functions that draw inside (torch.nn.functional, torch.nn.init): the mode meets them and
+# not the calls they make, so they are routed whole.
+RANDOM_PYTHON_FUNCTIONS = frozenset({
+    "dropout1d", "dropout2d", "dropout3d", "gumbel_softmax", "multi_head_attention_forward",
+    "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
+    "fractional_max_pool3d_with_indices", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+    "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+})
+RANDOM_FUNCTIONS = RANDOM_ATEN_OPS | RANDOM_PYTHON_FUNCTIONS
+
+_ROUTES: dict = {}  # a random torch function -> its _Route
 
 
-class _Swap:
-    """The route of a random op that takes no generator: the global generator's state swapped for the
-    half's around the call. Such ops say by an argument whether they draw at all (SDPA's
-    ``dropout_p``, ``native_dropout``'s ``p`` and ``train``): a call with a zero rate or ``train``
-    False draws nothing and passes."""
+class _Route:
+    """How a random function (a name in RANDOM_FUNCTIONS) gets a half's generator: its ``generator``
+    argument where it takes one (``torch.rand``, ``Tensor.bernoulli_``, ``nn.init.uniform_``), else
+    the global generator swapped for the half's around the one call (``dropout``, SDPA, the RNNs:
+    ``swap``). Such functions say by an argument whether they draw at all (SDPA's ``dropout_p``,
+    ``dropout``'s ``p`` and ``train`` / ``training``): a call with a zero rate or training False
+    draws nothing and passes (so a half whose dropouts are at 0 or in eval mode draws nothing)."""
 
-    def __init__(self, schema):
-        # (position, name, default) of the arguments that say so
-        said = [(i, a.name, a.default_value if a.has_default_value() else None)
-                for i, a in enumerate(schema.arguments)]
-        self.rates = [arg for arg in said if arg[1] in ("p", "dropout_p", "dropout")]
-        self.train = [arg for arg in said if arg[1] == "train"]
+    def __init__(self, func):
+        readings, self.takes_generator = _signatures(func)
+        self.swap = not self.takes_generator
+        # Per reading of the call (a builtin's overloads may put an argument at other positions: the call
+        # draws if any reading says so), the (position or None, name, default) of the arguments that tell.
+        self.readings = [([a for a in arguments if a[1] in ("p", "dropout_p", "dropout")],
+                          [a for a in arguments if a[1] in ("train", "training")]) for arguments in readings]
 
     def draws(self, args, kwargs) -> bool:
         def value(i, name, default):
-            return args[i] if i < len(args) else kwargs.get(name, default)
+            if name in kwargs:
+                return kwargs[name]
+            return args[i] if i is not None and i < len(args) else default
 
-        if any(value(*arg) == 0 for arg in self.rates):
-            return False
-        return not any(value(*arg) is False for arg in self.train)
+        def reading_draws(rates, train) -> bool:
+            return not (any(value(*a) == 0 for a in rates) or any(value(*a) is False for a in train))
+
+        return not self.readings or any(reading_draws(*reading) for reading in self.readings)
 
 
-def _route(func):
-    """How a half's own generator reaches ``func``: its ``generator`` argument, the overload of the
-    same op that has one (``rand.default`` -> ``rand.generator``), or, for the few random ops that
-    take none (``native_dropout``, the fused attention kernels, cuDNN RNNs), the global generator
-    swapped for the half's own around the one call (a _Swap). Ops that draw nothing pass (_PASS)."""
+def _signatures(func):
+    """``(readings, takes_generator)`` of a random function: each reading a list of its arguments'
+    ``(position or None for keyword-only, name, default)``: its Python signature, or a builtin's
+    overloads (of the aten op of its name) with distinct positions; none for an unknown function."""
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        parameters = None
+    if parameters is not None:
+        arguments = [(None if p.kind == p.KEYWORD_ONLY else i, p.name, None if p.default is p.empty else p.default)
+                     for i, p in enumerate(parameters)]
+        return [arguments], any(p.name == "generator" for p in parameters)
+    packet = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
+    if packet is None or not hasattr(packet, "overloads"):
+        return [], False
+    readings = []
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema.arguments
+        arguments = [(None if a.kwarg_only else i, a.name, a.default_value if a.has_default_value() else None)
+                     for i, a in enumerate(schema)]
+        if arguments not in readings:
+            readings.append(arguments)
+    return readings, any(a[1] == "generator" for arguments in readings for a in arguments)
+
+
+def _route(func) -> _Route | None:
+    """The route of ``func`` if it draws random numbers, else None (one name lookup: every torch call of
+    a routed half comes here)."""
+    if getattr(func, "__name__", None) not in RANDOM_FUNCTIONS:
+        return None
     route = _ROUTES.get(func)
-    if route is not None:
-        return route
-    names = [a.name for a in func._schema.arguments]
-    if "generator" in names:
-        route = func
-    elif torch.Tag.nondeterministic_seeded in func.tags:
-        route = _Swap(func._schema)
-        packet = func.overloadpacket
-        for overload in packet.overloads():
-            other = getattr(packet, overload)
-            other_names = [a.name for a in other._schema.arguments]
-            if "generator" in other_names and sorted(other_names) == sorted(names + ["generator"]):
-                route = other
-                break
-    else:
-        route = _PASS
-    _ROUTES[func] = route
+    if route is None:
+        route = _ROUTES[func] = _Route(func)
     return route
 
 
@@ -73,31 +121,43 @@ def _device_of(args, kwargs) -> torch.device | None:
     return device_key(device)
 
 
-class _RoutedToHalf(TorchDispatchMode):
-    """Hands a half's generators (:class:`HalfGenerators`) to the random ops its code runs with
-    none (``nn.Dropout``, ``torch.rand_like``...): it sees every aten op, so it costs host time
-    (about 20 us an op on a 2-core CPU) and runs only around halves that draw that way. Mode stacks
-    are per thread: another thread's draws never come here. ``routed``: whether any op was routed."""
+_in_routed_call = threading.local()  # .on: a routing mode is running one call (enclosing modes let it be)
+
+
+class _RoutedToHalf(TorchFunctionMode):
+    """Hands a half's generators (:class:`HalfGenerators`) to the random functions its code calls
+    with none (``nn.Dropout``, ``torch.rand_like``, a timm ``DropPath``'s ``bernoulli_``). A torch
+    function mode: it meets each torch function and Tensor method the half calls (one name lookup
+    for the others, about a microsecond), not each aten op inside them, which a dispatch mode did at
+    about 20 us an op. A random function whose draws cannot be handed a generator this way (an
+    extension's op drawing from the global generator) is seen by the probe (:class:`GlobalStart`).
+    Mode stacks are per thread: another thread's draws never come here. ``routed``: whether any
+    call was routed."""
 
     def __init__(self, half: HalfGenerators):
         super().__init__()
         self.half = half
         self.routed = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = _route(func)
-        if route is _PASS or kwargs.get("generator") is not None:  # (a generator the half chose: its own)
+        if route is None or getattr(_in_routed_call, "on", False) or not route.draws(args, kwargs):
             return func(*args, **kwargs)
-        swap = isinstance(route, _Swap)
+        if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+            return func(*args, **kwargs)  # (a generator the half chose: its own)
         device = _device_of(args, kwargs)
-        if device is None or (swap and not route.draws(args, kwargs)):
+        if device is None:
             return func(*args, **kwargs)
         self.routed = True
         generator = self.half.generator(device)
-        if swap:
-            return _with_global_generator(device, generator, func, args, kwargs)
-        return route(*args, **kwargs, generator=generator)
+        _in_routed_call.on = True  # what this call runs inside is not routed again by an enclosing half
+        try:
+            if route.swap:
+                return _with_global_generator(device, generator, func, args, kwargs)
+            return func(*args, **{**kwargs, "generator": generator})  # (in place of a generator=None)
+        finally:
+            _in_routed_call.on = False
 
 
 def _with_global_generator(device, generator, func, args, kwargs):
@@ -105,6 +165,8 @@ def _with_global_generator(device, generator, func, args, kwargs):
     generator's state swapped for it around the call only (another thread drawing from the global
     generator during this one call would see the half's state)."""
     default = default_generator(device)
+    if generator is default:  # (a captured forward's half draws from the global generator itself)
+        return func(*args, **kwargs)
     if device.type == "cuda":  # graph-safe: the generator shares ``generator``'s state for the call
         saved = default.graphsafe_get_state()
         default.graphsafe_set_state(generator)
