@@ -47,8 +47,8 @@ from ..lm_loss import prepare_causal_lm
 from ..ops.arguments import checked_int
 from ..ops.streams import MAX_SCALE_SHIFT
 from . import (aimv2, bart, beit, blip, bloom, clip, dinov2, distilbert, encoder, gpt2, hf_vit, internvl, lfm2,
-               llama, llama4_vision, mllama, modernbert, mpnet, mpt, neox, nllb_moe, nomic, opt, parallel, pixtral,
-               postnorm, qwen_audio, qwen_vision, sam, sandwich, t5, t5gemma, timm_eva, timm_vit, whisper)
+               llama, llama4_vision, mllama, modernbert, moonshine, mpnet, mpt, neox, nllb_moe, nomic, opt, parallel,
+               pixtral, postnorm, qwen_audio, qwen_vision, sam, sandwich, t5, t5gemma, timm_eva, timm_vit, whisper)
 from .core import CHECKPOINTING_MESSAGE, FAMILY_HALVES, LayerSpec, _named, _RevifiedLM, _swapped, _swapped_class
 from .host import _host_layer_calls, _host_layer_tuple_calls  # noqa: F401 (a stack's layers_view pickles by name)
 from .preserve import ADAPTER_MODULES, PRESERVE_MODES, _Conversion, train_adapters_only
@@ -62,10 +62,10 @@ __all__ = ["ADAPTER_MODULES", "CHECKPOINTING_MESSAGE", "LayerSpec", "PRESERVE_MO
 # Detectors run in this order: sandwich before llama (whose detector names Gemma 2's extra norms).
 FAMILIES = (timm_vit.FAMILY, timm_eva.FAMILY, hf_vit.FAMILY, dinov2.FAMILY, beit.FAMILY, clip.FAMILY,
             qwen_vision.FAMILY, pixtral.FAMILY, internvl.FAMILY, blip.FAMILY, mllama.FAMILY, llama4_vision.FAMILY,
-            sam.FAMILY, aimv2.FAMILY, whisper.FAMILY, qwen_audio.FAMILY, neox.FAMILY, sandwich.FAMILY, llama.FAMILY,
-            parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bart.FAMILY, t5.FAMILY, t5gemma.FAMILY, nllb_moe.FAMILY,
-            bloom.FAMILY, mpt.FAMILY, lfm2.FAMILY, modernbert.FAMILY, distilbert.FAMILY, mpnet.FAMILY, nomic.FAMILY,
-            encoder.FAMILY, postnorm.FAMILY)
+            sam.FAMILY, aimv2.FAMILY, whisper.FAMILY, moonshine.FAMILY, qwen_audio.FAMILY, neox.FAMILY,
+            sandwich.FAMILY, llama.FAMILY, parallel.FAMILY, gpt2.FAMILY, opt.FAMILY, bart.FAMILY, t5.FAMILY,
+            t5gemma.FAMILY, nllb_moe.FAMILY, bloom.FAMILY, mpt.FAMILY, lfm2.FAMILY, modernbert.FAMILY,
+            distilbert.FAMILY, mpnet.FAMILY, nomic.FAMILY, encoder.FAMILY, postnorm.FAMILY)
 
 SUPPORTED = tuple(line for family in FAMILIES for line in family.supported)
 
