@@ -1,7 +1,7 @@
 """Moonshine under revify: its encoder (LLaMA's layer conventions) and its decoder
 (revtriton/convert/moonshine.py: self-attention with RoPE, a cross-attention reading the encoder's states
 through the conditioning, a gated MLP; its cache while decoding) reversible stacks run through the
-library's own forward."""
+library's own forward; Moonshine Streaming's decoder the same (its encoder, with other layers, stays)."""
 import copy
 
 import pytest
@@ -17,14 +17,24 @@ transformers = pytest.importorskip("transformers")
 SAMPLES = 1600  # audio samples: the encoder's convolutions leave a few frames
 
 
-def _moonshine(seed):
+KINDS = ["moonshine", "streaming"]
+
+
+def _moonshine(seed, kind="moonshine"):
     torch.manual_seed(seed)
-    config = transformers.MoonshineConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
-                                          encoder_num_hidden_layers=3, decoder_num_hidden_layers=3,
-                                          encoder_num_attention_heads=4, decoder_num_attention_heads=4,
-                                          pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                          decoder_start_token_id=0)
-    model = transformers.MoonshineForConditionalGeneration(config)
+    tokens = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+    if kind == "streaming":
+        encoder = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4)
+        config = transformers.MoonshineStreamingConfig(encoder_config=encoder, vocab_size=64, hidden_size=32,
+                                                       intermediate_size=48, num_hidden_layers=3,
+                                                       num_attention_heads=4, num_key_value_heads=4, **tokens)
+        model = transformers.MoonshineStreamingForConditionalGeneration(config)
+    else:
+        config = transformers.MoonshineConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                              encoder_num_hidden_layers=3, decoder_num_hidden_layers=3,
+                                              encoder_num_attention_heads=4, decoder_num_attention_heads=4, **tokens)
+        model = transformers.MoonshineForConditionalGeneration(config)
     with torch.no_grad():  # weights off their small init (norms off ones): every branch shows in the outputs
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -41,13 +51,17 @@ def _inputs(seed=0):
 
 
 @pytest.mark.filterwarnings("ignore:revtriton. float streams with scaled couplings")  # inference only
+@pytest.mark.filterwarnings("ignore:revtriton. revify left MoonshineStreaming")  # (its encoder)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("preserve", ["meft1", "meft3"])
-def test_a_preserving_conversion_keeps_moonshines_function(preserve, seeded):
-    """Both stacks convert and keep the logits and every decoder hidden state; greedy generation (the
-    library's cache, the cross-attention's keys and values computed once) is the library's."""
-    original = _moonshine(seeded)
+def test_a_preserving_conversion_keeps_moonshines_function(preserve, kind, seeded):
+    """Both stacks convert (Moonshine Streaming's decoder) and keep the logits and every decoder hidden
+    state; greedy generation (the library's cache, the cross-attention's keys and values computed once)
+    is the library's."""
+    original = _moonshine(seeded, kind)
     model = revify(copy.deepcopy(original), preserve=preserve, scale_bits=16, exact=False).eval()
-    stacks = [model.model.encoder.layers, model.model.decoder.layers]
+    stacks = [model.model.decoder.layers] if kind == "streaming" else [model.model.encoder.layers,
+                                                                        model.model.decoder.layers]
     assert [m for m in model.modules() if isinstance(m, ReversibleStack)] == stacks
     inputs = _inputs(seeded)
     with torch.no_grad():
@@ -63,16 +77,20 @@ def test_a_preserving_conversion_keeps_moonshines_function(preserve, seeded):
                                           source=dict(input_values=values))
 
 
-def test_moonshine_trains_bitwise_its_twin_saves_and_pickles(seeded, tmp_path):
+@pytest.mark.filterwarnings("ignore:revtriton. revify left MoonshineStreaming")  # (its encoder)
+@pytest.mark.parametrize("kind", KINDS)
+def test_moonshine_trains_bitwise_its_twin_saves_and_pickles(kind, seeded, tmp_path):
     """The library's loss on the transcript: an exact training step's loss and the decoder's gradients
     bitwise the stored-activation twin's, the encoder's within float rounding (the cross-attention's
     contributions to the encoder's states summed in another order), every encoder layer's reached;
     save_pretrained -> revtriton.from_pretrained, a pickle and a fresh process give the logits; a decoder
     half alone refuses (the masks and the encoder's states are the model's)."""
-    model = revify(_moonshine(seeded), exact=True).train()
+    model = revify(_moonshine(seeded, kind), exact=True).train()
     inputs = _inputs(seeded)
     labels = inputs.pop("decoder_input_ids")
-    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss)
+    # (Streaming's decoder adds its positions to the encoder's states, then projects them: encoder side)
+    encoder_side = ("model.encoder.", "model.decoder.pos_emb.", "model.decoder.proj.")
+    assert_seq2seq_step_equals_its_twin(model, lambda m: m(**inputs, labels=labels).loss, encoder_side=encoder_side)
     assert all(p.grad is not None for name, p in model.named_parameters() if "encoder.layers." in name)
     assert_round_trips(model, _inputs(seeded), tmp_path)
     with pytest.raises(RuntimeError, match="call the model"):

@@ -1,6 +1,6 @@
 """Hugging Face Moonshine's decoder (``MoonshineDecoder``: inside ``MoonshineForConditionalGeneration`` and
 ``MoonshineModel``, found as their part; the encoder's layers have LLaMA's parts and convert by LLaMA's
-conventions). Its pre-norm layers run three branches: ``h = x + self_attn(input_layernorm(x))`` (RoPE,
+conventions) and Moonshine Streaming's (``MoonshineStreamingDecoder``, its layers the same). Its pre-norm layers run three branches: ``h = x + self_attn(input_layernorm(x))`` (RoPE,
 causal), given an encoder's states ``h = h + encoder_attn(post_attention_layernorm(h), encoder states)``,
 then ``h + mlp(final_layernorm(h))`` (a gated MLP). F is the self-attention then the cross-attention on
 the sum, as the BART lineage's decoders (convert.bart): the conditioning carries the encoder's states
@@ -15,6 +15,7 @@ from .llama import _HostLlamaBlock, _HostLlamaOrdinaryBlock
 from .probe import _require_layer_loop, require_layer_parts
 
 _MODULE = "transformers.models.moonshine.modeling_moonshine"
+_STREAMING_MODULE = "transformers.models.moonshine_streaming.modeling_moonshine_streaming"
 
 _LAYER_PARTS = {"self_attn", "encoder_attn", "mlp", "input_layernorm", "post_attention_layernorm", "final_layernorm"}
 
@@ -72,8 +73,10 @@ def _convert_moonshine(model, conversion, found=None):
 
 FAMILY = Family("moonshine", ("transformers Moonshine's decoder (MoonshineDecoder, the decoder of "
                               "MoonshineForConditionalGeneration / MoonshineModel, with its cross-attention; the "
-                              "encoder: by LLaMA's layer conventions)",), _convert_moonshine,
-                halves="library", classes=(("transformers", "MoonshineDecoder"),),
+                              "encoder: by LLaMA's layer conventions), and Moonshine Streaming's "
+                              "(MoonshineStreamingDecoder)",), _convert_moonshine,
+                halves="library", classes=(("transformers", "MoonshineDecoder"),
+                                           ("transformers", "MoonshineStreamingDecoder")),
                 pickled={**_pickled_host_classes(_MODULE, "MoonshineDecoderLayer",
                                                  (_HostMoonshineBlock, _HostMoonshineOrdinaryBlock),
                                                  "MoonshineDecoder", _HostMoonshineDecoder),
@@ -81,4 +84,7 @@ FAMILY = Family("moonshine", ("transformers Moonshine's decoder (MoonshineDecode
                          # LLaMA's DecoderLayer / Model, which a fresh process finds by pattern)
                          **_pickled_host_classes(_MODULE, "MoonshineEncoderLayer",
                                                  (_HostLlamaBlock, _HostLlamaOrdinaryBlock), "MoonshineEncoder",
-                                                 _HostDecoderModel)})
+                                                 _HostDecoderModel),
+                         **_pickled_host_classes(_STREAMING_MODULE, "MoonshineStreamingDecoderLayer",
+                                                 (_HostMoonshineBlock, _HostMoonshineOrdinaryBlock),
+                                                 "MoonshineStreamingDecoder", _HostMoonshineDecoder)})
