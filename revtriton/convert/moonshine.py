@@ -1,8 +1,9 @@
 """Hugging Face Moonshine's decoder (``MoonshineDecoder``: inside ``MoonshineForConditionalGeneration`` and
 ``MoonshineModel``, found as their part; the encoder's layers have LLaMA's parts and convert by LLaMA's
-conventions) and Moonshine Streaming's (``MoonshineStreamingDecoder``, its layers the same). Its pre-norm layers run three branches: ``h = x + self_attn(input_layernorm(x))`` (RoPE,
-causal), given an encoder's states ``h = h + encoder_attn(post_attention_layernorm(h), encoder states)``,
-then ``h + mlp(final_layernorm(h))`` (a gated MLP). F is the self-attention then the cross-attention on
+conventions) and Moonshine Streaming's (``MoonshineStreamingDecoder``, its layers the same). Its pre-norm
+layers run three branches: ``h = x + self_attn(input_layernorm(x))`` (RoPE, causal), given an encoder's
+states ``h = h + encoder_attn(post_attention_layernorm(h), encoder states)``, then
+``h + mlp(final_layernorm(h))`` (a gated MLP). F is the self-attention then the cross-attention on
 the sum, as the BART lineage's decoders (convert.bart): the conditioning carries the encoder's states
 and their mask, so their gradient reaches the encoder; G the MLP. Both run the layer's own modules (the
 library path), with the model's masks, rotary embedding and, while decoding, its cache (the
