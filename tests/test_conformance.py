@@ -117,3 +117,31 @@ def test_running_out_of_time_in_the_conversion_is_a_timeout(conformance, monkeyp
 
     monkeypatch.setattr(revtriton, "revify", slow)
     assert conformance.check("ViTForImageClassification", 60)[0] == "timeout"
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", ["GlmAsrForConditionalGeneration", "MllamaForCausalLM", "CsmDepthDecoderForCausalLM",
+                                  "MoonshineForConditionalGeneration"])
+def test_a_model_admitted_by_its_layer_conventions_is_found_by_its_class_names(conformance, name):
+    """Unpickling a revified model in a fresh process rebuilds each swapped class from its name alone
+    (revtriton.convert's module __getattr__): a class made for a model that revify admits by its
+    layers' conventions must resolve to its library class and mixin also where its names are not
+    ``<Family>DecoderLayer`` / ``<Family>Model`` (an audio encoder's ``...EncoderLayer``, ``...Encoder``;
+    Mllama's ``MllamaSelfAttentionDecoderLayer``; CSM's layers in a module no ``CsmModel`` names)."""
+    import importlib
+
+    import transformers
+
+    from revtriton import convert
+
+    torch.manual_seed(0)
+    model = convert.revify(conformance._tiny(getattr(transformers, name)), preserve="meft3", scale_bits=16,
+                           exact=False)
+    swapped = {type(m) for m in model.modules() if type(m).__module__ == "revtriton.convert"}
+    assert swapped
+    for cls in swapped:
+        found = convert._BLOCK_BASES.get(cls.__qualname__) or convert._convention_class(cls.__qualname__)
+        assert found is not None, cls.__qualname__
+        module, class_name, mixin = found
+        library = getattr(importlib.import_module(module), class_name)
+        assert library in cls.__mro__ and (mixin is None or mixin in cls.__mro__), cls.__qualname__

@@ -495,10 +495,30 @@ def _convention_class(name: str):
         holder, mixin = f"{family}Model", _CONVENTION_MIXINS.get((host, ordinary, kind))
     if mixin is None:
         return None
+    module = _library_module(holder, class_name)
+    return None if module is None else (module.__name__, class_name, mixin)
+
+
+def _library_module(holder: str, class_name: str):
+    """The transformers module that defines ``class_name``: the module of the exported class ``holder``,
+    else ``transformers.models.<m>.modeling_<m>`` for ``<m>`` the snake case of the class name's longest
+    CamelCase prefix that names one (a layer class whose model is not ``<prefix>Model``: Mllama's
+    ``MllamaSelfAttentionDecoderLayer``, CSM's ``CsmDecoderLayer``); None if none does."""
+    transformers = importlib.import_module("transformers")
+    candidates = []
     try:
-        transformers = importlib.import_module("transformers")
-        module = importlib.import_module(getattr(transformers, holder).__module__)
+        candidates.append(getattr(transformers, holder).__module__)
     except (ImportError, AttributeError):
-        return None
-    return (module.__name__, class_name, mixin) if hasattr(module, class_name) else None
+        pass
+    words = re.findall(r"[A-Z][a-z0-9]*", class_name)
+    candidates += [f"transformers.models.{snake}.modeling_{snake}"
+                   for snake in ("_".join(words[:k]).lower() for k in range(len(words) - 1, 0, -1))]
+    for name in candidates:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, class_name):
+            return module
+    return None
 

@@ -304,4 +304,8 @@ FAMILY = Family(
     detect=_llama_convention_base, pickled=_pickled_by_class(),
     conventions={("Host", None, "DecoderLayer"): _HostLlamaBlock,
                  ("Host", "Ordinary", "DecoderLayer"): _HostLlamaOrdinaryBlock,
-                 ("Host", None, "Model"): _HostDecoderModel})
+                 ("Host", None, "Model"): _HostDecoderModel,
+                 # an audio encoder with LLaMA's layers, found as a model's part (GLM-ASR's)
+                 ("Host", None, "EncoderLayer"): _HostLlamaBlock,
+                 ("Host", "Ordinary", "EncoderLayer"): _HostLlamaOrdinaryBlock,
+                 ("Host", None, "Encoder"): _HostDecoderModel})
