@@ -145,3 +145,14 @@ def test_a_model_admitted_by_its_layer_conventions_is_found_by_its_class_names(c
         module, class_name, mixin = found
         library = getattr(importlib.import_module(module), class_name)
         assert library in cls.__mro__ and (mixin is None or mixin in cls.__mro__), cls.__qualname__
+
+
+def test_a_converted_model_a_fresh_process_could_not_rebuild_is_listed_as_unpicklable(conformance, monkeypatch):
+    from revtriton import convert
+
+    assert conformance.check("LlamaForCausalLM", 60)[0] == "converted"
+    forgotten = {name: entry for name, entry in convert._BLOCK_BASES.items() if "LlamaDecoderLayer" not in name}
+    monkeypatch.setattr(convert, "_BLOCK_BASES", forgotten)
+    monkeypatch.setattr(convert, "_convention_class", lambda name: None)  # (nor found by the name's pattern)
+    verdict, detail = conformance.check("LlamaForCausalLM", 60)
+    assert verdict == "unpicklable" and "RevifiedHostLlamaDecoderLayer" in detail

@@ -5,7 +5,8 @@ revify names it: post-norm layers, a whole layer a half): either it converts and
 library's logits, or revify refuses it by name (TypeError: no family takes it; NotImplementedError:
 a feature its halves do not reproduce). Anything else is a crash (the conversion's or the converted
 model's forward's), and a converted model off the library's logits is silently wrong: both make the
-exit status 1.
+exit status 1. A converted model whose swapped classes a fresh process cannot find by name (its pickle
+would not load there) is listed as unpicklable.
 
 Causal LMs are compared on the library path (without grad, with the cache) and the fused halves
 (without the cache); masked LMs on a batch with a padded row (its real tokens' logits), sequence
@@ -195,11 +196,25 @@ def check(name: str, timeout: int) -> tuple[str, str]:
         detail = f"{mode}: logits off by " + ", ".join("(the library's own forward fails) " + run[0] if e is None else
                                                        f"{e:.1e} {run[0]}" for e, run in zip(errors, _runs(kind)))
         measured = [e for e in errors if e is not None]
-        return ("converted" if measured and max(measured) <= BOUND else "WRONG"), detail
+        if not (measured and max(measured) <= BOUND):
+            return "WRONG", detail
+        unfound = unfound_class_names(converted)
+        return ("unpicklable", f"{detail}; a fresh process cannot find {', '.join(unfound)}") if unfound else \
+            ("converted", detail)
     except _Timeout:
         return "timeout", f"over {timeout} s"
     finally:
         signal.alarm(0)
+
+
+def unfound_class_names(model) -> list:
+    """The swapped classes of a converted model that a fresh process could not rebuild from their names
+    (revtriton.convert's module ``__getattr__``: a family's pickled table, else a model admitted by its
+    layer conventions, resolved by pattern), sorted."""
+    from revtriton import convert
+
+    names = {type(m).__qualname__ for m in model.modules() if type(m).__module__ == convert.__name__}
+    return sorted(n for n in names if n not in convert._BLOCK_BASES and convert._convention_class(n) is None)
 
 
 def main(argv=None) -> int:
