@@ -5,7 +5,7 @@ which hands every layer the tower's mask (the text tower's causal one; none for 
 layer's own modules."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models, _RevifiedLM
+from .core import Family, _host_block_mixins, _LibraryMlpHalf, _pickled_models, _RevifiedLM
 from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"attention", "ffn", "rms_norm1", "rms_norm2"}
@@ -21,10 +21,8 @@ class _Aimv2AttentionHalf(_LibraryAttentionHalf):
         return _first(b.attention(hidden_states=b.rms_norm1(x), attention_mask=host.mask_for(b)))
 
 
-class _Aimv2MlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.ffn(b.rms_norm2(self._input(x, b.rms_norm2.weight)))
+class _Aimv2MlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "rms_norm2", "ffn"
 
 
 _HostAimv2Block, _HostAimv2OrdinaryBlock = _host_block_mixins((_Aimv2AttentionHalf, _Aimv2MlpHalf))

@@ -7,7 +7,7 @@ mask); both halves run the layer's own modules. The Q-Former beside BLIP-2's tow
 post-norm layers with cross-attention) stays as it is, named in revify's warning."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models
+from .core import Family, _host_block_mixins, _LibraryMlpHalf, _pickled_models
 from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"self_attn", "layer_norm1", "mlp", "layer_norm2"}
@@ -20,10 +20,8 @@ class _BlipAttentionHalf(_LibraryAttentionHalf):
         return _first(b.self_attn(hidden_states=b.layer_norm1(x)))
 
 
-class _BlipMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))
+class _BlipMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "layer_norm2", "mlp"
 
 
 _HostBlipBlock, _HostBlipOrdinaryBlock = _host_block_mixins((_BlipAttentionHalf, _BlipMlpHalf))

@@ -377,6 +377,19 @@ class _LibraryHalf(_Half):
     def _beyond_fused(self, x):
         return True
 
+
+class _LibraryMlpHalf(_LibraryHalf):
+    """G of a layer whose MLP branch is ``mlp(norm(x))`` on its own modules, named by the family:
+    ``_norm_name`` and ``_mlp_name`` (BLIP's ``layer_norm2`` and ``mlp``, LFM2's ``ffn_norm`` and
+    ``feed_forward``, ...)."""
+
+    _norm_name = _mlp_name = ""
+
+    def _modules(self, x):
+        parts = _parts(self.block)
+        norm = parts[self._norm_name]
+        return parts[self._mlp_name](norm(self._input(x, norm.weight)))
+
 def _residual_dropout(block, name):
     """A dropout on a branch's output before the residual add (Phi-3's, Phi's, an encoder's output
     dropout; Falcon's ``hidden_dropout``, a probability its layer applies with ``dropout_add``), or

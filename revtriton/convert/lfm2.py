@@ -8,7 +8,7 @@ state). The convolution mixes each token with the ``conv_L_cache - 1`` before it
 samples together, as attention's do (``ReversibleStack(token_chunk=...)``)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _parts, _pickled_models
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryMlpHalf, _parts, _pickled_models
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .probe import _check_layer_slice, require_layer_parts
 
@@ -39,12 +39,9 @@ class _Lfm2OperatorHalf(_LibraryAttentionHalf):
         return b.conv(hidden_states=b.operator_norm(x), attention_mask=host.mask_for(b), **extra)
 
 
-class _Lfm2FeedForwardHalf(_LibraryHalf):
+class _Lfm2FeedForwardHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "ffn_norm", "feed_forward"
     rows_independent = True  # each token's output from its own row (ReversibleStack token_chunk)
-
-    def _modules(self, x):
-        b = self.block
-        return b.feed_forward(b.ffn_norm(self._input(x, b.ffn_norm.weight)))
 
 
 _HostLfm2Block, _HostLfm2OrdinaryBlock = _host_block_mixins((_Lfm2OperatorHalf, _Lfm2FeedForwardHalf))

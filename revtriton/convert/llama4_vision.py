@@ -6,7 +6,7 @@ tower's 2-D rotary frequencies (``freqs_ci``, complex) and no mask. Its loop is 
 conditioning carries the frequencies as the rotary embedding, and both halves run the layer's own modules."""
 from __future__ import annotations
 
-from .core import Family, _LibraryHalf, _pickled_host_classes
+from .core import Family, _LibraryMlpHalf, _pickled_host_classes
 from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
                    _LibraryAttentionHalf)
 
@@ -20,10 +20,8 @@ class _Llama4VisionAttentionHalf(_LibraryAttentionHalf):
         return _first(b.self_attn(b.input_layernorm(x), freqs_ci=host.rotary_for(b), attention_mask=host.mask_for(b)))
 
 
-class _Llama4VisionMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.post_attention_layernorm(self._input(x, b.post_attention_layernorm.weight)))
+class _Llama4VisionMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "post_attention_layernorm", "mlp"
 
 
 # The loop hands each layer the tower's rotary frequencies as freqs_ci: the conditioning's rotary embedding.

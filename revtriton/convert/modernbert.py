@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryMlpHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _sliding_windows
 from .probe import _check_layer_slice, require_layer_parts
@@ -25,10 +25,8 @@ class _ModernBertAttentionHalf(_LibraryAttentionHalf):
         return self.block.attn_norm  # (the first layer's: nn.Identity)
 
 
-class _ModernBertMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.mlp_norm(self._input(x, b.mlp_norm.weight)))
+class _ModernBertMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "mlp_norm", "mlp"
 
 
 _HostModernBertBlock, _HostModernBertOrdinaryBlock = _host_block_mixins((_ModernBertAttentionHalf, _ModernBertMlpHalf))

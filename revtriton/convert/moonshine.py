@@ -10,7 +10,7 @@ library path), with the model's masks, rotary embedding and, while decoding, its
 cross-attention's keys and values computed once)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, LayerSpec, _host_block_mixins, _LibraryMlpHalf, _pickled_host_classes
 from .host import _convert_hosted_layers, _first, _HostDecoderModel, _LibraryAttentionHalf, _require_hosted_layer_loop
 from .llama import _HostLlamaBlock, _HostLlamaOrdinaryBlock
 from .probe import _require_layer_loop, require_layer_parts
@@ -40,12 +40,9 @@ class _MoonshineAttentionHalf(_LibraryAttentionHalf):
         return attended + _first(out)
 
 
-class _MoonshineMlpHalf(_LibraryHalf):
+class _MoonshineMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "final_layernorm", "mlp"
     rows_independent = True  # each token's output from its own row (ReversibleStack token_chunk)
-
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.final_layernorm(self._input(x, b.final_layernorm.weight)))
 
 
 _HostMoonshineBlock, _HostMoonshineOrdinaryBlock = _host_block_mixins((_MoonshineAttentionHalf, _MoonshineMlpHalf))

@@ -6,7 +6,7 @@ embeddings. Its loop is ``transformer`` (``PixtralTransformer``), which the host
 halves run the layer's own modules with the loop's mask and rotary embedding."""
 from __future__ import annotations
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_host_classes
+from .core import Family, _host_block_mixins, _LibraryMlpHalf, _pickled_host_classes
 from .host import _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"attention_norm", "attention", "ffn_norm", "feed_forward"}
@@ -23,10 +23,8 @@ class _PixtralAttentionHalf(_LibraryAttentionHalf):
                                   position_embeddings=host.rotary_for(b)))
 
 
-class _PixtralMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.feed_forward(b.ffn_norm(self._input(x, b.ffn_norm.weight)))
+class _PixtralMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "ffn_norm", "feed_forward"
 
 
 _HostPixtralBlock, _HostPixtralOrdinaryBlock = _host_block_mixins((_PixtralAttentionHalf, _PixtralMlpHalf))

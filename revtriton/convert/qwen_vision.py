@@ -19,7 +19,7 @@ The towers that pack their images as Qwen's do with SigLIP's layer names (``laye
 config's ``layer_types``: full and windowed layers) and Cosmos3-Edge's (no rotary embedding)."""
 from __future__ import annotations
 
-from .core import Family, LayerSpec, _LibraryHalf, _pickled_models
+from .core import Family, LayerSpec, _LibraryMlpHalf, _pickled_models
 from .host import (_blocks_renaming_a_loop_input, _convert_library_tower, _first, _HostTowerModel,
                    _LibraryAttentionHalf)
 
@@ -55,16 +55,12 @@ class _NaViTAttentionHalf(_LibraryAttentionHalf):
         return out.view(x.shape)
 
 
-class _NaViTMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))
+class _NaViTMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "layer_norm2", "mlp"
 
 
-class _QwenVisionMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.norm2(self._input(x, b.norm2.weight)))
+class _QwenVisionMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "norm2", "mlp"
 
 
 # The towers' loops hand each block its images' (or windows') boundaries as cu_seqlens: the conditioning

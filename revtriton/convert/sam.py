@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .core import Family, _host_block_mixins, _LibraryHalf, _pickled_models
+from .core import Family, _host_block_mixins, _LibraryMlpHalf, _pickled_models
 from .host import _blocks, _convert_library_tower, _first, _HostTowerModel, _LibraryAttentionHalf
 
 _LAYER_PARTS = {"layer_norm1", "attn", "layer_norm2", "mlp"}
@@ -38,10 +38,8 @@ class _SamAttentionHalf(_LibraryAttentionHalf):
         return b.window_unpartition(_first(b.attn(hidden_states=windows)), b.window_size, padded, (height, width))
 
 
-class _SamMlpHalf(_LibraryHalf):
-    def _modules(self, x):
-        b = self.block
-        return b.mlp(b.layer_norm2(self._input(x, b.layer_norm2.weight)))
+class _SamMlpHalf(_LibraryMlpHalf):
+    _norm_name, _mlp_name = "layer_norm2", "mlp"
 
 
 _HostSamBlock, _HostSamOrdinaryBlock = _host_block_mixins((_SamAttentionHalf, _SamMlpHalf))
