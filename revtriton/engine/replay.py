@@ -56,8 +56,8 @@ class _Route:
     draws nothing and passes (so a half whose dropouts are at 0 or in eval mode draws nothing)."""
 
     def __init__(self, func):
-        readings, self.takes_generator = _signatures(func)
-        self.swap = not self.takes_generator
+        readings, takes_generator = _signatures(func)
+        self.swap = not takes_generator
         # Per reading of the call (a builtin's overloads may put an argument at other positions: the call
         # draws if any reading says so), the (position or None, name, default) of the arguments that tell.
         self.readings = [([a for a in arguments if a[1] in ("p", "dropout_p", "dropout")],
@@ -128,7 +128,7 @@ class _RoutedToHalf(TorchFunctionMode):
     """Hands a half's generators (:class:`HalfGenerators`) to the random functions its code calls
     with none (``nn.Dropout``, ``torch.rand_like``, a timm ``DropPath``'s ``bernoulli_``). A torch
     function mode: it meets each torch function and Tensor method the half calls (the torch function
-    protocol, into Python and back: about 30 us a call on a 2-core CPU; a name lookup for the calls
+    protocol, into Python and back: about 25 us a call on a 2-core CPU; a name lookup for the calls
     that draw nothing), not each aten op inside them, which a dispatch mode did at about 20 us an op,
     several ops a call. A random function whose draws cannot be handed a generator this way (an
     extension's op drawing from the global generator) is seen by the probe (:class:`GlobalStart`).
